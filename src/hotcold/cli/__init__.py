@@ -1,0 +1,2 @@
+def main(argv=None):
+    raise SystemExit("hotcold: not yet implemented")
