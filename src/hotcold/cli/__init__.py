@@ -1,2 +1,81 @@
-def main(argv=None):
-    raise SystemExit("hotcold: not yet implemented")
+"""`hotcold` console script: one module per subcommand (add_args + run), imported only when needed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+# subcommand -> (module under hotcold.cli, one-line help)
+COMMANDS = {
+    "generate": ("generate", "generate text from a prompt"),
+    "info": ("info", "show a model's architecture, sizes, sparsity assets and placement"),
+    "convert": ("convert", "convert a Hugging Face checkpoint (+ predictors) to GGUF / PowerInfer GGUF"),
+}
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    """Flags every model-running command shares, named as llama.cpp / PowerInfer name them."""
+    parser.add_argument(
+        "-m", "--model", default=None, help="model file (.gguf); omitted: the bundled demo model"
+    )
+    parser.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
+    parser.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
+    parser.add_argument("--vram-budget", type=float, default=None, help="GiB of VRAM to use (0: CPU only)")
+    parser.add_argument("--reset-gpu-index", action="store_true", help="re-solve the neuron placement")
+    parser.add_argument("--disable-gpu-index", action="store_true", help="keep every FFN neuron on the CPU")
+    parser.add_argument(
+        "-ngl", "--n-gpu-layers", type=int, default=None, help="layers to offload (dense files)"
+    )
+    parser.add_argument("--dense", action="store_true", help="compute every neuron (ignore predictors)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+
+
+def load_from_args(args):
+    import hotcold
+
+    return hotcold.load(
+        args.model,
+        vram_budget=args.vram_budget,
+        threads=args.threads,
+        device=args.device,
+        dense=args.dense,
+        ctx_size=args.ctx_size,
+    )
+
+
+def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hotcold", description="Fast local inference for activation-sparse LLMs."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what the library does")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, (module, help_text) in commands.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        importlib.import_module(f"hotcold.cli.{module}").add_args(p)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    # build only the chosen subcommand's parser when we can tell which it is: keeps startup fast
+    chosen = next((a for a in argv if not a.startswith("-")), None)
+    parser = build_parser({chosen: COMMANDS[chosen]} if chosen in COMMANDS else COMMANDS)
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s"
+    )
+    module = importlib.import_module(f"hotcold.cli.{COMMANDS[args.command][0]}")
+    try:
+        return module.run(args) or 0
+    except KeyboardInterrupt:
+        print("\nhotcold: interrupted", file=sys.stderr)
+        return 130
+    except (ValueError, OSError, KeyError) as exc:
+        # errors we raise name the file and the problem; no traceback for people
+        if args.verbose:
+            raise
+        print(f"hotcold: error: {exc}", file=sys.stderr)
+        return 1

@@ -1,0 +1,122 @@
+"""Hugging Face checkpoint (+ PowerInfer predictor folder) -> dense GGUF or PowerInfer (PWRI) file."""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+from tqdm import tqdm
+
+from hotcold.convert.checkpoint import Checkpoint, ConvertError, read_config, read_predictors
+from hotcold.gguf_io import TensorSpec, write_model_file
+
+OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+# general.file_type as llama.cpp numbers it (LlamaFileType)
+FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}
+
+# config.json model_type -> converter module under hotcold.convert
+FAMILIES = {"llama": "llama", "mistral": "llama", "bamboo": "llama"}
+
+
+def family_module(model_type: str, hf_dir: Path):
+    module = FAMILIES.get(model_type)
+    if module is None:
+        raise ConvertError(
+            f"{hf_dir}/config.json: model_type {model_type!r} is not supported; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    return importlib.import_module(f"hotcold.convert.{module}")
+
+
+def tensor_type(name: str, shape: tuple[int, ...], outtype: str) -> Q:
+    """1-D tensors (norms, biases) stay F32 as in every llama.cpp converter; matrices take the out type,
+    except where a block format does not divide the row (then F16, as llama.cpp's quantize falls back)."""
+    if len(shape) < 2:
+        return Q.F32
+    qtype = OUTTYPES[outtype]
+    if qtype in (Q.Q8_0, Q.Q4_0) and shape[-1] % 32:
+        return Q.F16
+    return qtype
+
+
+def encode(values: torch.Tensor, qtype: Q) -> np.ndarray:
+    """float tensor -> the bytes of one GGUF tensor of type qtype."""
+    values = values.detach().contiguous()
+    if qtype == Q.F32:
+        return values.to(torch.float32).numpy()
+    if qtype == Q.F16:
+        return values.to(torch.float16).numpy()
+    if qtype == Q.BF16:
+        return values.to(torch.bfloat16).view(torch.uint8).numpy()
+    from hotcold import quants
+
+    return quants.quantize(values.to(torch.float32), qtype)
+
+
+def convert(
+    hf_dir: str | Path,
+    predictor_dir: str | Path | None,
+    out: str | Path,
+    *,
+    outtype: str = "f16",
+    dense: bool = False,
+    progress: bool = False,
+) -> Path:
+    hf_dir, out = Path(hf_dir), Path(out)
+    if outtype not in OUTTYPES:
+        raise ConvertError(f"--outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    config = read_config(hf_dir)
+    family = family_module(config.get("model_type", ""), hf_dir)
+    arch = family.architecture(config)
+    act = family.activation(config)
+    ckpt = Checkpoint(hf_dir)
+    sparse = predictor_dir is not None and not dense
+    if sparse and act != "relu" and arch != "bamboo":
+        raise ConvertError(f"{hf_dir}: predictors need a ReLU model, config.json hidden_act is {act!r}")
+
+    plan = family.tensors(config, ckpt, sparse_layout=sparse)
+    threshold = None
+    if sparse:
+        n_embd, n_ff = config["hidden_size"], config["intermediate_size"]
+        predictors, threshold = read_predictors(
+            Path(predictor_dir), config["num_hidden_layers"], n_embd, n_ff
+        )
+        for i, layer in enumerate(predictors):  # predictors last, as PowerInfer's convert.py writes them
+            plan.append((f"blk.{i}.fc1.weight", lambda t=layer["fc1.weight"]: t))
+            plan.append((f"blk.{i}.fc2.weight", lambda t=layer["fc2.weight"]: t))
+
+    specs = []
+    for name, load in plan:
+        shape = tuple(_shape_of(ckpt, name, load))
+        qtype = tensor_type(name, shape, outtype)
+        specs.append(TensorSpec(name, shape, qtype, lambda load=load, qtype=qtype: encode(load(), qtype)))
+
+    meta: list[tuple] = [
+        ("general.name", hf_dir.resolve().name, V.STRING),
+        *family.metadata(config, arch),
+        ("general.file_type", FILE_TYPES[outtype], V.UINT32),
+    ]
+    if outtype in ("q8_0", "q4_0"):
+        meta.append(("general.quantization_version", 2, V.UINT32))
+    if threshold is not None:
+        meta.append(("powerinfer.sparse_threshold", threshold, V.FLOAT32))
+    if not sparse and act == "relu" and arch == "llama":
+        # without this key every reader (llama.cpp too) runs a dense llama file as SiLU
+        meta.append(("hotcold.ffn_activation", "relu", V.STRING))
+
+    from hotcold.convert.vocab import write_vocab
+
+    def bar(items):
+        return tqdm(items, desc=f"converting -> {out.name}", unit="tensor") if progress else items
+
+    return write_model_file(
+        out, arch, meta, specs, sparse=sparse, progress=bar, extra=lambda w: write_vocab(w, hf_dir)
+    )
+
+
+def _shape_of(ckpt: Checkpoint, name: str, load) -> tuple[int, ...]:
+    # loading a tensor to learn its shape is cheap for safetensors (mmap'd) and predictors (in memory)
+    return tuple(load().shape)

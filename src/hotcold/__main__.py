@@ -1,0 +1,5 @@
+import sys
+
+from hotcold.cli import main
+
+sys.exit(main())

@@ -1,0 +1,61 @@
+"""hotcold generate: text on stdout, timings on stderr."""
+
+from __future__ import annotations
+
+import sys
+
+from hotcold.cli import add_model_args, load_from_args
+
+
+def add_args(p) -> None:
+    add_model_args(p)
+    p.add_argument("-p", "--prompt", default=None, help="prompt text")
+    p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate")
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
+    p.add_argument("--ignore-eos", action="store_true", help="always generate n-predict tokens")
+
+
+def run(args) -> int:
+    if args.file is not None:
+        with open(args.file, encoding="utf-8") as f:
+            prompt = f.read()
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        prompt = "Once upon a time"
+    if args.n_predict < 0:
+        raise ValueError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
+    llm = load_from_args(args)
+    for note in llm.loaded.notes:
+        print(f"hotcold: {note}", file=sys.stderr)
+    if args.echo:
+        sys.stdout.write(prompt)
+    for text in llm.stream(
+        prompt,
+        max_tokens=args.n_predict,
+        temperature=args.temp,
+        top_k=args.top_k or None,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty,
+        seed=args.seed,
+        ignore_eos=args.ignore_eos,
+    ):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    s = llm.last_stats
+    print(
+        f"hotcold: load {llm.load_seconds * 1000:.0f} ms | prompt {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s"
+        f" | generation {s.generated_tokens} tokens, {s.generate_tps:.1f} tokens/s"
+        f" | FFN neurons computed {100 * s.firing_rate:.1f}%",
+        file=sys.stderr,
+    )
+    return 0

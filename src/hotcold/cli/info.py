@@ -1,0 +1,79 @@
+"""hotcold info: what a model file holds, without running it."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+
+def add_args(p) -> None:
+    p.add_argument("-m", "--model", default=None, help="model file; omitted: the bundled demo model")
+    p.add_argument("--json", action="store_true", help="print JSON")
+
+
+def describe(path: str | None) -> dict:
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.loader import demo_model_path
+    from hotcold.registry import model_module
+
+    path = Path(path) if path else demo_model_path()
+    mf = ModelFile(path)
+    model_module(mf.architecture, str(path))  # unknown architectures fail here, listing the supported ones
+    c = config_from_file(mf)
+    types = Counter(e.qtype.name for e in mf.tensors.values())
+    n_params = sum(
+        _n_elements(e.shape) for e in mf.tensors.values() if ".fc1." not in e.name and ".fc2." not in e.name
+    )
+    ranks = [
+        mf.tensors[f"blk.{i}.fc1.weight"].shape[0]
+        for i in range(c.n_layer)
+        if f"blk.{i}.fc1.weight" in mf.tensors
+    ]
+    activation_dir = path.parent / "activation"
+    gpuidx = Path(str(path) + ".generated.gpuidx")
+    return {
+        "file": str(path),
+        "format": "PowerInfer (PWRI, sparse)" if mf.is_sparse else "GGUF (dense)",
+        "size_bytes": path.stat().st_size,
+        "architecture": c.arch,
+        "name": c.name,
+        "parameters": n_params,
+        "tensor_types": dict(types),
+        "n_layer": c.n_layer,
+        "n_embd": c.n_embd,
+        "n_ff": c.n_ff,
+        "n_head": c.n_head,
+        "n_head_kv": c.n_head_kv,
+        "n_vocab": c.n_vocab,
+        "context_length": c.n_ctx_train,
+        "rope_freq_base": c.rope_base,
+        "ffn_activation": c.ffn_activation,
+        "predictors": {"layers": len(ranks), "ranks": sorted(set(ranks))} if ranks else None,
+        "sparse_threshold": c.sparse_threshold if c.sparse else None,
+        "activation_stats": str(activation_dir) if activation_dir.is_dir() else None,
+        "placement_cache": str(gpuidx) if gpuidx.exists() else None,
+        "n_expert": c.n_expert or None,
+    }
+
+
+def _n_elements(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def run(args) -> int:
+    info = describe(args.model)
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    for key, value in info.items():
+        if value is None:
+            value = "-"
+        if key == "size_bytes":
+            key, value = "size", f"{value / 2**20:.1f} MiB"
+        print(f"{key:18s} {value}")
+    return 0

@@ -1,0 +1,139 @@
+"""Model hyper-parameters, from GGUF metadata only (no config.json, no guessing from file names)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from hotcold.gguf_io import GGUFError, ModelFile
+
+THRESHOLD_ENV_VARS = ("HOTCOLD_SPARSE_THRESHOLD", "LLAMA_SPARSE_PRED_THRESHOLD")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    n_vocab: int
+    n_ctx_train: int
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    rope_dim: int
+    rope_base: float
+    rope_scale: float  # positions are multiplied by this (linear scaling: 1 / factor)
+    norm_eps: float
+    ffn_activation: str  # "relu" or "silu" (gate), "gelu"; how the model family combines gate/up is its own
+    sparse: bool  # a PWRI file: PowerInfer layout (ffn_down_t, predictors)
+    sparse_threshold: float
+    sliding_window: int | None = None
+    n_expert: int = 0
+    n_expert_used: int = 0
+    name: str = ""
+
+    @property
+    def n_embd_kv(self) -> int:
+        return self.n_head_kv * self.head_dim
+
+
+def sparse_threshold(metadata: dict[str, Any]) -> float:
+    """Predictor threshold: env HOTCOLD_SPARSE_THRESHOLD, else LLAMA_SPARSE_PRED_THRESHOLD, else the file's
+    powerinfer.sparse_threshold, else 0.0 (a neuron fires iff its predictor logit >= threshold)."""
+    for var in THRESHOLD_ENV_VARS:
+        raw = os.environ.get(var)
+        if raw is not None and raw.strip():
+            try:
+                return float(raw)
+            except ValueError:
+                raise ValueError(f"environment variable {var}={raw!r} is not a number") from None
+    return float(metadata.get("powerinfer.sparse_threshold", 0.0))
+
+
+def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelConfig:
+    meta = model_file.metadata
+    arch = arch or model_file.architecture
+    path = model_file.path
+
+    def get(key: str, default: Any = None, *, required: bool = False) -> Any:
+        full = f"{arch}.{key}"
+        if full in meta:
+            return meta[full]
+        if required:
+            raise GGUFError(f"{path}: missing metadata key {full}")
+        return default
+
+    n_embd = int(get("embedding_length", required=True))
+    n_head = int(get("attention.head_count", required=True))
+    n_head_kv = int(get("attention.head_count_kv", n_head))
+    n_ff = get("feed_forward_length", required=True)
+    if isinstance(n_ff, list):  # per-layer widths: every family we run uses one width
+        if len(set(n_ff)) != 1:
+            raise GGUFError(f"{path}: per-layer feed_forward_length {n_ff} is not supported")
+        n_ff = n_ff[0]
+    head_dim = int(get("attention.key_length", n_embd // n_head))
+    if n_head <= 0 or n_embd % n_head and "attention.key_length" not in meta:
+        raise GGUFError(f"{path}: embedding_length {n_embd} is not divisible by head_count {n_head}")
+    if n_head_kv <= 0 or n_head % n_head_kv:
+        raise GGUFError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
+
+    rope_scale = 1.0
+    scaling_type = get("rope.scaling.type")
+    factor = get("rope.scaling.factor")
+    if scaling_type == "linear" and factor:
+        rope_scale = 1.0 / float(factor)
+    elif scaling_type not in (None, "none", "linear"):
+        raise GGUFError(f"{path}: rope scaling type {scaling_type!r} is not supported (only linear)")
+    elif get("rope.scale_linear"):
+        rope_scale = 1.0 / float(get("rope.scale_linear"))
+
+    norm_eps = get("attention.layer_norm_rms_epsilon")
+    if norm_eps is None:
+        norm_eps = get("attention.layer_norm_epsilon", 1e-5)
+
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_vocab = int(get("vocab_size", len(tokens) if tokens else 0))
+    if n_vocab <= 0:
+        n_vocab = model_file.entry("token_embd.weight").shape[0]
+
+    return ModelConfig(
+        arch=arch,
+        n_vocab=n_vocab,
+        n_ctx_train=int(get("context_length", 2048)),
+        n_embd=n_embd,
+        n_layer=int(get("block_count", required=True)),
+        n_ff=int(n_ff),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        rope_dim=int(get("rope.dimension_count", head_dim)),
+        rope_base=float(get("rope.freq_base", 10000.0)),
+        rope_scale=rope_scale,
+        norm_eps=float(norm_eps),
+        ffn_activation=ffn_activation(arch, model_file),
+        sparse=model_file.is_sparse,
+        sparse_threshold=sparse_threshold(meta),
+        sliding_window=get("attention.sliding_window"),
+        n_expert=int(get("expert_count", 0)),
+        n_expert_used=int(get("expert_used_count", 0)),
+        name=str(meta.get("general.name", "")),
+    )
+
+
+def ffn_activation(arch: str, model_file: ModelFile) -> str:
+    """PowerInfer files are ReLU models; a dense llama file is SiLU as in llama.cpp unless hotcold wrote it
+    from a ReLU checkpoint and said so (`hotcold.ffn_activation`)."""
+    declared = model_file.metadata.get("hotcold.ffn_activation")
+    if declared is not None:
+        if declared not in ("relu", "silu", "gelu"):
+            raise GGUFError(
+                f"{model_file.path}: hotcold.ffn_activation {declared!r} is not relu, silu or gelu"
+            )
+        return declared
+    if model_file.is_sparse or arch in ("bamboo", "opt"):
+        return "relu"
+    if arch == "falcon":
+        return "gelu"
+    return "silu"

@@ -1,0 +1,135 @@
+"""Reading Hugging Face checkpoints and PowerInfer predictor folders, lazily (one tensor at a time)."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+class ConvertError(ValueError):
+    """A checkpoint that cannot be converted; the message names the file and the problem."""
+
+
+def read_config(hf_dir: Path) -> dict[str, Any]:
+    path = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise ConvertError(f"{hf_dir}: not a folder (expected a Hugging Face checkpoint folder)")
+    if not path.exists():
+        raise ConvertError(f"{path}: missing (every Hugging Face checkpoint has a config.json)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConvertError(f"{path}: not valid JSON ({exc})") from exc
+
+
+def rope_theta(config: dict[str, Any]) -> float | None:
+    """transformers 5.x writes rope_theta inside rope_parameters, older versions at the top level."""
+    if "rope_theta" in config:
+        return float(config["rope_theta"])
+    params = config.get("rope_parameters") or {}
+    if isinstance(params, dict) and "rope_theta" in params:
+        return float(params["rope_theta"])
+    return None
+
+
+def rope_scaling(config: dict[str, Any]) -> tuple[str, float] | None:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    if kind != "linear":
+        raise ConvertError(f"rope scaling {kind!r} is not supported (only linear)")
+    return "linear", float(scaling["factor"])
+
+
+class Checkpoint:
+    """Tensor names -> lazy loaders over safetensors (sharded or not) or pytorch .bin files."""
+
+    def __init__(self, hf_dir: Path):
+        self.dir = hf_dir
+        self._loaders: dict[str, Callable[[], torch.Tensor]] = {}
+        files = sorted(hf_dir.glob("*.safetensors"))
+        if files:
+            from safetensors import safe_open
+
+            for file in files:
+                handle = safe_open(str(file), "pt")
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    self._loaders[name] = lambda h=handle, n=name: h.get_tensor(n)
+        else:
+            bins = sorted(hf_dir.glob("pytorch_model*.bin")) or sorted(hf_dir.glob("*.bin"))
+            if not bins:
+                raise ConvertError(f"{hf_dir}: no *.safetensors or pytorch_model*.bin weights found")
+            for file in bins:
+                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                for name, tensor in state.items():
+                    self._loaders[name] = lambda t=tensor: t
+
+    def names(self) -> list[str]:
+        return list(self._loaders)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._loaders
+
+    def get(self, name: str) -> torch.Tensor:
+        loader = self._loaders.get(name)
+        if loader is None:
+            raise ConvertError(f"{self.dir}: checkpoint has no tensor {name}")
+        return loader()
+
+
+PREDICTOR_FILE = re.compile(r"model_(\d+)\.pt$")
+
+
+def read_predictors(
+    pred_dir: Path, n_layer: int, n_embd: int, n_ff: int
+) -> tuple[list[dict[str, torch.Tensor]], float | None]:
+    """PowerInfer predictor folder: model_{i}.pt (state dicts with fc1.weight [R, D], fc2.weight [F, R]) for
+    every layer, optional config.json with sparse_threshold. Returns the per-layer tensors and the threshold."""
+    if not pred_dir.is_dir():
+        raise ConvertError(f"{pred_dir}: predictor folder not found")
+    found = {int(m.group(1)) for p in pred_dir.iterdir() if (m := PREDICTOR_FILE.match(p.name))}
+    missing = [i for i in range(n_layer) if i not in found]
+    if missing:
+        raise ConvertError(
+            f"{pred_dir}: missing predictor files for layers {missing} (expected model_0.pt .. model_{n_layer - 1}.pt)"
+        )
+    layers = []
+    for i in range(n_layer):
+        path = pred_dir / f"model_{i}.pt"
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise ConvertError(f"{path}: cannot be read as a torch state dict ({exc})") from exc
+        fc1, fc2 = state.get("fc1.weight"), state.get("fc2.weight")
+        if fc1 is None or fc2 is None:
+            raise ConvertError(f"{path}: needs fc1.weight and fc2.weight, has {sorted(state)}")
+        extra = sorted(set(state) - {"fc1.weight", "fc2.weight"})
+        if extra:
+            raise ConvertError(f"{path}: unexpected tensors {extra} (PowerInfer predictors have no biases)")
+        rank = fc1.shape[0]
+        if tuple(fc1.shape) != (rank, n_embd) or tuple(fc2.shape) != (n_ff, rank):
+            raise ConvertError(
+                f"{path}: fc1.weight {tuple(fc1.shape)} / fc2.weight {tuple(fc2.shape)}, expected ({rank}, {n_embd}) / ({n_ff}, {rank})"
+            )
+        layers.append({"fc1.weight": fc1, "fc2.weight": fc2})
+    threshold = None
+    config_path = pred_dir / "config.json"
+    if config_path.exists():
+        try:
+            pred_config = json.loads(config_path.read_text())
+        except json.JSONDecodeError as exc:
+            raise ConvertError(f"{config_path}: not valid JSON ({exc})") from exc
+        if "sparse_threshold" in pred_config:
+            threshold = float(pred_config["sparse_threshold"])
+    return layers, threshold
+
+
+def to_numpy_f32(tensor: torch.Tensor) -> np.ndarray:
+    return tensor.detach().to(torch.float32).contiguous().numpy()

@@ -1,0 +1,88 @@
+"""LLaMA-family checkpoints (LlamaForCausalLM, MistralForCausalLM, Bamboo) -> GGUF tensors and keys, laid out
+as PowerInfer's convert.py lays them out."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gguf import GGUFValueType as V
+
+from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling, rope_theta
+
+MODEL_TYPES = ("llama", "mistral", "bamboo")
+
+
+def permute(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF's rotate-half q/k rows -> llama.cpp's interleaved pairs (the same permutation convert.py applies)."""
+    rows = weight.shape[0]
+    return (
+        weight.reshape(n_head, 2, rows // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
+
+
+def architecture(config: dict[str, Any]) -> str:
+    return "bamboo" if config.get("model_type") == "bamboo" else "llama"
+
+
+def activation(config: dict[str, Any]) -> str:
+    act = config.get("hidden_act", "silu")
+    if act not in ("relu", "silu"):
+        raise ConvertError(f"config.json hidden_act {act!r} is not supported for llama (relu or silu)")
+    return act
+
+
+def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
+    n_head = config["num_attention_heads"]
+    n_embd = config["hidden_size"]
+    head_dim = config.get("head_dim") or n_embd // n_head
+    items = [
+        (f"{arch}.context_length", int(config.get("max_position_embeddings", 2048)), V.UINT32),
+        (f"{arch}.embedding_length", n_embd, V.UINT32),
+        (f"{arch}.block_count", config["num_hidden_layers"], V.UINT32),
+        (f"{arch}.feed_forward_length", config["intermediate_size"], V.UINT32),
+        (f"{arch}.rope.dimension_count", head_dim, V.UINT32),
+        (f"{arch}.attention.head_count", n_head, V.UINT32),
+        (f"{arch}.attention.head_count_kv", config.get("num_key_value_heads") or n_head, V.UINT32),
+        (f"{arch}.attention.layer_norm_rms_epsilon", float(config.get("rms_norm_eps", 1e-6)), V.FLOAT32),
+    ]
+    if head_dim != n_embd // n_head:
+        items.append((f"{arch}.attention.key_length", head_dim, V.UINT32))
+        items.append((f"{arch}.attention.value_length", head_dim, V.UINT32))
+    theta = rope_theta(config)
+    if theta is not None:
+        items.append((f"{arch}.rope.freq_base", theta, V.FLOAT32))
+    scaling = rope_scaling(config)
+    if scaling is not None:
+        items.append((f"{arch}.rope.scaling.type", scaling[0], V.STRING))
+        items.append((f"{arch}.rope.scaling.factor", scaling[1], V.FLOAT32))
+    if config.get("sliding_window"):
+        items.append((f"{arch}.attention.sliding_window", int(config["sliding_window"]), V.UINT32))
+    return items
+
+
+def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) -> list[tuple[str, Any]]:
+    """(gguf name, loader returning a float torch tensor in GGUF numpy orientation)"""
+    n_head = config["num_attention_heads"]
+    n_head_kv = config.get("num_key_value_heads") or n_head
+    plan: list[tuple[str, Any]] = [("token_embd.weight", lambda: ckpt.get("model.embed_tokens.weight"))]
+    for i in range(config["num_hidden_layers"]):
+        hf, gg = f"model.layers.{i}.", f"blk.{i}."
+        plan += [
+            (gg + "attn_norm.weight", lambda n=hf + "input_layernorm.weight": ckpt.get(n)),
+            (gg + "attn_q.weight", lambda n=hf + "self_attn.q_proj.weight": permute(ckpt.get(n), n_head)),
+            (gg + "attn_k.weight", lambda n=hf + "self_attn.k_proj.weight": permute(ckpt.get(n), n_head_kv)),
+            (gg + "attn_v.weight", lambda n=hf + "self_attn.v_proj.weight": ckpt.get(n)),
+            (gg + "attn_output.weight", lambda n=hf + "self_attn.o_proj.weight": ckpt.get(n)),
+            (gg + "ffn_norm.weight", lambda n=hf + "post_attention_layernorm.weight": ckpt.get(n)),
+            (gg + "ffn_gate.weight", lambda n=hf + "mlp.gate_proj.weight": ckpt.get(n)),
+            (gg + "ffn_up.weight", lambda n=hf + "mlp.up_proj.weight": ckpt.get(n)),
+        ]
+        if sparse_layout:
+            plan.append((gg + "ffn_down_t.weight", lambda n=hf + "mlp.down_proj.weight": ckpt.get(n).T))
+        else:
+            plan.append((gg + "ffn_down.weight", lambda n=hf + "mlp.down_proj.weight": ckpt.get(n)))
+    plan.append(("output_norm.weight", lambda: ckpt.get("model.norm.weight")))
+    if "lm_head.weight" in ckpt and not config.get("tie_word_embeddings", False):
+        plan.append(("output.weight", lambda: ckpt.get("lm_head.weight")))
+    return plan

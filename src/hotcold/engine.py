@@ -1,0 +1,191 @@
+"""One generation path for the API, CLI, server and benchmarks: prefill, then one token per step over a
+preallocated KV cache. `generate_step` yields token ids; `stream` adds text, stop strings and stats."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hotcold.sampling import SamplingParams, make_generator, sample
+from hotcold.tokenizer import StreamingDetokenizer, Tokenizer
+
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the activation memory of long prompts
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generate_seconds: float = 0.0
+    neurons_computed: int = 0
+    neurons_total: int = 0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def generate_tps(self) -> float:
+        # the first generated token comes from the prefill logits, so decode time covers the rest
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.generate_seconds if self.generate_seconds > 0 else 0.0
+
+    @property
+    def firing_rate(self) -> float:
+        return self.neurons_computed / self.neurons_total if self.neurons_total else 1.0
+
+
+@dataclass
+class Chunk:
+    text: str
+    token: int | None = None
+    finish_reason: str | None = None  # "stop" (eos or stop string) or "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+class Engine:
+    """A model with one sequence's KV cache. Not thread-safe: one generation at a time."""
+
+    def __init__(self, model, tokenizer: Tokenizer, ctx_size: int):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.ctx_size = ctx_size
+        self.cache = model.new_cache(ctx_size)
+        self.cached_ids: list[int] = []  # tokens whose keys/values are in the cache, in order
+
+    def _forward(self, ids: Sequence[int], pos: int, *, last_only: bool) -> torch.Tensor:
+        tokens = torch.tensor(ids, dtype=torch.long)
+        logits = self.model.forward(tokens, pos, self.cache, last_only=last_only)
+        self.cached_ids[pos:] = list(ids)
+        return logits
+
+    def check_length(self, n_tokens: int) -> None:
+        if n_tokens > self.ctx_size:
+            raise ValueError(
+                f"prompt is {n_tokens} tokens, longer than the context size {self.ctx_size} (-c/--ctx-size)"
+            )
+
+    @torch.inference_mode()
+    def logits(self, ids: Sequence[int]) -> torch.Tensor:
+        """Logits of every position from one full forward (no cache reuse). [len(ids), V] float32."""
+        self.check_length(len(ids))
+        if not ids:
+            raise ValueError("logits() needs at least one token")
+        self.cached_ids = []
+        out = [
+            self._forward(ids[s : s + PREFILL_CHUNK], s, last_only=False)
+            for s in range(0, len(ids), PREFILL_CHUNK)
+        ]
+        return torch.cat(out).float()
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor:
+        """Run the prompt, reusing the cached prefix it shares with the last sequence; last position's logits."""
+        self.check_length(len(ids))
+        if not ids:
+            raise ValueError("the prompt is empty (no tokens)")
+        common = 0
+        for a, b in zip(self.cached_ids, ids):
+            if a != b:
+                break
+            common += 1
+        start = min(common, len(ids) - 1)  # recompute at least the last token to get its logits
+        self.cached_ids = self.cached_ids[:start]
+        logits = None
+        for s in range(start, len(ids), PREFILL_CHUNK):
+            logits = self._forward(ids[s : s + PREFILL_CHUNK], s, last_only=True)
+        return logits[-1]
+
+    def generate_step(
+        self, prompt_ids: Sequence[int], params: SamplingParams, stats: GenerationStats | None = None
+    ) -> Iterator[int]:
+        """Yield sampled tokens forever (the caller stops); raises when the context is full."""
+        stats = stats if stats is not None else GenerationStats()
+        generator = make_generator(params.seed)
+        start = time.perf_counter()
+        logits = self.prefill(prompt_ids)
+        stats.prompt_tokens = len(prompt_ids)
+        stats.prompt_seconds = time.perf_counter() - start
+        history = list(prompt_ids)
+        decode_start = time.perf_counter()
+        while True:
+            token = sample(logits, params, history, generator)
+            history.append(token)
+            stats.generated_tokens += 1
+            yield token
+            pos = len(history) - 1
+            if pos >= self.ctx_size:
+                return
+            with torch.inference_mode():
+                logits = self._forward([token], pos, last_only=True)[-1]
+            stats.generate_seconds = time.perf_counter() - decode_start
+
+    def stream(
+        self,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int = 128,
+        params: SamplingParams = SamplingParams(),
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ) -> Iterator[Chunk]:
+        """Text as it is generated. Text that could be the start of a stop string is held back until it
+        is known not to be one; the final chunk has finish_reason and the stats."""
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        stop = [s for s in stop if s]
+        self.check_length(len(prompt_ids))
+        stats = GenerationStats()
+        ffns = [layer.ffn for layer in getattr(self.model, "layers", [])]
+        before = [(f.stats.computed, f.stats.total) for f in ffns if hasattr(f, "stats")]
+        detok = StreamingDetokenizer(self.tokenizer)
+        pending = ""  # text not yet emitted (may hold the start of a stop string)
+        finish = "length"
+        if max_tokens > 0:
+            steps = self.generate_step(prompt_ids, params, stats)
+            for token in steps:
+                if not ignore_eos and self.tokenizer.is_eog(token):
+                    finish = "stop"
+                    break
+                pending += detok.add(token)
+                hit = _find_stop(pending, stop)
+                if hit is not None:
+                    pending = pending[:hit]
+                    finish = "stop"
+                    break
+                safe = len(pending) - _stop_prefix_len(pending, stop)
+                if safe > 0:
+                    yield Chunk(pending[:safe], token, None, stats)
+                    pending = pending[safe:]
+                if (
+                    stats.generated_tokens >= max_tokens
+                    or len(prompt_ids) + stats.generated_tokens >= self.ctx_size
+                ):
+                    break
+            steps.close()
+            if finish == "length":
+                pending += detok.flush()
+        after = [(f.stats.computed, f.stats.total) for f in ffns if hasattr(f, "stats")]
+        stats.neurons_computed = sum(a[0] - b[0] for a, b in zip(after, before))
+        stats.neurons_total = sum(a[1] - b[1] for a, b in zip(after, before))
+        yield Chunk(pending, None, finish, stats)
+
+
+def _find_stop(text: str, stop: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s in text]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best

@@ -1,0 +1,106 @@
+"""Math shared by the model families: norms, RoPE, attention over a preallocated KV cache, linear layers
+over any weight type. Pure functions of tensors; no device or placement decisions here."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from hotcold.quants import QuantTensor
+
+Weight = torch.Tensor | QuantTensor
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, D] float32 @ weight[F, D].T (+ bias) -> [T, F] float32, for float and block-quantized weights."""
+    if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
+        out = F.linear(x, weight)
+    else:
+        from hotcold.kernels import cpu
+
+        if isinstance(weight, torch.Tensor) and weight.device.type != "cpu":
+            out = F.linear(x.to(weight.dtype), weight).float()
+        else:
+            out = cpu.matmul(weight, x)
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+def rope_tables(n_ctx: int, rope_dim: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, rope_dim/2] for positions 0..n_ctx-1 (linear scaling multiplies positions by `scale`)."""
+    inv_freq = base ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * scale * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, neox: bool) -> torch.Tensor:
+    """x [T, H, Dh]; cos/sin [T, R/2]. Normal mode (llama.cpp, GGUF-permuted q/k) rotates adjacent pairs
+    (0,1), (2,3)...; NEOX mode (Falcon, HF rotate-half) rotates (i, i + R/2). Dims past R pass through."""
+    rope_dim = cos.shape[-1] * 2
+    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if neox:
+        x0, x1 = rot[..., : rope_dim // 2], rot[..., rope_dim // 2 :]
+        out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    else:
+        x0, x1 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class KVCache:
+    """Preallocated keys and values for one sequence: k[l], v[l] are [S, Hkv, Dh]; positions are explicit,
+    so a decode step always has the same shapes."""
+
+    def __init__(
+        self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, *, dtype=torch.float32, device="cpu"
+    ):
+        self.n_ctx = n_ctx
+        self.k = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    pos: int,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q [T, H, Dh], k/v [T, Hkv, Dh] for positions pos..pos+T-1; writes k/v into the cache and attends over
+    positions 0..pos+T-1 causally. Returns [T, H*Dh]."""
+    T, H, Dh = q.shape
+    end = pos + T
+    if end > cache.n_ctx:
+        raise ValueError(f"context overflow: position {end} exceeds the context size {cache.n_ctx}")
+    cache.k[layer, pos:end] = k.to(cache.k.dtype)
+    cache.v[layer, pos:end] = v.to(cache.v.dtype)
+    keys = cache.k[layer, :end].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, S, Dh]
+    values = cache.v[layer, :end].to(q.dtype).transpose(0, 1)[None]
+    mask = None
+    if T > 1 or sliding_window:
+        q_pos = torch.arange(pos, end, device=q.device)[:, None]
+        k_pos = torch.arange(end, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window:
+            mask = mask & (k_pos > q_pos - sliding_window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != H
+    )  # [1, H, T, Dh]
+    return out[0].transpose(0, 1).reshape(T, H * Dh)

@@ -1,0 +1,129 @@
+"""LLaMA family: ReluLLaMA, ProSparse (llama layout), Bamboo (relu on gate and up), Mistral.
+
+Tensor names are the GGUF ones; q/k are stored permuted by the converter (llama.cpp convention), so RoPE
+rotates adjacent pairs. The FFN input is the normed residual; the predictor sees the residual itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hotcold.config import ModelConfig
+from hotcold.gguf_io import ModelFile
+from hotcold.models.layers import KVCache, Weight, apply_rope, attention, linear, rms_norm, rope_tables
+from hotcold.quants import QuantTensor
+from hotcold.sparse.ffn import FFNFactory, FFNWeights
+from hotcold.sparse.predictor import Predictor
+
+
+@dataclass
+class LlamaLayer:
+    attn_norm: torch.Tensor
+    wq: Weight  # [H*Dh, D]
+    wk: Weight  # [Hkv*Dh, D]
+    wv: Weight  # [Hkv*Dh, D]
+    wo: Weight  # [D, H*Dh]
+    ffn_norm: torch.Tensor
+    ffn_weights: FFNWeights
+    predictor: Predictor | None
+    ffn: object  # DenseFFN / SparseFFN / HybridFFN, chosen by the loader
+
+
+class Llama:
+    def __init__(
+        self, config: ModelConfig, token_embd: Weight, layers: list[LlamaLayer], output_norm, output: Weight
+    ):
+        self.config = config
+        self.token_embd = token_embd
+        self.layers = layers
+        self.output_norm = output_norm
+        self.output = output
+        self.cos, self.sin = rope_tables(
+            config.n_ctx_train * 4, config.rope_dim, config.rope_base, config.rope_scale
+        )
+
+    def new_cache(self, n_ctx: int, dtype=torch.float32) -> KVCache:
+        c = self.config
+        return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, dtype=dtype)
+
+    def forward(
+        self, tokens: torch.Tensor, pos: int, cache: KVCache, *, last_only: bool = False
+    ) -> torch.Tensor:
+        """tokens [T] at positions pos..pos+T-1 -> logits [T, V] (or [1, V] with last_only)."""
+        c = self.config
+        T = tokens.shape[0]
+        x = embed(self.token_embd, tokens)  # [T, D]
+        if pos + T > self.cos.shape[0]:
+            self.cos, self.sin = rope_tables(pos + T, c.rope_dim, c.rope_base, c.rope_scale)
+        cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
+        for i, layer in enumerate(self.layers):
+            h = rms_norm(x, layer.attn_norm, c.norm_eps)
+            q = linear(h, layer.wq).view(T, c.n_head, c.head_dim)
+            k = linear(h, layer.wk).view(T, c.n_head_kv, c.head_dim)
+            v = linear(h, layer.wv).view(T, c.n_head_kv, c.head_dim)
+            q, k = apply_rope(q, cos, sin, neox=False), apply_rope(k, cos, sin, neox=False)
+            attn = attention(q, k, v, cache, i, pos, sliding_window=c.sliding_window)
+            x = x + linear(attn, layer.wo)
+            ffn_in = rms_norm(x, layer.ffn_norm, c.norm_eps)
+            x = x + layer.ffn(ffn_in, x)
+        if last_only:
+            x = x[-1:]
+        return linear(rms_norm(x, self.output_norm, c.norm_eps), self.output)
+
+
+def embed(token_embd: Weight, tokens: torch.Tensor) -> torch.Tensor:
+    if isinstance(token_embd, QuantTensor):
+        return token_embd.dequantize(tokens)
+    return token_embd[tokens].float()
+
+
+def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -> Llama:
+    c = config
+    D, F, V = c.n_embd, c.n_ff, c.n_vocab
+    qd, kvd = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    t = model_file.tensor
+    kind = (
+        "gated_both"
+        if c.arch == "bamboo" or model_file.metadata.get("hotcold.ffn_kind") == "gated_both"
+        else "gated"
+    )
+    layers = []
+    for i in range(c.n_layer):
+        p = f"blk.{i}."
+        sparse_layout = f"{p}ffn_down_t.weight" in model_file.tensors
+        weights = FFNWeights(
+            up=t(p + "ffn_up.weight", (F, D)),
+            gate=t(p + "ffn_gate.weight", (F, D)),
+            down_t=t(p + "ffn_down_t.weight", (F, D)) if sparse_layout else None,
+            down=None if sparse_layout else t(p + "ffn_down.weight", (D, F)),
+            kind=kind,
+            activation=c.ffn_activation,
+        )
+        predictor = load_predictor(model_file, i, c) if c.sparse else None
+        layers.append(
+            LlamaLayer(
+                attn_norm=t(p + "attn_norm.weight", (D,)).float(),
+                wq=t(p + "attn_q.weight", (qd, D)),
+                wk=t(p + "attn_k.weight", (kvd, D)),
+                wv=t(p + "attn_v.weight", (kvd, D)),
+                wo=t(p + "attn_output.weight", (D, qd)),
+                ffn_norm=t(p + "ffn_norm.weight", (D,)).float(),
+                ffn_weights=weights,
+                predictor=predictor,
+                ffn=ffn_factory(i, weights, predictor),
+            )
+        )
+    token_embd = t("token_embd.weight", (V, D))
+    output = t("output.weight", (V, D)) if "output.weight" in model_file.tensors else token_embd
+    return Llama(c, token_embd, layers, t("output_norm.weight", (D,)).float(), output)
+
+
+def load_predictor(model_file: ModelFile, layer: int, config: ModelConfig) -> Predictor:
+    """blk.N.fc1.weight [R, D] and blk.N.fc2.weight [F, R]; R is free per layer but must agree."""
+    fc1_entry = model_file.entry(f"blk.{layer}.fc1.weight")
+    rank = fc1_entry.shape[0]
+    fc1 = model_file.tensor(f"blk.{layer}.fc1.weight", (rank, config.n_embd))
+    fc2 = model_file.tensor(f"blk.{layer}.fc2.weight", (config.n_ff, rank))
+    return Predictor(fc1, fc2, config.sparse_threshold)

@@ -1,0 +1,148 @@
+"""The FFN block of every family, computed densely (the reference) or sparsely (only firing neurons).
+
+A family says how gate and up combine (`kind`) and which activation it uses; the loader chooses dense,
+sparse or hybrid. Neuron i is row i of up, gate and down_t.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from hotcold.kernels import cpu
+from hotcold.models.layers import Weight, linear
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "relu": torch.relu,
+    "silu": F.silu,
+    "gelu": F.gelu,
+}
+
+# how a family combines its projections:
+#   gated       act(gate) * up            (llama, ProSparse, mistral)
+#   gated_both  act(gate) * act(up)       (bamboo, TurboSparse dReLU)
+#   plain       act(up + b_up)            (falcon, opt)
+KINDS = ("gated", "gated_both", "plain")
+
+
+@dataclass
+class FFNWeights:
+    up: Weight  # [F, D]
+    gate: Weight | None  # [F, D]
+    down_t: Weight | None  # [F, D]: row i = neuron i's output direction (PowerInfer layout)
+    down: Weight | None = None  # [D, F]: dense GGUF layout (used when down_t is absent)
+    up_bias: torch.Tensor | None = None  # [F]
+    down_bias: torch.Tensor | None = None  # [D]
+    kind: str = "gated"
+    activation: str = "relu"
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown FFN kind {self.kind!r}; expected one of {KINDS}")
+        if self.kind != "plain" and self.gate is None:
+            raise ValueError(f"FFN kind {self.kind!r} needs a gate projection")
+        if (self.down_t is None) == (self.down is None):
+            raise ValueError("FFN needs exactly one of down_t [F, D] and down [D, F]")
+
+    @property
+    def n_ff(self) -> int:
+        return self.up.shape[0]
+
+    def combine(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        act = ACTIVATIONS[self.activation]
+        if self.up_bias is not None:
+            up = up + self.up_bias
+        if self.kind == "gated":
+            return act(gate) * up
+        if self.kind == "gated_both":
+            return act(gate) * act(up)
+        return act(up)
+
+
+@dataclass
+class FFNStats:
+    """Neurons computed vs neurons in the layer, summed over tokens (for the reported firing rate)."""
+
+    computed: int = 0
+    total: int = 0
+
+    @property
+    def rate(self) -> float:
+        return self.computed / self.total if self.total else 0.0
+
+
+class DenseFFN:
+    """Every neuron: the reference path (`--dense`) and the path for dense GGUF files."""
+
+    def __init__(self, weights: FFNWeights):
+        self.weights = weights
+        self.stats = FFNStats()
+
+    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor | None = None) -> torch.Tensor:
+        w = self.weights
+        up = linear(x, w.up)
+        gate = linear(x, w.gate) if w.gate is not None else None
+        a = w.combine(up, gate)
+        if w.down is not None:
+            out = linear(a, w.down)
+        else:
+            out = down_projection(w.down_t, a, None)
+        self.stats.computed += a.numel()
+        self.stats.total += a.numel()
+        return out + w.down_bias if w.down_bias is not None else out
+
+
+class SparseFFN:
+    """Only the neurons the predictor selects, per token: row-gather GEMV for up/gate, axpy over down_t."""
+
+    def __init__(
+        self,
+        weights: FFNWeights,
+        predictor: Callable[[torch.Tensor], torch.Tensor],
+        *,
+        threads: int | None = None,
+    ):
+        if weights.down_t is None:
+            raise ValueError("sparse FFN needs the PowerInfer layout (ffn_down_t)")
+        self.weights = weights
+        self.predictor = predictor
+        self.threads = threads
+        self.stats = FFNStats()
+
+    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
+        w = self.weights
+        mask = self.predictor(pred_input)  # [T, F] bool
+        up = cpu.gather_matvec(w.up, x, mask, threads=self.threads)
+        gate = cpu.gather_matvec(w.gate, x, mask, threads=self.threads) if w.gate is not None else None
+        # inactive neurons contribute exactly 0, even where a bias would make act(b) nonzero (OPT)
+        a = torch.where(mask, w.combine(up, gate), 0.0)
+        out = cpu.sparse_axpy(w.down_t, a, mask, threads=self.threads)
+        self.stats.computed += int(mask.sum())
+        self.stats.total += mask.numel()
+        return out + w.down_bias if w.down_bias is not None else out
+
+
+def down_projection(down_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """sum_i a[:, i] * down_t[i] -> [T, D]"""
+    if isinstance(down_t, torch.Tensor) and down_t.dtype == torch.float32 and mask is None:
+        return a @ down_t
+    return cpu.sparse_axpy(down_t, a, mask)
+
+
+@dataclass
+class FFNFactory:
+    """Chosen by the loader: how each layer's FFN is computed."""
+
+    dense: bool = False
+    threads: int | None = None
+    make_hybrid: Callable | None = field(default=None, repr=False)
+
+    def __call__(self, layer: int, weights: FFNWeights, predictor) -> Callable:
+        if self.dense or predictor is None or weights.down_t is None:
+            return DenseFFN(weights)
+        if self.make_hybrid is not None:
+            return self.make_hybrid(layer, weights, predictor)
+        return SparseFFN(weights, predictor, threads=self.threads)

@@ -1,0 +1,83 @@
+"""Shared builders for tests: tiny Hugging Face checkpoints with real tokenizers, made offline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+TOKENIZER_VOCAB = 512
+
+
+def training_text() -> str:
+    # varied English-like text from the Python standard library's docstrings: always present, offline
+    import argparse
+    import collections
+    import email
+    import json as json_mod
+
+    parts = [m.__doc__ or "" for m in (email, json_mod, argparse, collections, Path, torch.nn.Module)]
+    parts += [f"Line {i}: the quick brown fox {i * 7} jumps over {i % 13} lazy dogs." for i in range(400)]
+    return "\n".join(parts)
+
+
+def write_tokenizer(hf_dir: Path, spm_model: Path) -> None:
+    (hf_dir / "tokenizer.model").write_bytes(spm_model.read_bytes())
+    (hf_dir / "tokenizer_config.json").write_text(
+        json.dumps({"add_bos_token": True, "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"})
+    )
+
+
+def make_llama(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
+    """Save a tiny random LlamaForCausalLM (fp32) with the test tokenizer; returns the HF model in eval mode.
+    n_ff 1280: above 1000 and a multiple of 256, as PowerInfer's kernels require."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    settings = dict(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=64,
+        intermediate_size=1280,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=256,
+        hidden_act="relu",
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
+    with torch.no_grad():  # random init is too tame: scale weights so logits and activations are non-trivial
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(2.0)
+    hf_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(hf_dir, safe_serialization=True)
+    write_tokenizer(hf_dir, spm_model)
+    return model
+
+
+def write_predictors(
+    pred_dir: Path,
+    n_layer: int,
+    n_embd: int,
+    n_ff: int,
+    *,
+    rank: int = 16,
+    all_fire: bool = False,
+    seed: int = 0,
+    threshold: float | None = None,
+) -> Path:
+    """PowerInfer predictor folder. all_fire: fc2 = 0, so every logit is 0 >= threshold 0 and all neurons fire."""
+    pred_dir.mkdir(parents=True, exist_ok=True)
+    gen = torch.Generator().manual_seed(seed)
+    for i in range(n_layer):
+        fc1 = torch.randn(rank, n_embd, generator=gen) / n_embd**0.5
+        fc2 = torch.zeros(n_ff, rank) if all_fire else torch.randn(n_ff, rank, generator=gen) / rank**0.5
+        torch.save({"fc1.weight": fc1, "fc2.weight": fc2}, pred_dir / f"model_{i}.pt")
+    if threshold is not None:
+        (pred_dir / "config.json").write_text(json.dumps({"sparse_threshold": threshold}))
+    return pred_dir

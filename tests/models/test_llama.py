@@ -1,0 +1,94 @@
+"""LLaMA family against Hugging Face transformers: converted by `hotcold convert`, loaded by `hotcold.load`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hotcold
+from hotcold.convert import convert
+from hotcold.sampling import SamplingParams
+from tests.fixtures import make_llama, write_predictors
+
+CASES = {
+    "relu-mha-1e4": dict(hidden_act="relu"),
+    "silu-gqa-1e6": dict(hidden_act="silu", num_key_value_heads=2, rope_theta=1e6),
+    "relu-gqa-1e6": dict(hidden_act="relu", num_key_value_heads=1, rope_theta=1e6),
+    "silu-mha-linear-scaling": dict(hidden_act="silu", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def converted(request, tmp_path_factory, spm_model_file):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_llama(folder / "hf", spm_model_file, **CASES[request.param])
+    out = convert(folder / "hf", None, folder / "model.gguf", outtype="f32")
+    return hf, out
+
+
+def test_logits_match_transformers(converted):
+    hf, path = converted
+    llm = hotcold.load(path, device="cpu")
+    ids = torch.randint(3, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
+    ours, ref = llm.logits(ids), hf_logits(hf, ids)
+    scale = ref.abs().max()
+    assert scale > 1.0, "test model too tame to be a meaningful comparison"
+    assert (ours - ref).abs().max() <= 1e-4 * scale
+
+
+def test_greedy_tokens_match_transformers(converted):
+    hf, path = converted
+    llm = hotcold.load(path, device="cpu")
+    prompt = llm.tokenize("Line 3: the quick brown fox")
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32)[
+            0, len(prompt) :
+        ].tolist()
+    steps = llm.engine.generate_step(prompt, SamplingParams())
+    ours = [next(steps) for _ in range(32)]
+    assert ours == ref
+
+
+def test_cached_decode_equals_full_forward(converted):
+    _, path = converted
+    llm = hotcold.load(path, device="cpu")
+    ids = torch.randint(3, 500, (24,), generator=torch.Generator().manual_seed(2)).tolist()
+    full = llm.logits(ids)
+    engine = llm.engine
+    engine.cached_ids = []
+    last = engine.prefill(ids[:10])
+    stepwise = [last]
+    for pos in range(10, 24):
+        stepwise.append(engine._forward([ids[pos]], pos, last_only=True)[-1])
+    stepwise = torch.stack(stepwise)
+    assert torch.allclose(stepwise, full[9:], atol=1e-4 * full.abs().max())
+
+
+def test_split_generation_equals_one_shot(converted):
+    _, path = converted
+    llm = hotcold.load(path, device="cpu")
+    prompt = llm.tokenize("Line 12: the")
+    steps = llm.engine.generate_step(prompt, SamplingParams())
+    first = [next(steps) for _ in range(16)]
+    steps.close()
+    # continue from the prompt + first half: the prefix cache is reused, the result must not change
+    steps2 = llm.engine.generate_step(prompt + first[:8], SamplingParams())
+    second = [next(steps2) for _ in range(8)]
+    assert second == first[8:]
+
+
+def test_sparse_file_with_all_firing_predictors_equals_transformers(tmp_path, spm_model_file):
+    hf = make_llama(tmp_path / "hf", spm_model_file, hidden_act="relu")
+    write_predictors(tmp_path / "pred", 2, 64, 1280, all_fire=True)
+    path = convert(tmp_path / "hf", tmp_path / "pred", tmp_path / "sparse.gguf", outtype="f32")
+    assert path.read_bytes()[:4] == b"PWRI"
+    llm = hotcold.load(path, device="cpu")
+    assert not llm.loaded.dense
+    ids = list(range(5, 45))
+    ours, ref = llm.logits(ids), hf_logits(hf, ids)
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
