@@ -33,3 +33,26 @@ def spm_model_file(tmp_path_factory) -> Path:
         minloglevel=2,
     )
     return folder / "tokenizer.model"
+
+
+@pytest.fixture(scope="session")
+def tiny_dense_gguf(tmp_path_factory, spm_model_file) -> Path:
+    """A converted tiny ReLU LLaMA in the dense GGUF layout (F32)."""
+    from hotcold.convert import convert
+    from tests.fixtures import make_llama
+
+    folder = tmp_path_factory.mktemp("tiny_dense")
+    make_llama(folder / "hf", spm_model_file)
+    return convert(folder / "hf", None, folder / "tiny.gguf", outtype="f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_sparse_gguf(tmp_path_factory, spm_model_file) -> Path:
+    """The same kind of model in the PowerInfer layout with random predictors (F32)."""
+    from hotcold.convert import convert
+    from tests.fixtures import make_llama, write_predictors
+
+    folder = tmp_path_factory.mktemp("tiny_sparse")
+    make_llama(folder / "hf", spm_model_file)
+    write_predictors(folder / "pred", 2, 64, 1280, threshold=0.0)
+    return convert(folder / "hf", folder / "pred", folder / "tiny.powerinfer.gguf", outtype="f32")

@@ -33,6 +33,7 @@ POWERINFER_INT_TYPES = {
     17: GGMLQuantizationType.I16,
     18: GGMLQuantizationType.I32,
 }
+UPSTREAM_TO_POWERINFER_INT = {v: GGMLQuantizationType(k) for k, v in POWERINFER_INT_TYPES.items()}
 POWERINFER_I32 = GGMLQuantizationType(18)  # written as raw type 18 so the original can read gpuidx files
 
 FLOAT_TYPES = {
@@ -51,8 +52,8 @@ BLOCK_TYPES = {
 
 
 def tensor_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
-    if qtype == POWERINFER_I32:
-        return 4 * int(np.prod(shape))
+    if qtype.value in POWERINFER_INT_TYPES:
+        return _storage_dtype(qtype).itemsize * int(np.prod(shape))
     block, size = GGML_QUANT_SIZES[qtype]
     n = int(np.prod(shape))
     if shape and shape[-1] % block:
@@ -266,7 +267,10 @@ def write_model_file(
             extra(writer)
         for spec in tensors:
             dtype = _storage_dtype(spec.qtype)
-            writer.add_tensor_info(spec.name, _info_shape(spec), dtype, spec.n_bytes, raw_dtype=spec.qtype)
+            raw_type = spec.qtype
+            if sparse and raw_type in UPSTREAM_TO_POWERINFER_INT:
+                raw_type = UPSTREAM_TO_POWERINFER_INT[raw_type]  # PWRI files use the fork's numbering
+            writer.add_tensor_info(spec.name, _info_shape(spec), dtype, spec.n_bytes, raw_dtype=raw_type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
@@ -295,6 +299,10 @@ def _storage_dtype(qtype: GGMLQuantizationType) -> np.dtype:
         return np.dtype(np.float16)
     if qtype in (GGMLQuantizationType.I32, POWERINFER_I32):
         return np.dtype(np.int32)
+    if qtype in (GGMLQuantizationType.I16, GGMLQuantizationType(17)):
+        return np.dtype(np.int16)
+    if qtype in (GGMLQuantizationType.I8, GGMLQuantizationType(16)):
+        return np.dtype(np.int8)
     # BF16 and block formats travel as raw bytes
     return np.dtype(np.uint8)
 

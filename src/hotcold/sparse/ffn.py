@@ -12,7 +12,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hotcold.kernels import cpu
 from hotcold.models.layers import Weight, linear
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -113,6 +112,8 @@ class SparseFFN:
         self.stats = FFNStats()
 
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
+        from hotcold.kernels import cpu
+
         w = self.weights
         mask = self.predictor(pred_input)  # [T, F] bool
         up = cpu.gather_matvec(w.up, x, mask, threads=self.threads)
@@ -129,6 +130,8 @@ def down_projection(down_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) 
     """sum_i a[:, i] * down_t[i] -> [T, D]"""
     if isinstance(down_t, torch.Tensor) and down_t.dtype == torch.float32 and mask is None:
         return a @ down_t
+    from hotcold.kernels import cpu
+
     return cpu.sparse_axpy(down_t, a, mask)
 
 

@@ -1,0 +1,102 @@
+"""The CLI as a person uses it: text on stdout, timings on stderr, clear errors with exit code 1."""
+
+from __future__ import annotations
+
+import pytest
+
+from hotcold.cli import main
+from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+
+
+def rewrite(src, dst, *, meta_change=None, drop=None, reshape=None):
+    """Copy a model file with one thing broken."""
+    mf = ModelFile(src)
+    meta = [m for m in metadata_items(mf)]
+    if meta_change:
+        meta = [(k, meta_change.get(k, v), t, s) for k, v, t, s in meta]
+    specs = []
+    for e in mf.tensors.values():
+        if e.name == drop:
+            continue
+        shape = e.shape
+        if e.name == reshape:
+            shape = (shape[1], shape[0])
+        specs.append(TensorSpec(e.name, shape, e.qtype, lambda e=e: e.data))
+    write_model_file(dst, meta_change.get("general.architecture", "llama") if meta_change else "llama", meta, specs, sparse=mf.is_sparse)
+    return dst
+
+
+def test_generate_prints_text_and_timings(tiny_dense_gguf, capsys):
+    code = main(["generate", "-m", str(tiny_dense_gguf), "-p", "Line 1: the quick", "-n", "16", "--temp", "0", "--ignore-eos"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert len(out.strip()) > 0
+    assert "tokens/s" in err and "load" in err
+
+
+def test_generate_sparse_reports_firing_rate(tiny_sparse_gguf, capsys):
+    code = main(["generate", "-m", str(tiny_sparse_gguf), "-p", "Line 2", "-n", "8", "--ignore-eos", "--seed", "3"])
+    out, err = capsys.readouterr()
+    assert code == 0
+    assert "FFN neurons computed" in err
+    rate = float(err.split("FFN neurons computed")[1].split("%")[0])
+    assert 0 < rate < 100
+
+
+def run_error(capsys, argv):
+    code = main(argv)
+    _, err = capsys.readouterr()
+    assert code == 1
+    assert "Traceback" not in err
+    return err
+
+
+def test_missing_file(capsys, tmp_path):
+    err = run_error(capsys, ["generate", "-m", str(tmp_path / "none.gguf"), "-p", "x"])
+    assert "none.gguf: no such file" in err
+
+
+def test_wrong_magic(capsys, tmp_path):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"\x00" * 64)
+    assert "not a GGUF file" in run_error(capsys, ["generate", "-m", str(bad), "-p", "x"])
+
+
+def test_truncated_file(capsys, tmp_path, tiny_dense_gguf):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny_dense_gguf.read_bytes()[:-1000])
+    assert "truncated" in run_error(capsys, ["generate", "-m", str(cut), "-p", "x"])
+
+
+def test_unknown_architecture_lists_supported(capsys, tmp_path, tiny_dense_gguf):
+    bad = rewrite(tiny_dense_gguf, tmp_path / "gpt9.gguf", meta_change={"general.architecture": "gpt9"})
+    err = run_error(capsys, ["generate", "-m", str(bad), "-p", "x"])
+    assert "unknown architecture 'gpt9'" in err and "llama" in err
+
+
+def test_missing_tensor_named(capsys, tmp_path, tiny_dense_gguf):
+    bad = rewrite(tiny_dense_gguf, tmp_path / "m.gguf", drop="blk.1.ffn_up.weight")
+    assert "missing tensor blk.1.ffn_up.weight" in run_error(capsys, ["generate", "-m", str(bad), "-p", "x"])
+
+
+def test_wrong_shape_named(capsys, tmp_path, tiny_dense_gguf):
+    bad = rewrite(tiny_dense_gguf, tmp_path / "m.gguf", reshape="blk.0.ffn_up.weight")
+    assert "blk.0.ffn_up.weight has shape (64, 1280), expected (1280, 64)" in run_error(capsys, ["generate", "-m", str(bad), "-p", "x"])
+
+
+def test_prompt_longer_than_context(capsys, tiny_dense_gguf):
+    err = run_error(capsys, ["generate", "-m", str(tiny_dense_gguf), "-p", "word " * 200, "-c", "32"])
+    assert "longer than the context size 32" in err
+
+
+@pytest.mark.parametrize("argv", [["-n", "-3"], ["-t", "0"], ["--temp", "-1"]])
+def test_bad_numbers(capsys, tiny_dense_gguf, argv):
+    run_error(capsys, ["generate", "-m", str(tiny_dense_gguf), "-p", "x", *argv])
+
+
+def test_info(capsys, tiny_sparse_gguf):
+    assert main(["info", "-m", str(tiny_sparse_gguf)]) == 0
+    out, _ = capsys.readouterr()
+    assert "PWRI" in out and "llama" in out and "ranks" in out
+
+
