@@ -48,8 +48,9 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[dict], *, add_generatio
         compiled = env.from_string(template)
     except jinja2.TemplateError as exc:
         raise ValueError(f"the model's chat template does not parse: {exc}") from exc
-    bos = tokenizer.decode([tokenizer.bos_id]) if tokenizer.bos_id is not None else ""
-    eos = tokenizer.decode([tokenizer.eos_id]) if tokenizer.eos_id is not None else ""
+    # the token texts ("<s>"): encode() turns them back into the special tokens
+    bos = tokenizer.piece(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
+    eos = tokenizer.piece(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
     return compiled.render(
         messages=[{"role": m["role"], "content": m["content"]} for m in messages],
         add_generation_prompt=add_generation_prompt,

@@ -142,7 +142,7 @@ class Engine:
         stats = GenerationStats()
         ffns = [layer.ffn for layer in getattr(self.model, "layers", [])]
         before = [(f.stats.computed, f.stats.total) for f in ffns if hasattr(f, "stats")]
-        detok = StreamingDetokenizer(self.tokenizer)
+        detok = StreamingDetokenizer(self.tokenizer, prompt_ids=prompt_ids)  # keeps the first token's space
         pending = ""  # text not yet emitted (may hold the start of a stop string)
         finish = "length"
         if max_tokens > 0:

@@ -12,6 +12,7 @@ COMMANDS = {
     "generate": ("generate", "generate text from a prompt"),
     "info": ("info", "show a model's architecture, sizes, sparsity assets and placement"),
     "convert": ("convert", "convert a Hugging Face checkpoint (+ predictors) to GGUF / PowerInfer GGUF"),
+    "bench": ("bench", "llama-bench-like speed table: prompt processing and generation, sparse vs dense"),
 }
 
 

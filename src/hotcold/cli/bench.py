@@ -1,0 +1,157 @@
+"""hotcold bench: a llama-bench-like table of prompt processing (ppN) and generation (tgN) speed, sparse and
+dense measured in the same run (interleaved), with effective GB/s of weights read and the firing rate."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+
+def add_args(p) -> None:
+    p.add_argument("-m", "--model", default=None, help="model file; omitted: the bundled demo model")
+    p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (0: skip)")
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (0: skip)")
+    p.add_argument("-r", "--repetitions", type=int, default=3)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--vram-budget", type=float, default=None)
+    p.add_argument("--mode", choices=("both", "sparse", "dense"), default="both", help="which paths to measure")
+    p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+
+
+def weight_bytes(model_file) -> dict[str, int]:
+    """Bytes a decode step reads, split by role: FFN matrices (what sparsity saves), predictors, the rest.
+    The token embedding is excluded: a step reads one row of it."""
+    parts = {"ffn": 0, "predictor": 0, "other": 0}
+    for entry in model_file.tensors.values():
+        name = entry.name
+        if name == "token_embd.weight" and "output.weight" in model_file.tensors:
+            continue
+        if any(k in name for k in (".ffn_up.", ".ffn_gate.", ".ffn_down.", ".ffn_down_t.")):
+            parts["ffn"] += entry.n_bytes
+        elif ".fc1." in name or ".fc2." in name:
+            parts["predictor"] += entry.n_bytes
+        else:
+            parts["other"] += entry.n_bytes
+    return parts
+
+
+def _firing(llm) -> tuple[int, int]:
+    ffns = [layer.ffn for layer in llm.loaded.model.layers]
+    return sum(f.stats.computed for f in ffns), sum(f.stats.total for f in ffns)
+
+
+def measure(llm, test: str, n: int) -> tuple[float, float]:
+    """Seconds for one run of the test, and the firing rate seen during it."""
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(0)
+    ids = [llm.tokenizer.bos_id or 1] + torch.randint(3, llm.config.n_vocab, (n,), generator=gen).tolist()
+    c0, t0 = _firing(llm)
+    with torch.inference_mode():
+        if test == "pp":
+            engine.cached_ids = []
+            start = time.perf_counter()
+            engine.prefill(ids[: n + 1])
+            seconds = time.perf_counter() - start
+        else:
+            engine.cached_ids = []
+            logits = engine.prefill(ids[:1])
+            c0, t0 = _firing(llm)
+            start = time.perf_counter()
+            token = int(torch.argmax(logits))
+            for pos in range(1, n + 1):
+                token = int(torch.argmax(engine._forward([token], pos, last_only=True)[-1]))
+            seconds = time.perf_counter() - start
+    c1, t1 = _firing(llm)
+    return seconds, (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
+
+
+def run_bench(path, *, n_prompt=512, n_gen=128, repetitions=3, threads=None, device="auto", vram_budget=None, mode="both"):
+    import hotcold
+
+    probe = hotcold.load(path, threads=threads, device=device, vram_budget=vram_budget, ctx_size=max(n_prompt, n_gen) + 2)
+    modes = ["dense"] if not probe.config.sparse else {"both": ["sparse", "dense"], "sparse": ["sparse"], "dense": ["dense"]}[mode]
+    models = {"sparse": probe} if "sparse" in modes and probe.config.sparse else {}
+    for m in modes:
+        if m not in models:
+            models[m] = hotcold.load(
+                path, threads=threads, device=device, vram_budget=vram_budget, dense=True, ctx_size=max(n_prompt, n_gen) + 2
+            )
+    mf = probe.loaded.file
+    sizes = weight_bytes(mf)
+    file_size = mf.path.stat().st_size
+    n_params = sum(_numel(e.shape) for e in mf.tensors.values())
+    tests = [("pp", n_prompt)] if n_prompt > 0 else []
+    tests += [("tg", n_gen)] if n_gen > 0 else []
+    rows = []
+    for test, n in tests:
+        samples = {m: [] for m in modes}
+        rates = {m: [] for m in modes}
+        for m in modes:  # warm-up: page in the weights, compile kernels
+            measure(models[m], test, min(n, 8))
+        for _ in range(repetitions):  # interleaved so machine noise hits both modes alike
+            for m in modes:
+                seconds, rate = measure(models[m], test, n)
+                samples[m].append(n / seconds)
+                rates[m].append(rate)
+        for m in modes:
+            tps = statistics.median(samples[m])
+            rate = statistics.mean(rates[m]) if m == "sparse" else 1.0
+            bytes_per_token = sizes["other"] + sizes["ffn"] * rate + (sizes["predictor"] if m == "sparse" else 0)
+            rows.append(
+                {
+                    "model": mf.path.name,
+                    "size_bytes": file_size,
+                    "params": n_params,
+                    "mode": m,
+                    "test": f"{test}{n}",
+                    "tokens_per_s": tps,
+                    "tokens_per_s_all": samples[m],
+                    "firing_rate": rate,
+                    # decode reads every needed weight once per token; prefill reuses them across the batch
+                    "effective_gb_s": tps * bytes_per_token / 1e9 if test == "tg" else None,
+                    "threads": threads or torch.get_num_threads(),
+                    "device": probe.loaded.device,
+                }
+            )
+    return rows
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def run(args) -> int:
+    if args.n_prompt < 0 or args.n_gen < 0 or args.repetitions < 1:
+        raise ValueError("-p and -n must be >= 0 and -r >= 1")
+    rows = run_bench(
+        args.model,
+        n_prompt=args.n_prompt,
+        n_gen=args.n_gen,
+        repetitions=args.repetitions,
+        threads=args.threads,
+        device=args.device,
+        vram_budget=args.vram_budget,
+        mode=args.mode,
+    )
+    if args.json:
+        json.dump(rows, sys.stdout, indent=2)
+        print()
+        return 0
+    header = f"| {'model':30s} | {'size':>9s} | {'params':>8s} | {'mode':6s} | {'test':6s} | {'t/s':>9s} | {'GB/s':>6s} | {'firing':>6s} |"
+    print(header)
+    print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
+    for r in rows:
+        gbs = f"{r['effective_gb_s']:.1f}" if r["effective_gb_s"] is not None else "-"
+        print(
+            f"| {r['model'][:30]:30s} | {r['size_bytes'] / 2**30:7.2f} G | {r['params'] / 1e6:7.1f}M | {r['mode']:6s} | {r['test']:6s}"
+            f" | {r['tokens_per_s']:9.2f} | {gbs:>6s} | {100 * r['firing_rate']:5.1f}% |"
+        )
+    return 0
