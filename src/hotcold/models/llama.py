@@ -15,7 +15,7 @@ from hotcold.gguf_io import ModelFile
 from hotcold.models.layers import KVCache, Weight, apply_rope, attention, linear, rms_norm, rope_tables
 from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn import FFNFactory, FFNWeights
-from hotcold.sparse.predictor import Predictor
+from hotcold.sparse.predictor import Predictor, load_predictor
 
 
 @dataclass
@@ -101,7 +101,7 @@ def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -
             kind=kind,
             activation=c.ffn_activation,
         )
-        predictor = load_predictor(model_file, i, c) if c.sparse else None
+        predictor = load_predictor(model_file, i, D, F, c.sparse_threshold) if c.sparse else None
         layers.append(
             LlamaLayer(
                 attn_norm=t(p + "attn_norm.weight", (D,)).float(),
@@ -119,11 +119,3 @@ def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -
     output = t("output.weight", (V, D)) if "output.weight" in model_file.tensors else token_embd
     return Llama(c, token_embd, layers, t("output_norm.weight", (D,)).float(), output)
 
-
-def load_predictor(model_file: ModelFile, layer: int, config: ModelConfig) -> Predictor:
-    """blk.N.fc1.weight [R, D] and blk.N.fc2.weight [F, R]; R is free per layer but must agree."""
-    fc1_entry = model_file.entry(f"blk.{layer}.fc1.weight")
-    rank = fc1_entry.shape[0]
-    fc1 = model_file.tensor(f"blk.{layer}.fc1.weight", (rank, config.n_embd))
-    fc2 = model_file.tensor(f"blk.{layer}.fc2.weight", (config.n_ff, rank))
-    return Predictor(fc1, fc2, config.sparse_threshold)

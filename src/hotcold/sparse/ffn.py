@@ -73,18 +73,26 @@ class FFNStats:
         return self.computed / self.total if self.total else 0.0
 
 
+# observer(ffn_input [T, D], pred_input [T, D], activation [T, F]): sees the true activations of a dense
+# forward; profiling and predictor training use it.
+Observer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
 class DenseFFN:
     """Every neuron: the reference path (`--dense`) and the path for dense GGUF files."""
 
     def __init__(self, weights: FFNWeights):
         self.weights = weights
         self.stats = FFNStats()
+        self.observer: Observer | None = None
 
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weights
         up = linear(x, w.up)
         gate = linear(x, w.gate) if w.gate is not None else None
         a = w.combine(up, gate)
+        if self.observer is not None:
+            self.observer(x, pred_input, a)
         if w.down is not None:
             out = linear(a, w.down)
         else:
