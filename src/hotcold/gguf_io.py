@@ -285,11 +285,18 @@ def write_model_file(
         if sparse:
             with open(tmp, "r+b") as f:
                 f.write(struct.pack("<I", PWRI_MAGIC))
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; a model file is not
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _storage_dtype(qtype: GGMLQuantizationType) -> np.dtype:
