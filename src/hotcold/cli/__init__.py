@@ -12,7 +12,11 @@ COMMANDS = {
     "generate": ("generate", "generate text from a prompt"),
     "info": ("info", "show a model's architecture, sizes, sparsity assets and placement"),
     "convert": ("convert", "convert a Hugging Face checkpoint (+ predictors) to GGUF / PowerInfer GGUF"),
+    "quantize": ("quantize", "requantize a GGUF / PowerInfer file (f32, f16, bf16, q8_0, q4_0)"),
     "bench": ("bench", "llama-bench-like speed table: prompt processing and generation, sparse vs dense"),
+    "profile": ("profile", "count how often each FFN neuron fires on a corpus -> activation_{i}.pt"),
+    "train-predictors": ("train_predictors", "train per-layer predictors (which neurons fire) for a ReLU model"),
+    "perplexity": ("perplexity", "perplexity over a text; sparse mode adds predictor recall and precision"),
 }
 
 
