@@ -1,0 +1,811 @@
+/* hotcold CPU kernels: sparse row-gather GEMV and sparse axpy over float and GGML block weights.
+ *
+ * Built lazily by hotcold/kernels/cpu.py (cc -O3 -march=native -fopenmp -shared -fPIC) and called
+ * through ctypes, which releases the GIL for the duration of a call.
+ *
+ * Weights are [F, D] matrices given as a byte pointer plus a row stride in bytes; row i is neuron i.
+ * Float types are converted to fp32 on load, block types (Q8_0, Q4_0, Q5_0, Q6_K) are dequantized
+ * exactly as ggml does (w = d * q, bit for bit) inside the inner loop, reading the file's bytes once.
+ * Activations and accumulation are fp32.
+ *
+ * Determinism (the original PowerInfer races in its axpy): every output element is produced by
+ * exactly one thread with an arithmetic sequence that does not depend on the thread count or on
+ * which other tokens share the call:
+ *   - gather_matvec: rows of the (union) index list are split among threads; a dot product's
+ *     accumulator layout is fixed (NACC vector accumulators, fixed reduction tree).
+ *   - axpy: the output columns D are split among threads; each element accumulates the active rows
+ *     in ascending row order with one fused multiply-add per row.
+ * So results are bit-identical for any thread count, and a prefill batch equals token by token.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#define HC_ABI_VERSION 3
+#ifndef HC_PF
+#define HC_PF 1 /* software prefetch of the next rows */
+#endif
+#ifndef HC_PF_HINT
+#define HC_PF_HINT _MM_HINT_T0
+#endif
+#ifndef HC_PF_HEAD
+#define HC_PF_HEAD 4
+#endif
+#ifndef HC_G
+#define HC_G 4 /* rows streamed side by side in a one-token gather */
+#endif
+
+enum { WT_F32 = 0, WT_F16 = 1, WT_BF16 = 2, WT_Q8_0 = 3, WT_Q4_0 = 4, WT_Q5_0 = 5, WT_Q6_K = 6 };
+
+#define HC_INLINE static inline __attribute__((always_inline))
+
+/* ------------------------------------------------------------------------------------------------
+ * Scalar helpers
+ * ---------------------------------------------------------------------------------------------- */
+
+HC_INLINE uint16_t rd16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+HC_INLINE uint32_t rd32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+HC_INLINE float f32_from_bits(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+#if defined(__F16C__)
+HC_INLINE float h2f(uint16_t h) { return _cvtsh_ss(h); }
+#elif defined(__aarch64__)
+HC_INLINE float h2f(uint16_t h) {
+    __fp16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+#else
+HC_INLINE float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f) return f32_from_bits(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {
+        if (man == 0) return f32_from_bits(sign);
+        float v = (float)man * (1.0f / 16777216.0f); /* man * 2^-24, exact */
+        return sign ? -v : v;
+    }
+    return f32_from_bits(sign | ((exp + 112) << 23) | (man << 13));
+}
+#endif
+
+HC_INLINE float bf2f(uint16_t h) { return f32_from_bits((uint32_t)h << 16); }
+
+/* One element of a row, exactly dequantized (used for column tails of float types and for Q6_K
+ * checks; block types never have tails because D is a multiple of the block size). */
+HC_INLINE float wscalar(const int wt, const uint8_t *row, int64_t j) {
+    switch (wt) {
+    case WT_F32: {
+        float v;
+        memcpy(&v, row + 4 * j, 4);
+        return v;
+    }
+    case WT_F16: return h2f(rd16(row + 2 * j));
+    case WT_BF16: return bf2f(rd16(row + 2 * j));
+    default: return 0.0f;
+    }
+}
+
+/* Byte offset of 32-element chunk c inside a row. */
+HC_INLINE int64_t chunk_off(const int wt, int64_t c) {
+    switch (wt) {
+    case WT_F32: return c * 128;
+    case WT_F16:
+    case WT_BF16: return c * 64;
+    case WT_Q8_0: return c * 34;
+    case WT_Q4_0: return c * 18;
+    case WT_Q5_0: return c * 22;
+    default: return (c >> 3) * 210 + (c & 7) * 26; /* Q6_K: approximate, for prefetching only */
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * SIMD layer: vf is VL floats; load32 produces one 32-element chunk as NV = 32 / VL vectors.
+ * ---------------------------------------------------------------------------------------------- */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define HC_SIMD "avx512"
+#define VL 16
+typedef __m512 vf;
+#define vzero() _mm512_setzero_ps()
+#define vset1(x) _mm512_set1_ps(x)
+#define vloadu(p) _mm512_loadu_ps(p)
+#define vstoreu(p, v) _mm512_storeu_ps(p, v)
+#define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm512_add_ps(a, b)
+#define vmul(a, b) _mm512_mul_ps(a, b)
+HC_INLINE float vhsum(vf v) {
+    __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+HC_INLINE vf vload_f16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
+HC_INLINE vf vload_bf16(const uint16_t *p) {
+    __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+}
+/* fp16 scale at p broadcast to all lanes: broadcast the 16-bit pattern, then convert (3 uops). */
+HC_INLINE vf vbcast_f16(const uint8_t *p) { return _mm512_cvtph_ps(_mm256_set1_epi16((short)rd16(p))); }
+HC_INLINE void load_q8_0(const uint8_t *b, vf *w) {
+    const vf d = vbcast_f16(b);
+    w[0] = vmul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)))), d);
+    w[1] = vmul(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 18)))), d);
+}
+/* Q4_0: w = d * (q - 8) looked up in a 16-entry table (vpermps uses the low 4 index bits). */
+HC_INLINE void load_q4_0(const uint8_t *b, vf *w) {
+    const vf tab = vmul(vbcast_f16(b),
+                        _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 2)));
+    w[0] = _mm512_permutexvar_ps(q, tab);
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(q, 4), tab);
+}
+/* Q5_0: 5-bit index into a 32-entry table d * (q - 16) spread over two registers. */
+HC_INLINE void load_q5_0(const uint8_t *b, vf *w) {
+    const vf d = vbcast_f16(b);
+    const vf t0 = vmul(d, _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1));
+    const vf t1 = vmul(d, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15));
+    const uint32_t qh = rd32(b + 2);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + 6)));
+    const __m512i sixteen = _mm512_set1_epi32(16);
+    __m512i lo = _mm512_and_si512(q, _mm512_set1_epi32(15));
+    __m512i hi = _mm512_srli_epi32(q, 4);
+    lo = _mm512_mask_or_epi32(lo, (__mmask16)(qh & 0xffff), lo, sixteen);
+    hi = _mm512_mask_or_epi32(hi, (__mmask16)(qh >> 16), hi, sixteen);
+    w[0] = _mm512_permutex2var_ps(t0, lo, t1);
+    w[1] = _mm512_permutex2var_ps(t0, hi, t1);
+}
+/* Q6_K: chunk j (0..7) of a 256-element super-block; w = (d * scale) * q as ggml computes it. */
+HC_INLINE void load_q6_k(const uint8_t *b, int j, vf *w) {
+    const int h = j >> 2, qq = j & 3;
+    const uint8_t *ql = b + h * 64 + (qq & 1) * 32;
+    const uint8_t *qh = b + 128 + h * 32;
+    const int8_t *sc = (const int8_t *)(b + 192) + h * 8 + 2 * qq;
+    const float d = h2f(rd16(b + 208));
+    for (int v = 0; v < 2; v++) {
+        __m512i l = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(ql + 16 * v)));
+        l = (qq >= 2) ? _mm512_srli_epi32(l, 4) : _mm512_and_si512(l, _mm512_set1_epi32(15));
+        __m512i hb = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(qh + 16 * v)));
+        hb = _mm512_and_si512(_mm512_srli_epi32(hb, 2 * qq), _mm512_set1_epi32(3));
+        __m512i q = _mm512_sub_epi32(_mm512_or_si512(l, _mm512_slli_epi32(hb, 4)), _mm512_set1_epi32(32));
+        w[v] = vmul(_mm512_cvtepi32_ps(q), vset1(d * (float)sc[v]));
+    }
+}
+HC_INLINE void vprefetch(const void *p) { _mm_prefetch((const char *)p, HC_PF_HINT); }
+
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HC_SIMD "avx2"
+#define VL 8
+typedef __m256 vf;
+#define vzero() _mm256_setzero_ps()
+#define vset1(x) _mm256_set1_ps(x)
+#define vloadu(p) _mm256_loadu_ps(p)
+#define vstoreu(p, v) _mm256_storeu_ps(p, v)
+#define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define vadd(a, b) _mm256_add_ps(a, b)
+#define vmul(a, b) _mm256_mul_ps(a, b)
+HC_INLINE float vhsum(vf v) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+HC_INLINE vf vload_f16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+HC_INLINE vf vload_bf16(const uint16_t *p) {
+    __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+HC_INLINE __m256i ld8_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+HC_INLINE void load_q8_0(const uint8_t *b, vf *w) {
+    const vf d = vset1(h2f(rd16(b)));
+    for (int v = 0; v < 4; v++)
+        w[v] = vmul(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * v)))), d);
+}
+HC_INLINE void load_q4_0(const uint8_t *b, vf *w) {
+    const vf d = vset1(h2f(rd16(b)));
+    const __m256i m15 = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+    for (int v = 0; v < 2; v++) {
+        __m256i q = ld8_u8(b + 2 + 8 * v);
+        w[v] = vmul(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, m15), eight)), d);
+        w[v + 2] = vmul(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight)), d);
+    }
+}
+HC_INLINE void load_q5_0(const uint8_t *b, vf *w) {
+    const vf d = vset1(h2f(rd16(b)));
+    const uint32_t qh = rd32(b + 2);
+    const __m256i m15 = _mm256_set1_epi32(15), sixteen = _mm256_set1_epi32(16), one = _mm256_set1_epi32(1);
+    const __m256i sh = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int v = 0; v < 4; v++) {
+        __m256i q = ld8_u8(b + 6 + 8 * (v & 1));
+        q = (v < 2) ? _mm256_and_si256(q, m15) : _mm256_srli_epi32(q, 4);
+        __m256i hb = _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)(qh >> (8 * v))), sh), one);
+        q = _mm256_sub_epi32(_mm256_or_si256(q, _mm256_slli_epi32(hb, 4)), sixteen);
+        w[v] = vmul(_mm256_cvtepi32_ps(q), d);
+    }
+}
+HC_INLINE void load_q6_k(const uint8_t *b, int j, vf *w) {
+    const int h = j >> 2, qq = j & 3;
+    const uint8_t *ql = b + h * 64 + (qq & 1) * 32;
+    const uint8_t *qh = b + 128 + h * 32;
+    const int8_t *sc = (const int8_t *)(b + 192) + h * 8 + 2 * qq;
+    const float d = h2f(rd16(b + 208));
+    for (int v = 0; v < 4; v++) {
+        __m256i l = ld8_u8(ql + 8 * v);
+        l = (qq >= 2) ? _mm256_srli_epi32(l, 4) : _mm256_and_si256(l, _mm256_set1_epi32(15));
+        __m256i hb = _mm256_and_si256(_mm256_srli_epi32(ld8_u8(qh + 8 * v), 2 * qq), _mm256_set1_epi32(3));
+        __m256i q = _mm256_sub_epi32(_mm256_or_si256(l, _mm256_slli_epi32(hb, 4)), _mm256_set1_epi32(32));
+        w[v] = vmul(_mm256_cvtepi32_ps(q), vset1(d * (float)sc[v >> 1]));
+    }
+}
+HC_INLINE void vprefetch(const void *p) { _mm_prefetch((const char *)p, HC_PF_HINT); }
+
+#else /* portable: GCC vector extensions (any architecture) */
+#define HC_SIMD "generic"
+#define VL 8
+typedef float vf __attribute__((vector_size(32)));
+HC_INLINE vf vzero(void) { return (vf){0, 0, 0, 0, 0, 0, 0, 0}; }
+HC_INLINE vf vset1(float x) { return (vf){x, x, x, x, x, x, x, x}; }
+HC_INLINE vf vloadu(const float *p) {
+    vf v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+HC_INLINE void vstoreu(float *p, vf v) { memcpy(p, &v, sizeof v); }
+HC_INLINE vf vfma(vf a, vf b, vf c) {
+    vf r;
+    for (int i = 0; i < VL; i++) r[i] = fmaf(a[i], b[i], c[i]);
+    return r;
+}
+#define vadd(a, b) ((a) + (b))
+#define vmul(a, b) ((a) * (b))
+HC_INLINE float vhsum(vf v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
+HC_INLINE vf vload_f16(const uint16_t *p) {
+    vf v;
+    for (int i = 0; i < VL; i++) v[i] = h2f(p[i]);
+    return v;
+}
+HC_INLINE vf vload_bf16(const uint16_t *p) {
+    vf v;
+    for (int i = 0; i < VL; i++) v[i] = bf2f(p[i]);
+    return v;
+}
+HC_INLINE void load_q8_0(const uint8_t *b, vf *w) {
+    const float d = h2f(rd16(b));
+    for (int i = 0; i < 32; i++) w[i / VL][i % VL] = (float)(int8_t)b[2 + i] * d;
+}
+HC_INLINE void load_q4_0(const uint8_t *b, vf *w) {
+    const float d = h2f(rd16(b));
+    for (int i = 0; i < 16; i++) {
+        w[i / VL][i % VL] = (float)((b[2 + i] & 15) - 8) * d;
+        w[(i + 16) / VL][(i + 16) % VL] = (float)((b[2 + i] >> 4) - 8) * d;
+    }
+}
+HC_INLINE void load_q5_0(const uint8_t *b, vf *w) {
+    const float d = h2f(rd16(b));
+    const uint32_t qh = rd32(b + 2);
+    for (int i = 0; i < 16; i++) {
+        int lo = (b[6 + i] & 15) | (((qh >> i) & 1) << 4), hi = (b[6 + i] >> 4) | (((qh >> (i + 16)) & 1) << 4);
+        w[i / VL][i % VL] = (float)(lo - 16) * d;
+        w[(i + 16) / VL][(i + 16) % VL] = (float)(hi - 16) * d;
+    }
+}
+HC_INLINE void load_q6_k(const uint8_t *b, int j, vf *w) {
+    const int h = j >> 2, qq = j & 3;
+    const uint8_t *ql = b + h * 64 + (qq & 1) * 32;
+    const uint8_t *qh = b + 128 + h * 32;
+    const int8_t *sc = (const int8_t *)(b + 192) + h * 8 + 2 * qq;
+    const float d = h2f(rd16(b + 208));
+    for (int l = 0; l < 32; l++) {
+        int lo = (qq >= 2) ? (ql[l] >> 4) : (ql[l] & 15);
+        int q = (lo | (((qh[l] >> (2 * qq)) & 3) << 4)) - 32;
+        w[l / VL][l % VL] = (d * (float)sc[l / 16]) * (float)q;
+    }
+}
+HC_INLINE void vprefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
+#endif
+
+#define NV (32 / VL) /* vectors per 32-element chunk */
+#define NACC 4       /* vector accumulators per token in a dot product */
+#define UNR (NACC / NV)
+#if VL == 16
+#define NTMAX 4 /* tokens sharing one pass over a weight row (register budget) */
+#else
+#define NTMAX 2
+#endif
+
+/* The 32 weights of chunk c of a row, as fp32, exactly as ggml dequantizes them. */
+HC_INLINE void load32(const int wt, const uint8_t *row, int64_t c, vf *w) {
+    switch (wt) {
+    case WT_F32:
+        for (int v = 0; v < NV; v++) w[v] = vloadu((const float *)row + c * 32 + v * VL);
+        break;
+    case WT_F16:
+        for (int v = 0; v < NV; v++) w[v] = vload_f16((const uint16_t *)row + c * 32 + v * VL);
+        break;
+    case WT_BF16:
+        for (int v = 0; v < NV; v++) w[v] = vload_bf16((const uint16_t *)row + c * 32 + v * VL);
+        break;
+    case WT_Q8_0: load_q8_0(row + c * 34, w); break;
+    case WT_Q4_0: load_q4_0(row + c * 18, w); break;
+    case WT_Q5_0: load_q5_0(row + c * 22, w); break;
+    default: load_q6_k(row + (c >> 3) * 210, (int)(c & 7), w); break;
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Dot products of one weight row with NT token vectors (NT <= NTMAX, a constant after inlining).
+ * The accumulator layout is the same for every NT, so a token's result does not depend on which
+ * other tokens share the pass. pf, if not NULL, is the next row to read: its lines are prefetched
+ * while this row streams.
+ * ---------------------------------------------------------------------------------------------- */
+HC_INLINE void dot_row(const int wt, const int NT, const uint8_t *row, const float *const *xs, int64_t D,
+                       float *res, const uint8_t *pf) {
+    vf acc[NTMAX][NACC];
+    for (int t = 0; t < NT; t++)
+        for (int a = 0; a < NACC; a++) acc[t][a] = vzero();
+    const int64_t nchunk = D / 32;
+    int64_t c = 0, pfo = 0;
+    for (; c + UNR <= nchunk; c += UNR) {
+        for (int u = 0; u < UNR; u++) {
+            vf w[NV];
+            load32(wt, row, c + u, w);
+            for (int t = 0; t < NT; t++)
+                for (int v = 0; v < NV; v++)
+                    acc[t][u * NV + v] = vfma(w[v], vloadu(xs[t] + (c + u) * 32 + v * VL), acc[t][u * NV + v]);
+        }
+        if (pf) {
+            const int64_t end = chunk_off(wt, c + UNR);
+            for (; pfo < end; pfo += 64) vprefetch(pf + pfo);
+        }
+    }
+    for (; c < nchunk; c++) {
+        vf w[NV];
+        load32(wt, row, c, w);
+        for (int t = 0; t < NT; t++)
+            for (int v = 0; v < NV; v++) acc[t][v] = vfma(w[v], vloadu(xs[t] + c * 32 + v * VL), acc[t][v]);
+    }
+    for (int t = 0; t < NT; t++) {
+#if NACC == 4
+        vf s = vadd(vadd(acc[t][0], acc[t][1]), vadd(acc[t][2], acc[t][3]));
+#endif
+        float r = vhsum(s);
+        for (int64_t j = nchunk * 32; j < D; j++) r = fmaf(wscalar(wt, row, j), xs[t][j], r);
+        res[t] = r;
+    }
+}
+
+/* Dot products of NR rows with one token vector: the same per-row arithmetic as dot_row (so the
+ * grouping of rows, which depends on the thread partition, never changes a result); the rows
+ * stream side by side, which keeps more cache misses in flight than one row at a time. */
+HC_INLINE void dot_rows1(const int wt, const int NR, const uint8_t *const *rows, const float *x, int64_t D,
+                         float *res, const uint8_t *const *pf) {
+    vf acc[4][NACC];
+    for (int r = 0; r < NR; r++)
+        for (int a = 0; a < NACC; a++) acc[r][a] = vzero();
+    const int64_t nchunk = D / 32;
+    int64_t c = 0, pfo = 0;
+    for (; c + UNR <= nchunk; c += UNR) {
+        for (int u = 0; u < UNR; u++) {
+            vf xv[NV];
+            for (int v = 0; v < NV; v++) xv[v] = vloadu(x + (c + u) * 32 + v * VL);
+            for (int r = 0; r < NR; r++) {
+                vf w[NV];
+                load32(wt, rows[r], c + u, w);
+                for (int v = 0; v < NV; v++) acc[r][u * NV + v] = vfma(w[v], xv[v], acc[r][u * NV + v]);
+            }
+        }
+#if HC_PF == 1
+        if (pf) {
+            const int64_t end = chunk_off(wt, c + UNR);
+            for (; pfo < end; pfo += 64)
+                for (int r = 0; r < 4; r++)
+                    if (pf[r]) vprefetch(pf[r] + pfo);
+        }
+#elif HC_PF == 2
+        if (pf && c == 0)
+            for (int r = 0; r < 4; r++)
+                if (pf[r])
+                    for (int l = 0; l < HC_PF_HEAD; l++) vprefetch(pf[r] + 64 * l);
+#else
+        (void)pf;
+        (void)pfo;
+#endif
+    }
+    for (; c < nchunk; c++) {
+        vf xv[NV];
+        for (int v = 0; v < NV; v++) xv[v] = vloadu(x + c * 32 + v * VL);
+        for (int r = 0; r < NR; r++) {
+            vf w[NV];
+            load32(wt, rows[r], c, w);
+            for (int v = 0; v < NV; v++) acc[r][v] = vfma(w[v], xv[v], acc[r][v]);
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        vf s = vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]));
+        float q = vhsum(s);
+        for (int64_t j = nchunk * 32; j < D; j++) q = fmaf(wscalar(wt, rows[r], j), x[j], q);
+        res[r] = q;
+    }
+}
+
+typedef struct {
+    const uint8_t *W;  /* weight bytes, row i at W + i * stride */
+    int64_t stride;    /* bytes between rows */
+    int64_t F, D, T;   /* rows, columns, tokens */
+    const float *x;    /* gather: [T, D]; axpy: coefficients a [T, F] */
+    const uint8_t *mask; /* [T, F] bytes (0 / nonzero) or NULL */
+    float *out;        /* gather: [T, F]; axpy: [T, D] */
+    const int32_t *idx; /* rows to visit, ascending (NULL: every row) */
+    const float *coef; /* axpy, T == 1: a[idx[k]] */
+    int64_t n;         /* number of rows to visit */
+} hc_args;
+
+/* gather_matvec over index list entries [k0, k1). */
+HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k1) {
+    const int64_t F = A->F, D = A->D, T = A->T;
+    const int32_t *idx = A->idx;
+#define ROW_OF(k) (idx ? (int64_t)idx[k] : (int64_t)(k))
+    if (T == 1) {
+        int64_t k = k0;
+        for (; k + HC_G <= k1; k += HC_G) {
+            const uint8_t *rows[4], *pf[4] = {NULL, NULL, NULL, NULL};
+            float res[4];
+            for (int r = 0; r < HC_G; r++) {
+                rows[r] = A->W + ROW_OF(k + r) * A->stride;
+                if (k + HC_G + r < k1) pf[r] = A->W + ROW_OF(k + HC_G + r) * A->stride;
+            }
+            dot_rows1(wt, HC_G, rows, A->x, D, res, pf);
+            for (int r = 0; r < HC_G; r++) A->out[ROW_OF(k + r)] = res[r];
+        }
+        for (; k < k1; k++) {
+            const uint8_t *rows[1] = {A->W + ROW_OF(k) * A->stride};
+            dot_rows1(wt, 1, rows, A->x, D, A->out + ROW_OF(k), NULL);
+        }
+        return;
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t i = ROW_OF(k);
+        const uint8_t *row = A->W + i * A->stride;
+        const uint8_t *pf = (k + 1 < k1) ? A->W + ROW_OF(k + 1) * A->stride : NULL;
+        const float *xs[NTMAX];
+        int64_t ts[NTMAX];
+        float res[NTMAX];
+        int cnt = 0;
+        for (int64_t t = 0; t < T; t++) {
+            if (A->mask && !A->mask[t * F + i]) continue;
+            xs[cnt] = A->x + t * D;
+            ts[cnt++] = t;
+            if (cnt == NTMAX) {
+                dot_row(wt, NTMAX, row, xs, D, res, pf);
+                pf = NULL;
+                for (int j = 0; j < NTMAX; j++) A->out[ts[j] * F + i] = res[j];
+                cnt = 0;
+            }
+        }
+        switch (cnt) {
+        case 1: dot_row(wt, 1, row, xs, D, res, pf); break;
+#if NTMAX > 2
+        case 2: dot_row(wt, 2, row, xs, D, res, pf); break;
+        case 3: dot_row(wt, 3, row, xs, D, res, pf); break;
+#endif
+        default: break;
+        }
+        for (int j = 0; j < cnt; j++) A->out[ts[j] * F + i] = res[j];
+    }
+#undef ROW_OF
+}
+
+/* axpy, one token, rows of the index list in groups of NR, columns chunks [c0, c1). acc is the
+ * output row; each element gets one fma per row, in ascending row order. */
+HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows, const float *coef, float *acc,
+                         int64_t c0, int64_t c1, const uint8_t *const *pf) {
+    vf va[4];
+    for (int r = 0; r < NR; r++) va[r] = vset1(coef[r]);
+    int64_t pfo = chunk_off(wt, c0) & ~(int64_t)63;
+    for (int64_t c = c0; c < c1; c++) {
+        vf s[NV];
+        for (int v = 0; v < NV; v++) s[v] = vloadu(acc + c * 32 + v * VL);
+        for (int r = 0; r < NR; r++) {
+            vf w[NV];
+            load32(wt, rows[r], c, w);
+            for (int v = 0; v < NV; v++) s[v] = vfma(va[r], w[v], s[v]);
+        }
+        for (int v = 0; v < NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
+        if (HC_PF && pf) {
+            const int64_t end = chunk_off(wt, c + 1);
+            for (; pfo < end; pfo += 64)
+                for (int r = 0; r < 4; r++)
+                    if (pf[r]) vprefetch(pf[r] + pfo);
+        }
+    }
+}
+
+HC_INLINE void axpy_tail(const int wt, const uint8_t *row, float a, float *acc, int64_t j0, int64_t D) {
+    for (int64_t j = j0; j < D; j++) acc[j] = fmaf(a, wscalar(wt, row, j), acc[j]);
+}
+
+/* axpy over column chunks [c0, c1) (+ the scalar tail columns if tail). */
+HC_INLINE void axpy_part(const int wt, const hc_args *A, int64_t c0, int64_t c1, int tail) {
+    const int64_t F = A->F, D = A->D, T = A->T, n = A->n;
+    const int64_t jt = (D / 32) * 32;
+    if (T == 1) {
+        float *out = A->out;
+        int64_t k = 0;
+        for (; k + 4 <= n; k += 4) {
+            const uint8_t *rows[4], *pf[4];
+            for (int r = 0; r < 4; r++) {
+                rows[r] = A->W + (int64_t)A->idx[k + r] * A->stride;
+                pf[r] = (k + 4 + r < n) ? A->W + (int64_t)A->idx[k + 4 + r] * A->stride : NULL;
+            }
+            axpy_rows(wt, 4, rows, A->coef + k, out, c0, c1, pf);
+            if (tail)
+                for (int r = 0; r < 4; r++) axpy_tail(wt, rows[r], A->coef[k + r], out, jt, D);
+        }
+        const int rem = (int)(n - k);
+        if (rem > 0) {
+            const uint8_t *rows[4];
+            for (int r = 0; r < rem; r++) rows[r] = A->W + (int64_t)A->idx[k + r] * A->stride;
+            switch (rem) {
+            case 1: axpy_rows(wt, 1, rows, A->coef + k, out, c0, c1, NULL); break;
+            case 2: axpy_rows(wt, 2, rows, A->coef + k, out, c0, c1, NULL); break;
+            default: axpy_rows(wt, 3, rows, A->coef + k, out, c0, c1, NULL); break;
+            }
+            if (tail)
+                for (int r = 0; r < rem; r++) axpy_tail(wt, rows[r], A->coef[k + r], out, jt, D);
+        }
+        return;
+    }
+    /* T > 1: each union row is read once; its chunks are applied to every token that needs it. */
+    int64_t *ts = (int64_t *)malloc(sizeof(int64_t) * (size_t)T);
+    float *as = (float *)malloc(sizeof(float) * (size_t)T);
+    if (!ts || !as) {
+        free(ts);
+        free(as);
+        return;
+    }
+    for (int64_t k = 0; k < n; k++) {
+        const int64_t i = A->idx[k];
+        const uint8_t *row = A->W + i * A->stride;
+        const uint8_t *pf[4] = {(k + 1 < n) ? A->W + (int64_t)A->idx[k + 1] * A->stride : NULL, NULL, NULL, NULL};
+        int64_t cnt = 0;
+        for (int64_t t = 0; t < T; t++) {
+            const float a = A->x[t * F + i];
+            if ((A->mask && !A->mask[t * F + i]) || a == 0.0f) continue;
+            ts[cnt] = t;
+            as[cnt++] = a;
+        }
+        for (int64_t c = c0; c < c1; c++) {
+            vf w[NV];
+            load32(wt, row, c, w);
+            for (int64_t j = 0; j < cnt; j++) {
+                float *acc = A->out + ts[j] * D + c * 32;
+                const vf va = vset1(as[j]);
+                for (int v = 0; v < NV; v++) vstoreu(acc + v * VL, vfma(va, w[v], vloadu(acc + v * VL)));
+            }
+            if (HC_PF && pf[0])
+                for (int64_t o = chunk_off(wt, c) & ~(int64_t)63; o < chunk_off(wt, c + 1); o += 64) vprefetch(pf[0] + o);
+        }
+        if (tail)
+            for (int64_t j = 0; j < cnt; j++) axpy_tail(wt, row, as[j], A->out + ts[j] * D, jt, D);
+    }
+    free(ts);
+    free(as);
+}
+
+/* Dispatch on the weight type so every kernel body is specialised with a constant wt. */
+#define HC_DISPATCH(WT, CALL)                                                                                \
+    switch (WT) {                                                                                            \
+    case WT_F32: CALL(WT_F32); break;                                                                        \
+    case WT_F16: CALL(WT_F16); break;                                                                        \
+    case WT_BF16: CALL(WT_BF16); break;                                                                      \
+    case WT_Q8_0: CALL(WT_Q8_0); break;                                                                      \
+    case WT_Q4_0: CALL(WT_Q4_0); break;                                                                      \
+    case WT_Q5_0: CALL(WT_Q5_0); break;                                                                      \
+    default: CALL(WT_Q6_K); break;                                                                           \
+    }
+
+static void gather_range(int wt, const hc_args *A, int64_t k0, int64_t k1) {
+#define CALL(W) gather_part(W, A, k0, k1)
+    HC_DISPATCH(wt, CALL)
+#undef CALL
+}
+
+static void axpy_range(int wt, const hc_args *A, int64_t c0, int64_t c1, int tail) {
+#define CALL(W) axpy_part(W, A, c0, c1, tail)
+    HC_DISPATCH(wt, CALL)
+#undef CALL
+}
+
+/* Indices i with m[i] != 0, ascending. */
+static int64_t mask_to_idx(const uint8_t *m, int64_t F, int32_t *idx) {
+    int64_t n = 0, i = 0;
+#if defined(__AVX512BW__)
+    for (; i + 64 <= F; i += 64) {
+        const __m512i v = _mm512_loadu_si512((const void *)(m + i));
+        uint64_t bits = _mm512_test_epi8_mask(v, v);
+        while (bits) {
+            idx[n++] = (int32_t)(i + __builtin_ctzll(bits));
+            bits &= bits - 1;
+        }
+    }
+#elif defined(__AVX2__)
+    for (; i + 32 <= F; i += 32) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(m + i));
+        uint32_t bits = ~(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(v, _mm256_setzero_si256()));
+        while (bits) {
+            idx[n++] = (int32_t)(i + __builtin_ctz(bits));
+            bits &= bits - 1;
+        }
+    }
+#endif
+    for (; i < F; i++)
+        if (m[i]) idx[n++] = (int32_t)i;
+    return n;
+}
+
+HC_INLINE int clamp_threads(int nth, int64_t work) {
+    if (nth < 1) nth = 1;
+    if (work < nth) nth = work > 0 ? (int)work : 1;
+    return nth;
+}
+
+int hc_abi_version(void) { return HC_ABI_VERSION; }
+
+const char *hc_simd(void) { return HC_SIMD; }
+
+/* out[t, i] = dot(W[i], x[t]) where mask is NULL or mask[t, i]; exactly 0 elsewhere.
+ * Returns 0, or -1 if memory ran out. */
+int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *x, int64_t T,
+                     const uint8_t *mask, float *out, int nth) {
+    hc_args A = {W, stride, F, D, T, x, mask, out, NULL, NULL, F};
+    int32_t *idx = NULL;
+    if (mask) {
+        memset(out, 0, sizeof(float) * (size_t)(T * F));
+        idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
+        if (!idx) return -1;
+        if (T == 1) {
+            A.n = mask_to_idx(mask, F, idx);
+        } else {
+            uint8_t *u = (uint8_t *)calloc((size_t)(F > 0 ? F : 1), 1);
+            if (!u) {
+                free(idx);
+                return -1;
+            }
+            for (int64_t t = 0; t < T; t++) {
+                const uint8_t *m = mask + t * F;
+                for (int64_t i = 0; i < F; i++) u[i] |= m[i];
+            }
+            A.n = mask_to_idx(u, F, idx);
+            free(u);
+        }
+        A.idx = idx;
+    }
+    nth = clamp_threads(nth, A.n);
+    if (nth == 1) {
+        gather_range(wt, &A, 0, A.n);
+    } else {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth)
+        {
+            const int64_t ith = omp_get_thread_num(), nt = omp_get_num_threads();
+            gather_range(wt, &A, A.n * ith / nt, A.n * (ith + 1) / nt);
+        }
+#else
+        gather_range(wt, &A, 0, A.n);
+#endif
+    }
+    free(idx);
+    return 0;
+}
+
+/* out[t] = sum over rows i (ascending) with (mask NULL or mask[t, i]) and a[t, i] != 0 of a[t, i] * W[i].
+ * Returns 0, or -1 if memory ran out. */
+int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *a, int64_t T,
+                   const uint8_t *mask, float *out, int nth) {
+    hc_args A = {W, stride, F, D, T, a, mask, out, NULL, NULL, 0};
+    memset(out, 0, sizeof(float) * (size_t)(T * D));
+    int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
+    float *coef = (float *)malloc(sizeof(float) * (size_t)(F > 0 ? F : 1));
+    uint8_t *u = (uint8_t *)calloc((size_t)(F > 0 ? F : 1), 1);
+    if (!idx || !coef || !u) {
+        free(idx);
+        free(coef);
+        free(u);
+        return -1;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        const float *at = a + t * F;
+        const uint8_t *m = mask ? mask + t * F : NULL;
+        if (m)
+            for (int64_t i = 0; i < F; i++) u[i] |= (uint8_t)((m[i] != 0) & (at[i] != 0.0f));
+        else
+            for (int64_t i = 0; i < F; i++) u[i] |= (uint8_t)(at[i] != 0.0f);
+    }
+    A.n = mask_to_idx(u, F, idx);
+    free(u);
+    for (int64_t k = 0; k < A.n; k++) coef[k] = a[idx[k]]; /* used when T == 1 */
+    A.idx = idx;
+    A.coef = coef;
+    const int64_t nchunk = D / 32;
+    const int tail = (D % 32) != 0;
+    nth = clamp_threads(nth, A.n > 0 ? nchunk : 0);
+    if (nth == 1) {
+        axpy_range(wt, &A, 0, nchunk, tail);
+    } else {
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth)
+        {
+            const int64_t ith = omp_get_thread_num(), nt = omp_get_num_threads();
+            axpy_range(wt, &A, nchunk * ith / nt, nchunk * (ith + 1) / nt, tail && ith == nt - 1);
+        }
+#else
+        axpy_range(wt, &A, 0, nchunk, tail);
+#endif
+    }
+    free(idx);
+    free(coef);
+    return 0;
+}
+
+/* out[k, :] = dequantized row rows[k] (rows NULL: row k), k < n; exact as ggml. */
+HC_INLINE void dequant_part(const int wt, const uint8_t *W, int64_t stride, const int32_t *rows, int64_t D,
+                            float *out, int64_t k0, int64_t k1) {
+    const int64_t nchunk = D / 32;
+    for (int64_t k = k0; k < k1; k++) {
+        const uint8_t *row = W + (rows ? (int64_t)rows[k] : k) * stride;
+        float *o = out + k * D;
+        for (int64_t c = 0; c < nchunk; c++) {
+            vf w[NV];
+            load32(wt, row, c, w);
+            for (int v = 0; v < NV; v++) vstoreu(o + c * 32 + v * VL, w[v]);
+        }
+        for (int64_t j = nchunk * 32; j < D; j++) o[j] = wscalar(wt, row, j);
+    }
+}
+
+static void dequant_range(int wt, const uint8_t *W, int64_t stride, const int32_t *rows, int64_t D, float *out,
+                          int64_t k0, int64_t k1) {
+#define CALL(WTC) dequant_part(WTC, W, stride, rows, D, out, k0, k1)
+    HC_DISPATCH(wt, CALL)
+#undef CALL
+}
+
+int hc_dequantize(int wt, const uint8_t *W, int64_t stride, const int32_t *rows, int64_t n, int64_t D, float *out,
+                  int nth) {
+    nth = clamp_threads(nth, n);
+    if (nth == 1 || n * D < (1 << 16)) {
+        dequant_range(wt, W, stride, rows, D, out, 0, n);
+        return 0;
+    }
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth)
+    {
+        const int64_t ith = omp_get_thread_num(), nt = omp_get_num_threads();
+        dequant_range(wt, W, stride, rows, D, out, n * ith / nt, n * (ith + 1) / nt);
+    }
+#else
+    dequant_range(wt, W, stride, rows, D, out, 0, n);
+#endif
+    return 0;
+}

@@ -1,0 +1,412 @@
+"""CPU sparse FFN kernels over any weight type: row-gather GEMV and sparse axpy.
+
+The work is done by `_cpu_kernels.c` (OpenMP + AVX-512/AVX2/F16C, portable fallback), compiled on
+first use with the system C compiler into a per-user cache and called through ctypes (which
+releases the GIL, so a GPU thread can run at the same time). Without a compiler, or with
+HOTCOLD_NO_CEXT=1, a pure-torch fallback computes the same results (up to fp32 rounding).
+
+Weights are [F, D]: row i is neuron i (ffn_up / ffn_gate, and ffn_down_t for the axpy). They are
+float32/float16/bfloat16 torch tensors or `QuantTensor`s (Q8_0, Q4_0, Q5_0, Q6_K, ...), read in
+their stored format: each needed row is read once per call, for all tokens that need it, and block
+formats are dequantized on the fly. Results are bit-identical for any thread count.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType
+
+from hotcold.quants import QuantTensor, row_bytes
+
+__all__ = [
+    "Weight",
+    "gather_matvec",
+    "sparse_axpy",
+    "matmul",
+    "backend",
+    "simd",
+    "dequantize_rows",
+    "dequantize_bytes",
+]
+
+log = logging.getLogger(__name__)
+
+Weight = torch.Tensor | QuantTensor
+Q = GGMLQuantizationType
+
+_SRC = Path(__file__).with_name("_cpu_kernels.c")
+_ABI_VERSION = 3
+_WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
+_TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
+_BASE_FLAGS = ["-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
+_FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
+# T at or above which matmul dequantizes blocks of rows and hands them to torch's GEMM.
+_GEMM_MIN_TOKENS = 16
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_loaded = False
+
+
+# ------------------------------------------------------------------------------------------------
+# Building and loading the C library
+# ------------------------------------------------------------------------------------------------
+
+
+def _cache_dir() -> Path:
+    if d := os.environ.get("HOTCOLD_CACHE_DIR"):
+        return Path(d)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hotcold"
+
+
+def _machine_signature() -> bytes:
+    """What -march=native depends on: the CPU's model and feature flags."""
+    sig = [platform.machine(), platform.processor()]
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if line.startswith(("flags", "Features", "model name", "CPU part")):
+                    sig.append(line.strip())
+                if line.strip() == "":
+                    break  # the first processor is enough
+    except OSError:
+        pass
+    return "\n".join(sig).encode()
+
+
+def _compile(cc: str, flags: list[str], out: Path) -> bool:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cc, *flags, *_BASE_FLAGS, "-o", tmp, str(_SRC)]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            log.debug("compiling the CPU kernels failed: %s\n%s", " ".join(cmd), res.stderr[-4000:])
+            return False
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key writes the same bytes
+        return True
+    except (OSError, subprocess.SubprocessError) as e:
+        log.debug("compiling the CPU kernels failed: %s", e)
+        return False
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _bind(lib: ctypes.CDLL) -> None:
+    i64, p, c_int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    kern = [c_int, p, i64, i64, i64, p, i64, p, p, c_int]
+    lib.hc_gather_matvec.argtypes = kern
+    lib.hc_gather_matvec.restype = c_int
+    lib.hc_sparse_axpy.argtypes = kern
+    lib.hc_sparse_axpy.restype = c_int
+    lib.hc_dequantize.argtypes = [c_int, p, i64, p, i64, i64, p, c_int]
+    lib.hc_dequantize.restype = c_int
+    lib.hc_simd.restype = ctypes.c_char_p
+
+
+def _build_and_load() -> ctypes.CDLL | None:
+    if os.environ.get("HOTCOLD_NO_CEXT", "") not in ("", "0"):
+        log.info("HOTCOLD_NO_CEXT is set: using the torch CPU kernels")
+        return None
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler (cc/gcc) found: using the slower torch CPU kernels")
+        return None
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("C compiler %s does not run (%s): using the slower torch CPU kernels", cc, e)
+        return None
+    src = _SRC.read_bytes()
+    for flags in _FLAG_SETS:
+        h = hashlib.sha256()
+        for part in (src, cc.encode(), version, " ".join(flags + _BASE_FLAGS).encode(), _machine_signature()):
+            h.update(part)
+            h.update(b"\0")
+        path = _cache_dir() / f"cpu_kernels-{h.hexdigest()[:20]}.so"
+        if not path.exists() and not _compile(cc, flags, path):
+            continue
+        try:
+            lib = ctypes.CDLL(str(path))
+            if lib.hc_abi_version() != _ABI_VERSION:
+                raise OSError(f"ABI version {lib.hc_abi_version()}, expected {_ABI_VERSION}")
+            _bind(lib)
+        except (OSError, AttributeError) as e:
+            log.debug("loading %s failed: %s", path, e)
+            continue
+        log.debug("CPU kernels: %s (%s, %s)", path, lib.hc_simd().decode(), " ".join(flags))
+        return lib
+    log.warning("compiling the C CPU kernels failed (run with debug logging for details): using torch")
+    return None
+
+
+def _get_lib() -> ctypes.CDLL | None:
+    global _lib, _loaded
+    if not _loaded:
+        with _lock:
+            if not _loaded:
+                _lib = _build_and_load()
+                _loaded = True
+    return _lib
+
+
+def backend() -> str:
+    """Which kernels run: "c" (compiled) or "torch" (the fallback)."""
+    return "c" if _get_lib() is not None else "torch"
+
+
+def simd() -> str:
+    """The instruction set the C kernels were built for ("avx512", "avx2", "generic"), or "none"."""
+    lib = _get_lib()
+    return lib.hc_simd().decode() if lib is not None else "none"
+
+
+def _reset_for_tests(*, force_torch: bool | None = None) -> None:
+    """Forget the loaded library (tests switch backends with HOTCOLD_NO_CEXT)."""
+    global _lib, _loaded
+    with _lock:
+        _lib, _loaded = None, False
+    if force_torch is not None:
+        if force_torch:
+            os.environ["HOTCOLD_NO_CEXT"] = "1"
+        else:
+            os.environ.pop("HOTCOLD_NO_CEXT", None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Argument checking
+# ------------------------------------------------------------------------------------------------
+
+
+def _weight_view(weight: Weight) -> tuple[Q, torch.Tensor, int, int, int]:
+    """-> (qtype, tensor holding the bytes, row stride in bytes, F, D)."""
+    if isinstance(weight, QuantTensor):
+        data = weight.data
+        f, d = weight.shape
+        qtype = weight.qtype
+        stride = data.stride(0) if f > 1 else row_bytes(qtype, d)
+    elif isinstance(weight, torch.Tensor):
+        qtype = _TORCH_QTYPE.get(weight.dtype)
+        if qtype is None or weight.dim() != 2:
+            raise ValueError(
+                f"weight must be a 2-D float32/float16/bfloat16 tensor or a QuantTensor, "
+                f"got {weight.dtype} of shape {tuple(weight.shape)}"
+            )
+        data = weight
+        f, d = weight.shape
+        rs, cs = weight.stride()
+        if cs != 1 and f > 0 and d > 1:
+            raise ValueError("weight rows must be contiguous (weight.stride(1) == 1)")
+        stride = (rs if f > 1 else d) * weight.element_size()
+    else:
+        raise TypeError(f"weight must be a torch.Tensor or a QuantTensor, got {type(weight).__name__}")
+    if not data.is_cpu:
+        raise ValueError(f"CPU kernels need CPU weights, got a tensor on {data.device}")
+    return qtype, data, stride, f, d
+
+
+def _tokens(x: torch.Tensor, n: int, what: str) -> tuple[torch.Tensor, bool]:
+    """x [T, n] or [n] -> contiguous float32 [T, n], and whether the input was 1-D."""
+    if not x.is_cpu:
+        raise ValueError(f"{what} must be on the CPU, got {x.device}")
+    one = x.dim() == 1
+    x2 = x.unsqueeze(0) if one else x
+    if x2.dim() != 2 or x2.shape[1] != n:
+        raise ValueError(f"{what} has shape {tuple(x.shape)}, expected [T, {n}]")
+    if x2.dtype != torch.float32 or not x2.is_contiguous():
+        x2 = x2.to(torch.float32).contiguous()
+    return x2, one
+
+
+def _mask(rows: torch.Tensor | None, t: int, f: int) -> torch.Tensor | None:
+    """rows: None, bool [T, F] or bool [F] (same rows for every token) -> None or contiguous bool
+    [T, F] (its bytes are 0 / 1, read as uint8 by the C code)."""
+    if rows is None:
+        return None
+    if rows.dtype != torch.bool:
+        raise ValueError(f"rows must be a bool mask, got {rows.dtype}")
+    if rows.dim() == 1:
+        rows = rows.unsqueeze(0).expand(t, -1)
+    if rows.dim() != 2 or rows.shape[0] != t or rows.shape[1] != f:
+        raise ValueError(f"rows mask has shape {tuple(rows.shape)}, expected [{t}, {f}]")
+    if not rows.is_cpu:
+        rows = rows.cpu()
+    return rows if rows.is_contiguous() else rows.contiguous()
+
+
+def _threads(threads: int | None) -> int:
+    return max(1, int(threads if threads is not None else torch.get_num_threads()))
+
+
+def _dense_rows(weight: Weight, idx: torch.Tensor | None) -> torch.Tensor:
+    """float32 rows of a weight (all rows when idx is None): the torch fallback's copy."""
+    if isinstance(weight, QuantTensor):
+        return weight.dequantize(idx)
+    w = weight if idx is None else weight.index_select(0, idx)
+    return w.to(torch.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernels
+# ------------------------------------------------------------------------------------------------
+
+
+def gather_matvec(
+    weight: Weight, x: torch.Tensor, rows: torch.Tensor | None, *, threads: int | None = None
+) -> torch.Tensor:
+    """out[t, i] = dot(W[i], x[t]) where rows is None or rows[t, i], exactly 0 elsewhere.
+
+    weight [F, D]; x [T, D] (or [D]) float32; rows None, bool [T, F] or bool [F] -> float32 [T, F]
+    (or [F]).
+    """
+    qtype, data, stride, f, d = _weight_view(weight)
+    x2, one = _tokens(x, d, "x")
+    t = x2.shape[0]
+    mask = _mask(rows, t, f)
+    lib = _get_lib()
+    if lib is not None:
+        out = torch.empty(t, f, dtype=torch.float32)
+        rc = lib.hc_gather_matvec(
+            _WT[qtype],
+            data.data_ptr(),
+            stride,
+            f,
+            d,
+            x2.data_ptr(),
+            t,
+            None if mask is None else mask.data_ptr(),
+            out.data_ptr(),
+            _threads(threads),
+        )
+        if rc != 0:
+            raise MemoryError("hc_gather_matvec: out of memory")
+    else:
+        out = _torch_gather(weight, x2, mask)
+    return out[0] if one else out
+
+
+def _torch_gather(weight: Weight, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    if mask is None:
+        return x @ _dense_rows(weight, None).T
+    idx = mask.any(0).nonzero().squeeze(1)
+    out = torch.zeros(x.shape[0], mask.shape[1], dtype=torch.float32)
+    if idx.numel():
+        part = x @ _dense_rows(weight, idx).T  # [T, n]
+        out[:, idx] = torch.where(mask[:, idx], part, torch.zeros(()))
+    return out
+
+
+def sparse_axpy(
+    weight_t: Weight, a: torch.Tensor, rows: torch.Tensor | None, *, threads: int | None = None
+) -> torch.Tensor:
+    """out[t] = sum over i with (rows is None or rows[t, i]) and a[t, i] != 0 of a[t, i] * W_t[i].
+
+    weight_t [F, D] (row i = neuron i's output direction, ffn_down_t); a [T, F] (or [F]) float32;
+    rows None, bool [T, F] or bool [F] -> float32 [T, D] (or [D]). Rows are added in ascending order.
+    """
+    qtype, data, stride, f, d = _weight_view(weight_t)
+    a2, one = _tokens(a, f, "a")
+    t = a2.shape[0]
+    mask = _mask(rows, t, f)
+    lib = _get_lib()
+    if lib is not None:
+        out = torch.empty(t, d, dtype=torch.float32)
+        rc = lib.hc_sparse_axpy(
+            _WT[qtype],
+            data.data_ptr(),
+            stride,
+            f,
+            d,
+            a2.data_ptr(),
+            t,
+            None if mask is None else mask.data_ptr(),
+            out.data_ptr(),
+            _threads(threads),
+        )
+        if rc != 0:
+            raise MemoryError("hc_sparse_axpy: out of memory")
+    else:
+        out = _torch_axpy(weight_t, a2, mask)
+    return out[0] if one else out
+
+
+def _torch_axpy(weight_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    active = a != 0
+    if mask is not None:
+        active &= mask
+    idx = active.any(0).nonzero().squeeze(1)
+    out = torch.zeros(a.shape[0], weight_t.shape[1], dtype=torch.float32)
+    if idx.numel():
+        coef = torch.where(active[:, idx], a[:, idx], torch.zeros(()))  # [T, n]
+        out += coef @ _dense_rows(weight_t, idx)
+    return out
+
+
+def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
+    """Dense x @ W.T for any weight type: x [T, D] (or [D]) -> float32 [T, F] (or [F]).
+
+    Small T streams the weight through the C kernel; large T (prefill) dequantizes blocks of rows
+    into a small float32 buffer and uses torch's GEMM, which is compute- not bandwidth-bound there.
+    """
+    qtype, data, stride, f, d = _weight_view(weight)
+    x2, one = _tokens(x, d, "x")
+    t = x2.shape[0]
+    if t < _GEMM_MIN_TOKENS or _get_lib() is None:
+        out = gather_matvec(weight, x2, None, threads=threads)
+    elif qtype == Q.F32:
+        out = x2 @ weight.T
+    else:
+        out = torch.empty(t, f, dtype=torch.float32)
+        block = max(1, (1 << 22) // max(1, d))  # 16 MiB float32 buffer
+        buf = torch.empty(min(block, f), d, dtype=torch.float32)
+        for r0 in range(0, f, block):
+            r1 = min(f, r0 + block)
+            w = dequantize_rows(weight, r0, r1, out=buf[: r1 - r0], threads=threads)
+            torch.matmul(x2, w.T, out=out[:, r0:r1])
+    return out[0] if one else out
+
+
+def dequantize_rows(
+    weight: Weight, start: int = 0, stop: int | None = None, *, out: torch.Tensor | None = None, threads=None
+) -> torch.Tensor:
+    """float32 copy of rows [start, stop) of any weight, exact as ggml's dequantization."""
+    qtype, data, stride, f, d = _weight_view(weight)
+    stop = f if stop is None else stop
+    n = max(0, stop - start)
+    if out is None:
+        out = torch.empty(n, d, dtype=torch.float32)
+    lib = _get_lib()
+    if lib is None:
+        out.copy_(_dense_rows(weight, torch.arange(start, stop)))
+        return out
+    base = data.data_ptr() + start * stride if n else data.data_ptr()
+    lib.hc_dequantize(_WT[qtype], base, stride, None, n, d, out.data_ptr(), _threads(threads))
+    return out
+
+
+def dequantize_bytes(raw: torch.Tensor, qtype: Q, rows: int, cols: int) -> torch.Tensor | None:
+    """uint8 [rows * row_bytes] on the CPU -> float32 [rows, cols] with the C kernel, or None when
+    the C kernels are not available (the caller then uses its own path)."""
+    lib = _get_lib()
+    if lib is None or qtype not in _WT:
+        return None
+    out = torch.empty(rows, cols, dtype=torch.float32)
+    nb = row_bytes(qtype, cols)
+    lib.hc_dequantize(
+        _WT[qtype], raw.data_ptr(), nb, None, rows, cols, out.data_ptr(), torch.get_num_threads()
+    )
+    return out
