@@ -12,22 +12,17 @@ from hotcold.engine import Chunk, Engine
 from hotcold.loader import LoadedModel, load_model
 from hotcold.sampling import SamplingParams
 
-DEFAULT_CTX = 2048
-
 
 class Model:
     """A loaded model with one generation context. Use one Model per thread."""
 
-    def __init__(self, loaded: LoadedModel, ctx_size: int | None = None, load_seconds: float = 0.0):
+    def __init__(self, loaded: LoadedModel, load_seconds: float = 0.0):
         self.loaded = loaded
         self.config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.path = loaded.file.path
         self.load_seconds = load_seconds
-        ctx = ctx_size or min(self.config.n_ctx_train, DEFAULT_CTX)
-        if ctx < 1:
-            raise ValueError(f"ctx_size must be >= 1, got {ctx}")
-        self.engine = Engine(loaded.model, loaded.tokenizer, ctx)
+        self.engine = Engine(loaded.model, loaded.tokenizer, loaded.ctx_size)
         self.last_stats = None
 
     @property
@@ -103,8 +98,24 @@ def load(
     device: str = "auto",
     dense: bool = False,
     ctx_size: int | None = None,
+    reset_gpu_index: bool = False,
+    disable_gpu_index: bool = False,
+    n_gpu_layers: int | None = None,
 ) -> Model:
-    """Load a GGUF / PowerInfer model (None: the bundled demo model)."""
+    """Load a GGUF / PowerInfer model (None: the bundled demo model).
+
+    vram_budget: GiB of GPU memory to use (None: all free VRAM minus a margin; 0: CPU only).
+    n_gpu_layers: for dense files, offload the last N layers as llama.cpp's -ngl does."""
     start = time.perf_counter()
-    loaded = load_model(path, dense=dense, threads=threads, device=device, vram_budget=vram_budget)
-    return Model(loaded, ctx_size, time.perf_counter() - start)
+    loaded = load_model(
+        path,
+        dense=dense,
+        threads=threads,
+        device=device,
+        vram_budget=vram_budget,
+        ctx_size=ctx_size,
+        reset_gpu_index=reset_gpu_index,
+        disable_gpu_index=disable_gpu_index,
+        n_gpu_layers=n_gpu_layers,
+    )
+    return Model(loaded, time.perf_counter() - start)

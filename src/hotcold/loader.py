@@ -3,23 +3,29 @@ sparse/hybrid.py) that knows what lives where."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from hotcold import registry
 from hotcold.config import ModelConfig, config_from_file
-from hotcold.gguf_io import ModelFile
-from hotcold.sparse.ffn import FFNFactory
+from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.placement.budget import GIB, BudgetPlan, default_budget_bytes, plan_budget
+from hotcold.quants import QuantTensor
+from hotcold.sparse.ffn import FFNFactory, SparseFFN
 from hotcold.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "demo.powerinfer.gguf"
+DEFAULT_CTX = 2048
+AUTO_BUDGET_STEP = 256 << 20  # an automatic budget is rounded down so the placement cache stays valid
 
 
 def demo_model_path() -> Path:
@@ -34,7 +40,10 @@ class LoadedModel:
     file: ModelFile
     device: str
     dense: bool
+    ctx_size: int
     notes: list[str] = field(default_factory=list)  # what went where, for `info` and the load line
+    plan: BudgetPlan | None = None
+    hot: list[np.ndarray] | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -56,24 +65,189 @@ def load_model(
     threads: int | None = None,
     device: str = "auto",
     vram_budget: float | None = None,
+    ctx_size: int | None = None,
+    reset_gpu_index: bool = False,
+    disable_gpu_index: bool = False,
+    n_gpu_layers: int | None = None,
+    fast_device: str | None = None,
 ) -> LoadedModel:
+    """fast_device: where hot rows and offloaded layers go; default the GPU when `device` resolves to cuda.
+    Tests pass "cpu" to exercise the hybrid split with a second CPU placement standing in for the GPU."""
     path = Path(path) if path is not None else demo_model_path()
     if threads is not None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
+    if vram_budget is not None and vram_budget < 0:
+        raise ValueError(f"--vram-budget must be >= 0 GiB, got {vram_budget}")
     device = resolve_device(device)
     model_file = ModelFile(path)
     module = registry.model_module(model_file.architecture, str(path))
     config = config_from_file(model_file)
+    ctx = ctx_size or min(config.n_ctx_train, DEFAULT_CTX)
+    if ctx < 1:
+        raise ValueError(f"ctx_size must be >= 1, got {ctx}")
     tokenizer = Tokenizer.from_metadata(model_file.metadata, source=str(path))
-    notes = []
-    if vram_budget is not None and vram_budget > 0 and device == "cpu":
-        notes.append(f"--vram-budget {vram_budget} GiB ignored: running on the CPU (no CUDA GPU in use)")
-    factory = FFNFactory(dense=dense or not config.sparse, threads=threads)
+    notes: list[str] = []
+    fast = torch.device(fast_device) if fast_device else (torch.device("cuda") if device == "cuda" else None)
+    if fast is None and vram_budget:
+        notes.append(
+            f"--vram-budget {vram_budget:g} GiB ignored: no CUDA GPU in use, everything runs on the CPU"
+        )
+    if vram_budget == 0:
+        fast = None
+    dense = dense or not config.sparse
+    factory = FFNFactory(dense=dense, threads=threads)
+    plan, hot = None, None
+    if fast is not None and not dense:
+        if vram_budget is None and fast.type == "cuda":
+            budget = default_budget_bytes() // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP
+        else:
+            budget = int((vram_budget or 0) * GIB)
+        plan = plan_budget(
+            model_file, config, budget, ctx_size=ctx, kv_dtype_bytes=2 if fast.type == "cuda" else 4
+        )
+        notes.append(plan.describe())
+        hot = (
+            None
+            if disable_gpu_index
+            else resolve_placement(path, model_file, config, plan, reset_gpu_index, notes)
+        )
+        if disable_gpu_index:
+            notes.append("--disable-gpu-index: every FFN neuron runs on the CPU")
+        if hot is not None:
+            factory.make_hybrid = _hybrid_factory(hot, fast, threads)
     model = module.build(model_file, config, factory)
-    mode = "dense" if factory.dense else "sparse"
-    notes.append(
-        f"{config.arch} {mode} on {device}: {config.n_layer} layers, n_embd {config.n_embd}, n_ff {config.n_ff}"
+    if plan is not None:
+        _place(model, plan, fast)
+    elif fast is not None and n_gpu_layers:
+        _offload_last_layers(model, n_gpu_layers, fast, notes)
+    mode = "dense" if dense else "sparse"
+    where = device if fast is None else f"{device} + {fast}"
+    notes.insert(
+        0,
+        f"{config.arch} {mode} on {where}: {config.n_layer} layers, n_embd {config.n_embd}, n_ff {config.n_ff}",
     )
-    return LoadedModel(model, tokenizer, config, model_file, device, factory.dense, notes)
+    return LoadedModel(model, tokenizer, config, model_file, device, dense, ctx, notes, plan, hot)
+
+
+def _hybrid_factory(hot: list[np.ndarray], fast: torch.device, threads: int | None):
+    from hotcold.sparse.hybrid import HybridFFN
+
+    def make(layer: int, weights, predictor):
+        if len(hot[layer]) == 0:
+            return SparseFFN(weights, predictor, threads=threads)
+        return HybridFFN(weights, predictor, torch.from_numpy(hot[layer]), fast, threads=threads)
+
+    return make
+
+
+def resolve_placement(
+    path: Path, model_file: ModelFile, config: ModelConfig, plan: BudgetPlan, reset: bool, notes: list[str]
+) -> list[np.ndarray] | None:
+    """The hot neurons per layer: from the `.generated.gpuidx` cache when it was solved for this budget,
+    model file and statistics, else solved anew from `<model dir>/activation/` and cached."""
+    from hotcold.placement.gpuidx import Placement, gpuidx_path, read_gpuidx, source_signature, write_gpuidx
+    from hotcold.placement.solver import solve_placement
+
+    cache = gpuidx_path(path)
+    activation_dir = path.parent / "activation"
+    signature = source_signature(path, activation_dir)
+    n_ff = [config.n_ff] * config.n_layer
+    if cache.exists() and not reset:
+        try:
+            cached = read_gpuidx(cache)
+            if cached.vram_capacity == plan.hot_bytes and cached.source == signature and cached.n_ff == n_ff:
+                notes.append(
+                    f"placement from {cache.name}: {100 * cached.hot_fraction():.1f}% of FFN neurons hot"
+                )
+                return cached.hot
+            notes.append(f"{cache.name} was solved for another budget, model or statistics: solving again")
+        except GGUFError as exc:
+            notes.append(f"ignoring unreadable placement cache ({exc}): solving again")
+    if plan.hot_bytes <= 0:
+        notes.append("no VRAM left for hot FFN neurons: every FFN neuron runs on the CPU")
+        return None
+    activations = load_activations(activation_dir, config)
+    if activations is None:
+        notes.append(
+            f"no activation statistics in {activation_dir}: cannot choose hot neurons, every FFN neuron runs on the "
+            f"CPU. Run `hotcold profile -m {path} -f corpus.txt` to create them."
+        )
+        return None
+    hot = solve_placement(activations, plan.hot_bytes, plan.bytes_per_neuron)
+    placement = Placement(hot, n_ff, plan.hot_bytes, signature)
+    try:
+        from hotcold.placement.gpuidx import write_gpuidx
+
+        write_gpuidx(cache, placement)
+    except OSError as exc:
+        notes.append(
+            f"could not write the placement cache {cache} ({exc}); using the placement without caching it"
+        )
+    notes.append(f"placement solved: {100 * placement.hot_fraction():.1f}% of FFN neurons hot")
+    return hot
+
+
+def load_activations(activation_dir: Path, config: ModelConfig) -> list[torch.Tensor] | None:
+    if not activation_dir.is_dir():
+        return None
+    out = []
+    for i in range(config.n_layer):
+        file = activation_dir / f"activation_{i}.pt"
+        if not file.exists():
+            raise GGUFError(
+                f"{activation_dir}: missing {file.name} (one file per layer, 0..{config.n_layer - 1})"
+            )
+        counts = torch.load(file, map_location="cpu", weights_only=True)
+        if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != config.n_ff:
+            raise GGUFError(f"{file}: expected a 1-D tensor of {config.n_ff} activation counts")
+        out.append(counts.float())
+    return out
+
+
+def _move(value, device: torch.device):
+    if isinstance(value, QuantTensor):
+        if device.type == "cuda":  # dense GPU matmuls run on fp16 copies of block-quantized matrices
+            return value.dequantize().half().to(device)
+        return value.to(device)
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return value
+
+
+def _move_fields(obj, device: torch.device, skip=("ffn", "ffn_weights", "predictor", "device")) -> None:
+    for f in dataclasses.fields(obj):
+        if f.name not in skip:
+            setattr(obj, f.name, _move(getattr(obj, f.name), device))
+
+
+def _place(model, plan: BudgetPlan, fast: torch.device) -> None:
+    for i, layer in enumerate(model.layers):
+        if plan.layer_on_gpu[i]:
+            _move_fields(layer, fast)
+            layer.device = fast
+        if plan.predictor_on_gpu[i] and layer.predictor is not None:
+            layer.predictor.fc1 = _move(layer.predictor.fc1, fast)
+            layer.predictor.fc2 = _move(layer.predictor.fc2, fast)
+    if plan.output_on_gpu:
+        model.output = _move(model.output, fast)
+        model.output_norm = _move(model.output_norm, fast)
+        model.output_device = fast
+
+
+def _offload_last_layers(model, n_gpu_layers: int, fast: torch.device, notes: list[str]) -> None:
+    """llama.cpp's -ngl for dense files: the last N layers (all their weights) on the GPU, then the head."""
+    layers = model.layers
+    n = min(n_gpu_layers, len(layers))
+    for layer in layers[len(layers) - n :]:
+        _move_fields(layer, fast)
+        weights = layer.ffn_weights
+        for name in ("up", "gate", "down_t", "down", "up_bias", "down_bias"):
+            setattr(weights, name, _move(getattr(weights, name), fast))
+        layer.device = fast
+    if n_gpu_layers > len(layers):
+        model.output = _move(model.output, fast)
+        model.output_norm = _move(model.output_norm, fast)
+        model.output_device = fast
+    notes.append(f"-ngl {n_gpu_layers}: {n} of {len(layers)} layers on {fast}")

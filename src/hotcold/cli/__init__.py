@@ -14,6 +14,7 @@ COMMANDS = {
     "convert": ("convert", "convert a Hugging Face checkpoint (+ predictors) to GGUF / PowerInfer GGUF"),
     "quantize": ("quantize", "requantize a GGUF / PowerInfer file (f32, f16, bf16, q8_0, q4_0)"),
     "bench": ("bench", "llama-bench-like speed table: prompt processing and generation, sparse vs dense"),
+    "serve": ("serve", "OpenAI-compatible HTTP server with a chat page at /"),
     "profile": ("profile", "count how often each FFN neuron fires on a corpus -> activation_{i}.pt"),
     "train-predictors": ("train_predictors", "train per-layer predictors (which neurons fire) for a ReLU model"),
     "perplexity": ("perplexity", "perplexity over a text; sparse mode adds predictor recall and precision"),
@@ -47,6 +48,9 @@ def load_from_args(args):
         device=args.device,
         dense=args.dense,
         ctx_size=args.ctx_size,
+        reset_gpu_index=args.reset_gpu_index,
+        disable_gpu_index=args.disable_gpu_index,
+        n_gpu_layers=args.n_gpu_layers,
     )
 
 

@@ -58,19 +58,18 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, neox: b
 
 
 class KVCache:
-    """Preallocated keys and values for one sequence: k[l], v[l] are [S, Hkv, Dh]; positions are explicit,
-    so a decode step always has the same shapes."""
+    """Preallocated keys and values for one sequence: k[l], v[l] are [S, Hkv, Dh] on layer l's device;
+    positions are explicit, so a decode step always has the same shapes."""
 
-    def __init__(
-        self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, *, dtype=torch.float32, device="cpu"
-    ):
+    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, *, dtype=torch.float32, devices=None):
         self.n_ctx = n_ctx
-        self.k = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros(n_layer, n_ctx, n_head_kv, head_dim, dtype=dtype, device=device)
+        devices = devices or ["cpu"] * n_layer
+        self.k = [torch.zeros(n_ctx, n_head_kv, head_dim, dtype=dtype, device=d) for d in devices]
+        self.v = [torch.zeros(n_ctx, n_head_kv, head_dim, dtype=dtype, device=d) for d in devices]
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
 
 
 def attention(
@@ -89,10 +88,11 @@ def attention(
     end = pos + T
     if end > cache.n_ctx:
         raise ValueError(f"context overflow: position {end} exceeds the context size {cache.n_ctx}")
-    cache.k[layer, pos:end] = k.to(cache.k.dtype)
-    cache.v[layer, pos:end] = v.to(cache.v.dtype)
-    keys = cache.k[layer, :end].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, S, Dh]
-    values = cache.v[layer, :end].to(q.dtype).transpose(0, 1)[None]
+    k_cache, v_cache = cache.k[layer], cache.v[layer]
+    k_cache[pos:end] = k.to(k_cache.dtype)
+    v_cache[pos:end] = v.to(v_cache.dtype)
+    keys = k_cache[:end].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, S, Dh]
+    values = v_cache[:end].to(q.dtype).transpose(0, 1)[None]
     mask = None
     if T > 1 or sliding_window:
         q_pos = torch.arange(pos, end, device=q.device)[:, None]

@@ -29,6 +29,7 @@ class LlamaLayer:
     ffn_weights: FFNWeights
     predictor: Predictor | None
     ffn: object  # DenseFFN / SparseFFN / HybridFFN, chosen by the loader
+    device: torch.device = torch.device("cpu")  # where the loader put this layer's attention
 
 
 class Llama:
@@ -40,13 +41,24 @@ class Llama:
         self.layers = layers
         self.output_norm = output_norm
         self.output = output
-        self.cos, self.sin = rope_tables(
-            config.n_ctx_train * 4, config.rope_dim, config.rope_base, config.rope_scale
-        )
+        self.output_device = torch.device("cpu")
+        self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def new_cache(self, n_ctx: int, dtype=torch.float32) -> KVCache:
+    def rope(self, pos: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, dtype=dtype)
+        cos, sin = self._rope.get(device, (None, None))
+        if cos is None or pos + T > cos.shape[0]:
+            n = max(pos + T, c.n_ctx_train)
+            cos, sin = (t.to(device) for t in rope_tables(n, c.rope_dim, c.rope_base, c.rope_scale))
+            self._rope[device] = (cos, sin)
+        return cos[pos : pos + T], sin[pos : pos + T]
+
+    def new_cache(self, n_ctx: int) -> KVCache:
+        c = self.config
+        devices = [layer.device for layer in self.layers]
+        # fp16 keys/values on a GPU (the budget counts 2 bytes), fp32 on the CPU (exact reference)
+        dtype = torch.float16 if any(d.type == "cuda" for d in devices) else torch.float32
+        return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, dtype=dtype, devices=devices)
 
     def forward(
         self, tokens: torch.Tensor, pos: int, cache: KVCache, *, last_only: bool = False
@@ -54,11 +66,10 @@ class Llama:
         """tokens [T] at positions pos..pos+T-1 -> logits [T, V] (or [1, V] with last_only)."""
         c = self.config
         T = tokens.shape[0]
-        x = embed(self.token_embd, tokens)  # [T, D]
-        if pos + T > self.cos.shape[0]:
-            self.cos, self.sin = rope_tables(pos + T, c.rope_dim, c.rope_base, c.rope_scale)
-        cos, sin = self.cos[pos : pos + T], self.sin[pos : pos + T]
+        x = embed(self.token_embd, tokens)  # [T, D], on the CPU
         for i, layer in enumerate(self.layers):
+            x = x.to(layer.device)
+            cos, sin = self.rope(pos, T, layer.device)
             h = rms_norm(x, layer.attn_norm, c.norm_eps)
             q = linear(h, layer.wq).view(T, c.n_head, c.head_dim)
             k = linear(h, layer.wk).view(T, c.n_head_kv, c.head_dim)
@@ -70,7 +81,8 @@ class Llama:
             x = x + layer.ffn(ffn_in, x)
         if last_only:
             x = x[-1:]
-        return linear(rms_norm(x, self.output_norm, c.norm_eps), self.output)
+        x = x.to(self.output_device)
+        return linear(rms_norm(x, self.output_norm, c.norm_eps), self.output).float().cpu()
 
 
 def embed(token_embd: Weight, tokens: torch.Tensor) -> torch.Tensor:
@@ -80,6 +92,10 @@ def embed(token_embd: Weight, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -> Llama:
+    if config.n_expert:  # upstream llama.cpp writes Mixtral as arch llama with an expert count
+        from hotcold.models import mixtral
+
+        return mixtral.build(model_file, config, ffn_factory)
     c = config
     D, F, V = c.n_embd, c.n_ff, c.n_vocab
     qd, kvd = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
@@ -118,4 +134,3 @@ def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -
     token_embd = t("token_embd.weight", (V, D))
     output = t("output.weight", (V, D)) if "output.weight" in model_file.tensors else token_embd
     return Llama(c, token_embd, layers, t("output_norm.weight", (D,)).float(), output)
-

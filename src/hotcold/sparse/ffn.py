@@ -136,8 +136,8 @@ class SparseFFN:
 
 def down_projection(down_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """sum_i a[:, i] * down_t[i] -> [T, D]"""
-    if isinstance(down_t, torch.Tensor) and down_t.dtype == torch.float32 and mask is None:
-        return a @ down_t
+    if isinstance(down_t, torch.Tensor) and mask is None and (down_t.dtype == torch.float32 or down_t.device.type != "cpu"):
+        return (a.to(down_t.dtype) @ down_t).float()
     from hotcold.kernels import cpu
 
     return cpu.sparse_axpy(down_t, a, mask)

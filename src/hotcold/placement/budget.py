@@ -1,0 +1,139 @@
+"""Spending a VRAM budget, in the original's order minus its bugs.
+
+Walk: each layer's attention block (attention matrices, norms and that layer's KV cache: attention runs
+where its cache lives) from layer 0 up; then the predictors of layers on the GPU; then the output head;
+what is left goes to hot FFN rows (the solver picks them). A unit that does not fit is skipped and the
+walk goes on (the original stops at the first miss and then silently disables the FFN split). The
+compute scratch space is reserved first, so `--vram-budget 8` never allocates much more than 8 GiB.
+Pure function of sizes: no device is touched here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from hotcold.config import ModelConfig
+from hotcold.gguf_io import ModelFile
+
+GIB = 1 << 30
+PREFILL_CHUNK = 512  # tokens per prefill forward (engine.PREFILL_CHUNK)
+FREE_VRAM_MARGIN = 512 << 20  # left untouched when the budget is "all free VRAM"
+
+
+@dataclass
+class BudgetPlan:
+    budget_bytes: int
+    scratch_bytes: int
+    layer_on_gpu: list[bool]
+    predictor_on_gpu: list[bool]
+    output_on_gpu: bool
+    hot_bytes: int  # what is left for hot FFN rows
+    bytes_per_neuron: list[int]  # per layer: up + gate + down_t row bytes
+    spent: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        n_gpu = sum(self.layer_on_gpu)
+        parts = [
+            f"VRAM budget {self.budget_bytes / GIB:.2f} GiB: scratch {self.scratch_bytes / 2**20:.0f} MiB"
+        ]
+        parts.append(
+            f"attention+KV of {n_gpu}/{len(self.layer_on_gpu)} layers {self.spent.get('attention', 0) / 2**20:.0f} MiB"
+        )
+        parts.append(
+            f"predictors of {sum(self.predictor_on_gpu)} layers {self.spent.get('predictors', 0) / 2**20:.0f} MiB"
+        )
+        parts.append(f"output {'on GPU' if self.output_on_gpu else 'on CPU'}")
+        parts.append(f"{self.hot_bytes / 2**20:.0f} MiB left for hot FFN rows")
+        return ", ".join(parts)
+
+
+def layer_tensor_groups(
+    model_file: ModelFile, n_layer: int
+) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
+    """Per layer: dense (attention + norms) tensor names, predictor names, FFN matrix names."""
+    dense, pred, ffn = (
+        [[] for _ in range(n_layer)],
+        [[] for _ in range(n_layer)],
+        [[] for _ in range(n_layer)],
+    )
+    for name in model_file.tensors:
+        if not name.startswith("blk."):
+            continue
+        layer = int(name.split(".")[1])
+        if layer >= n_layer:
+            continue
+        if ".fc1." in name or ".fc2." in name:
+            pred[layer].append(name)
+        elif any(k in name for k in ("ffn_up", "ffn_gate", "ffn_down", "_exps")):
+            ffn[layer].append(name)
+        else:
+            dense[layer].append(name)
+    return dense, pred, ffn
+
+
+def scratch_bytes(config: ModelConfig) -> int:
+    """Activations of one prefill chunk: projections, FFN intermediates, one row of logits."""
+    c = config
+    per_token = 4 * (3 * c.n_ff + 8 * c.n_embd + 2 * c.n_head * c.head_dim)
+    return PREFILL_CHUNK * per_token + 4 * c.n_vocab * 2
+
+
+def kv_bytes_per_layer(config: ModelConfig, ctx_size: int, dtype_bytes: int) -> int:
+    return 2 * ctx_size * config.n_head_kv * config.head_dim * dtype_bytes
+
+
+def plan_budget(
+    model_file: ModelFile, config: ModelConfig, budget_bytes: int, *, ctx_size: int, kv_dtype_bytes: int = 2
+) -> BudgetPlan:
+    if budget_bytes < 0:
+        raise ValueError(f"VRAM budget must be >= 0, got {budget_bytes} bytes")
+    L = config.n_layer
+    dense, pred, ffn = layer_tensor_groups(model_file, L)
+    size = {name: e.n_bytes for name, e in model_file.tensors.items()}
+    left = budget_bytes
+    scratch = scratch_bytes(config)
+    spent = {"attention": 0, "predictors": 0, "output": 0}
+    if scratch > left:
+        left = 0
+    else:
+        left -= scratch
+    kv = kv_bytes_per_layer(config, ctx_size, kv_dtype_bytes)
+    layer_on_gpu = []
+    for i in range(L):
+        need = sum(size[n] for n in dense[i]) + kv
+        fits = need <= left
+        layer_on_gpu.append(fits)
+        if fits:
+            left -= need
+            spent["attention"] += need
+    predictor_on_gpu = []
+    for i in range(L):
+        need = sum(size[n] for n in pred[i])
+        fits = layer_on_gpu[i] and bool(pred[i]) and need <= left
+        predictor_on_gpu.append(fits)
+        if fits:
+            left -= need
+            spent["predictors"] += need
+    out_names = [n for n in ("output.weight", "output_norm.weight", "output_norm.bias") if n in size]
+    if "output.weight" not in size and "token_embd.weight" in size:
+        out_names.append("token_embd.weight")  # tied head: the GPU needs its own copy
+    need = sum(size[n] for n in out_names)
+    output_on_gpu = need <= left  # the head is large and x is one row: worth a copy even from a CPU layer
+    if output_on_gpu:
+        left -= need
+        spent["output"] = need
+    per_neuron = []
+    for i in range(L):
+        n_ff = max(config.n_ff, 1)
+        per_neuron.append(sum(size[n] for n in ffn[i] if n.endswith(".weight")) // n_ff)
+    return BudgetPlan(
+        budget_bytes, scratch, layer_on_gpu, predictor_on_gpu, output_on_gpu, left, per_neuron, spent
+    )
+
+
+def default_budget_bytes() -> int:
+    """All free VRAM minus a safety margin (the original keeps 256 MiB; CUDA's own allocations need more)."""
+    import torch
+
+    free, _ = torch.cuda.mem_get_info()
+    return max(0, free - FREE_VRAM_MARGIN)

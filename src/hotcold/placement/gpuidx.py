@@ -1,0 +1,99 @@
+"""The placement cache `<model path>.generated.gpuidx`, in the original's layout.
+
+A `PWRI`-magic GGUF with arch `generic.gpu_index`, keys `generic.gpu_index.block_count` (u32) and
+`split.vram_capacity` (u64), and per layer, in numeric layer order, `blk.{i}.gpu_idx` (I32 [n_ff], 1 = on
+the GPU) then `blk.{i}.gpu_bucket` (I32 [k], the sorted GPU neuron ids). Integer tensors carry PowerInfer's
+type number 18 so the original reads our files. We add keys recording what the placement was solved
+from (model file size and mtime, a digest of the activation files), so a changed model or new
+statistics trigger a new solve; the original ignores unknown keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+
+from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, write_model_file
+
+ARCH = "generic.gpu_index"
+
+
+def gpuidx_path(model_path: str | os.PathLike[str]) -> Path:
+    return Path(str(model_path) + ".generated.gpuidx")
+
+
+@dataclass(frozen=True)
+class Placement:
+    hot: list[np.ndarray]  # per layer: sorted int64 neuron ids placed on the GPU
+    n_ff: list[int]
+    vram_capacity: int  # bytes the solver was given for hot neurons
+    source: dict[str, str]  # what it was solved from (for cache validity)
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.hot)
+
+    def hot_fraction(self) -> float:
+        total = sum(self.n_ff)
+        return sum(len(h) for h in self.hot) / total if total else 0.0
+
+
+def source_signature(model_path: Path, activation_dir: Path | None) -> dict[str, str]:
+    """Size + mtime of the model file and a digest of the activation files' bytes."""
+    stat = model_path.stat()
+    digest = hashlib.sha256()
+    if activation_dir is not None and activation_dir.is_dir():
+        for path in sorted(activation_dir.glob("activation_*.pt"), key=lambda p: p.name):
+            digest.update(path.name.encode())
+            digest.update(path.read_bytes())
+    return {
+        "hotcold.model_size": str(stat.st_size),
+        "hotcold.model_mtime_ns": str(stat.st_mtime_ns),
+        "hotcold.activation_sha256": digest.hexdigest(),
+    }
+
+
+def write_gpuidx(path: str | os.PathLike[str], placement: Placement) -> Path:
+    meta = [
+        (f"{ARCH}.block_count", placement.n_layer, V.UINT32),
+        ("split.vram_capacity", int(placement.vram_capacity), V.UINT64),
+        *[(k, v, V.STRING) for k, v in placement.source.items()],
+    ]
+    specs = []
+    for i, (hot, n_ff) in enumerate(zip(placement.hot, placement.n_ff, strict=True)):
+        gpu_idx = np.zeros(n_ff, dtype=np.int32)
+        gpu_idx[hot] = 1
+        bucket = np.sort(hot).astype(np.int32)
+        specs.append(TensorSpec(f"blk.{i}.gpu_idx", (n_ff,), Q.I32, lambda a=gpu_idx: a))
+        specs.append(TensorSpec(f"blk.{i}.gpu_bucket", (len(bucket),), Q.I32, lambda a=bucket: a))
+    return write_model_file(path, ARCH, meta, specs, sparse=True)
+
+
+def read_gpuidx(path: str | os.PathLike[str]) -> Placement:
+    mf = ModelFile(path)
+    if mf.metadata.get("general.architecture") != ARCH:
+        raise GGUFError(
+            f"{path}: not a GPU index file (general.architecture is {mf.metadata.get('general.architecture')!r})"
+        )
+    if "split.vram_capacity" not in mf.metadata:
+        raise GGUFError(f"{path}: missing metadata key split.vram_capacity")
+    entries = list(mf.tensors.values())
+    if len(entries) % 2:
+        raise GGUFError(f"{path}: {len(entries)} tensors, expected gpu_idx/gpu_bucket pairs")
+    hot, n_ff = [], []
+    # by position, as the original reads them: tensor 2i is layer i's gpu_idx, 2i+1 its bucket
+    for i in range(len(entries) // 2):
+        idx = np.asarray(entries[2 * i].data).astype(np.int64)
+        bucket = np.asarray(entries[2 * i + 1].data).astype(np.int64)
+        if not np.array_equal(np.flatnonzero(idx), np.sort(bucket)):
+            raise GGUFError(f"{path}: layer {i}: gpu_bucket does not list the neurons gpu_idx marks")
+        hot.append(np.sort(bucket))
+        n_ff.append(len(idx))
+    source = {k: v for k, v in mf.metadata.items() if k.startswith("hotcold.")}
+    return Placement(hot, n_ff, int(mf.metadata["split.vram_capacity"]), source)

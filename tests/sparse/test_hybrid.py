@@ -1,0 +1,125 @@
+"""Hybrid FFN == CPU-only sparse FFN for any placement (a second CPU placement stands in for the GPU)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import hotcold
+from hotcold.loader import load_model
+from hotcold.placement.gpuidx import gpuidx_path, read_gpuidx
+from hotcold.sparse.ffn import FFNWeights, SparseFFN
+from hotcold.sparse.hybrid import HybridFFN
+
+F, D = 1280, 64
+
+
+def make_weights(kind: str, dtype=torch.float32, bias=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *s: (torch.randn(*s, generator=g) / 8).to(dtype)  # noqa: E731
+    return FFNWeights(
+        up=w(F, D),
+        gate=None if kind == "plain" else w(F, D),
+        down_t=w(F, D),
+        up_bias=torch.randn(F, generator=g) if bias else None,
+        down_bias=torch.randn(D, generator=g) if bias else None,
+        kind=kind,
+    )
+
+
+def random_predictor(rate: float, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    proj = torch.randn(D, F, generator=g)
+    thr = torch.quantile((torch.randn(256, D, generator=g) @ proj).flatten(), 1 - rate).item()
+    return lambda p: (p @ proj) >= thr
+
+
+@pytest.mark.parametrize("kind, bias", [("gated", False), ("gated_both", False), ("plain", True)])
+@pytest.mark.parametrize("hot_share", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("T", [1, 5])
+def test_hybrid_equals_cpu_sparse(kind, bias, hot_share, T):
+    weights = make_weights(kind, bias=bias)
+    predictor = random_predictor(0.2, seed=1)
+    hot = torch.randperm(F, generator=torch.Generator().manual_seed(2))[: int(hot_share * F)]
+    x, p = torch.randn(T, D), torch.randn(T, D)
+    ref = SparseFFN(weights, predictor, threads=1)(x, p)
+    got = HybridFFN(weights, predictor, hot, "cpu", threads=1)(x, p)
+    assert torch.allclose(got, ref, atol=1e-5 * ref.abs().max(), rtol=0)
+
+
+def test_hybrid_with_f16_weights():
+    weights = make_weights("gated", dtype=torch.float16)
+    predictor = random_predictor(0.1, seed=3)
+    hot = torch.arange(0, F, 3)
+    x, p = torch.randn(2, D), torch.randn(2, D)
+    ref = SparseFFN(weights, predictor)(x, p)
+    got = HybridFFN(weights, predictor, hot, "cpu")(x, p)
+    assert torch.allclose(got, ref, atol=1e-5 * ref.abs().max(), rtol=0)
+
+
+@pytest.fixture()
+def model_with_stats(tmp_path, tiny_sparse_gguf):
+    path = tmp_path / "m.powerinfer.gguf"
+    shutil.copy(tiny_sparse_gguf, path)
+    (tmp_path / "activation").mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        torch.save(
+            torch.randint(0, 1000, (1280,), generator=g), tmp_path / "activation" / f"activation_{i}.pt"
+        )
+    return path
+
+
+IDS = list(range(3, 40))
+
+
+def budget_gib(path, extra_bytes: int) -> float:
+    """Scratch space plus the dense parts of the tiny model (~0.9 MB) plus extra_bytes for hot rows."""
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.placement.budget import scratch_bytes
+
+    return (scratch_bytes(config_from_file(ModelFile(path))) + 900_000 + extra_bytes) / 2**30
+
+
+def test_loader_hybrid_equals_cpu_sparse_and_caches_placement(model_with_stats):
+    ref = hotcold.load(model_with_stats, device="cpu").logits(IDS)
+    # a budget that fits the attention of both layers and some hot neurons but not all (1280 x 768 B each)
+    small, large = budget_gib(model_with_stats, 800_000), budget_gib(model_with_stats, 1_400_000)
+    loaded = load_model(model_with_stats, device="cpu", fast_device="cpu", vram_budget=small)
+    assert all(loaded.plan.layer_on_gpu) and loaded.plan.output_on_gpu
+    assert loaded.plan.hot_bytes > 0
+    hot = [len(h) for h in loaded.hot]
+    assert 0 < sum(hot) < 2 * 1280 and all(h % 256 == 0 for h in hot)
+    got = hotcold.Model(loaded).logits(IDS)
+    assert torch.allclose(got, ref, atol=1e-5 * ref.abs().max(), rtol=0)
+    cache = gpuidx_path(model_with_stats)
+    assert cache.exists() and [len(h) for h in read_gpuidx(cache).hot] == hot
+    again = load_model(model_with_stats, device="cpu", fast_device="cpu", vram_budget=small)
+    assert any("placement from" in n for n in again.notes)
+    bigger = load_model(model_with_stats, device="cpu", fast_device="cpu", vram_budget=large)
+    assert any("solving again" in n for n in bigger.notes)  # never reused for another budget
+    assert sum(len(h) for h in bigger.hot) >= sum(hot)
+
+
+def test_budget_too_small_runs_on_cpu_and_says_so(model_with_stats):
+    loaded = load_model(model_with_stats, device="cpu", fast_device="cpu", vram_budget=0.0001)
+    assert loaded.hot is None and not any(loaded.plan.layer_on_gpu)
+    assert any("no VRAM left" in n for n in loaded.notes)
+    ref = hotcold.load(model_with_stats, device="cpu").logits(IDS)
+    assert torch.allclose(hotcold.Model(loaded).logits(IDS), ref, atol=1e-6 * ref.abs().max())
+
+
+def test_missing_statistics_named_with_the_fix(tmp_path, tiny_sparse_gguf):
+    path = tmp_path / "m.gguf"
+    shutil.copy(tiny_sparse_gguf, path)
+    loaded = load_model(path, device="cpu", fast_device="cpu", vram_budget=budget_gib(path, 800_000))
+    assert loaded.hot is None
+    assert any("no activation statistics" in n and "hotcold profile" in n for n in loaded.notes)
+
+
+def test_no_gpu_budget_note(tiny_sparse_gguf):
+    loaded = load_model(tiny_sparse_gguf, device="cpu", vram_budget=4)
+    assert any("ignored: no CUDA GPU" in n for n in loaded.notes)
