@@ -16,7 +16,7 @@ import torch
 from hotcold import registry
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.gguf_io import GGUFError, ModelFile
-from hotcold.placement.budget import GIB, BudgetPlan, default_budget_bytes, plan_budget
+from hotcold.placement.budget import GIB, BudgetPlan, default_budget_bytes, dense_layers_fitting, plan_budget
 from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn import FFNFactory, SparseFFN
 from hotcold.tokenizer import Tokenizer
@@ -120,8 +120,14 @@ def load_model(
     model = module.build(model_file, config, factory)
     if plan is not None:
         _place(model, plan, fast)
-    elif fast is not None and n_gpu_layers:
-        _offload_last_layers(model, n_gpu_layers, fast, notes)
+    elif fast is not None and (n_gpu_layers or fast.type == "cuda"):
+        if n_gpu_layers is None:  # dense on a GPU: as many whole layers as the budget holds
+            budget = default_budget_bytes() if vram_budget is None else int(vram_budget * GIB)
+            n_gpu_layers = dense_layers_fitting(model_file, config, budget, ctx_size=ctx)
+            if n_gpu_layers == config.n_layer:
+                n_gpu_layers += 1  # the output head too
+        if n_gpu_layers:
+            _offload_last_layers(model, n_gpu_layers, fast, notes)
     mode = "dense" if dense else "sparse"
     where = device if fast is None else f"{device} + {fast}"
     notes.insert(

@@ -123,3 +123,22 @@ def test_missing_statistics_named_with_the_fix(tmp_path, tiny_sparse_gguf):
 def test_no_gpu_budget_note(tiny_sparse_gguf):
     loaded = load_model(tiny_sparse_gguf, device="cpu", vram_budget=4)
     assert any("ignored: no CUDA GPU" in n for n in loaded.notes)
+
+
+def test_place_cli_writes_cache_and_info_reports_it(model_with_stats, capsys):
+    from hotcold.cli import main
+
+    budget = budget_gib(model_with_stats, 800_000)
+    assert main(["place", "-m", str(model_with_stats), "--vram-budget", f"{budget:.6f}"]) == 0
+    out = capsys.readouterr().out
+    assert "hot neurons per layer" in out
+    assert gpuidx_path(model_with_stats).exists()
+    assert main(["info", "-m", str(model_with_stats)]) == 0
+    assert "of FFN neurons hot" in capsys.readouterr().out
+
+
+def test_dense_layer_offload_equals_cpu(tiny_dense_gguf):
+    ref = hotcold.load(tiny_dense_gguf, device="cpu").logits(IDS)
+    loaded = load_model(tiny_dense_gguf, device="cpu", fast_device="cpu", n_gpu_layers=1)
+    assert any("-ngl 1: 1 of 2 layers" in n for n in loaded.notes)
+    assert torch.allclose(hotcold.Model(loaded).logits(IDS), ref, atol=1e-6 * ref.abs().max())

@@ -53,7 +53,7 @@ def describe(path: str | None) -> dict:
         "predictors": {"layers": len(ranks), "ranks": sorted(set(ranks))} if ranks else None,
         "sparse_threshold": c.sparse_threshold if c.sparse else None,
         "activation_stats": str(activation_dir) if activation_dir.is_dir() else None,
-        "placement_cache": str(gpuidx) if gpuidx.exists() else None,
+        "placement_cache": _placement(gpuidx),
         "n_expert": c.n_expert or None,
     }
 
@@ -77,3 +77,16 @@ def run(args) -> int:
             key, value = "size", f"{value / 2**20:.1f} MiB"
         print(f"{key:18s} {value}")
     return 0
+
+
+def _placement(gpuidx: Path) -> str | None:
+    if not gpuidx.exists():
+        return None
+    from hotcold.gguf_io import GGUFError
+    from hotcold.placement.gpuidx import read_gpuidx
+
+    try:
+        p = read_gpuidx(gpuidx)
+    except GGUFError as exc:
+        return f"{gpuidx} (unreadable: {exc})"
+    return f"{gpuidx.name}: {100 * p.hot_fraction():.1f}% of FFN neurons hot, {p.vram_capacity / 2**20:.0f} MiB"

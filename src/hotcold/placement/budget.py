@@ -137,3 +137,21 @@ def default_budget_bytes() -> int:
 
     free, _ = torch.cuda.mem_get_info()
     return max(0, free - FREE_VRAM_MARGIN)
+
+
+def dense_layers_fitting(model_file: ModelFile, config: ModelConfig, budget_bytes: int, *, ctx_size: int) -> int:
+    """For dense execution with layer offload (llama.cpp's -ngl): how many whole layers, counted from the
+    last, fit in the budget after the scratch space and the output head."""
+    dense, pred, ffn = layer_tensor_groups(model_file, config.n_layer)
+    size = {name: e.n_bytes for name, e in model_file.tensors.items()}
+    left = budget_bytes - scratch_bytes(config)
+    left -= sum(size.get(n, 0) for n in ("output.weight", "output_norm.weight", "output_norm.bias"))
+    kv = kv_bytes_per_layer(config, ctx_size, 2)
+    n = 0
+    for i in reversed(range(config.n_layer)):
+        need = sum(size[t] for t in dense[i] + ffn[i]) + kv
+        if need > left:
+            break
+        left -= need
+        n += 1
+    return n

@@ -1,0 +1,61 @@
+"""hotcold place: solve the hot-neuron placement for a VRAM budget and write `<model>.generated.gpuidx`.
+Runs without a GPU: it only needs the model file and its activation statistics."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+
+def add_args(p) -> None:
+    p.add_argument("-m", "--model", default=None, help="PowerInfer model file; omitted: the bundled demo model")
+    p.add_argument("--vram-budget", type=float, default=None, help="GiB (default: all free VRAM of the GPU)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size the KV cache is budgeted for")
+    p.add_argument("--json", action="store_true")
+
+
+def run(args) -> int:
+    import torch
+
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.loader import AUTO_BUDGET_STEP, DEFAULT_CTX, demo_model_path, resolve_placement
+    from hotcold.placement.budget import GIB, default_budget_bytes, plan_budget
+
+    path = Path(args.model) if args.model else demo_model_path()
+    mf = ModelFile(path)
+    config = config_from_file(mf)
+    if not config.sparse:
+        raise ValueError(f"{path}: a dense GGUF file has no predictors; placement needs a PowerInfer (PWRI) file")
+    if args.vram_budget is None:
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA GPU to read free memory from: give --vram-budget GIB")
+        budget = default_budget_bytes() // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP
+    elif args.vram_budget < 0:
+        raise ValueError(f"--vram-budget must be >= 0, got {args.vram_budget}")
+    else:
+        budget = int(args.vram_budget * GIB)
+    ctx = args.ctx_size or min(config.n_ctx_train, DEFAULT_CTX)
+    plan = plan_budget(mf, config, budget, ctx_size=ctx)
+    notes = [plan.describe()]
+    hot = resolve_placement(path, mf, config, plan, True, notes)
+    result = {
+        "model": str(path),
+        "budget_bytes": budget,
+        "hot_bytes": plan.hot_bytes,
+        "layers_on_gpu": sum(plan.layer_on_gpu),
+        "hot_neurons_per_layer": [len(h) for h in hot] if hot is not None else None,
+        "notes": notes,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        for note in notes:
+            print(note)
+        if hot is not None:
+            print("hot neurons per layer:", " ".join(str(len(h)) for h in hot))
+    if hot is None:
+        print("hotcold: no placement written", file=sys.stderr)
+        return 1
+    return 0
