@@ -1,0 +1,76 @@
+"""Sparse FFN against the dense reference: all-firing, oracle masks, thread counts, batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hotcold.sparse.ffn import DenseFFN, FFNWeights, SparseFFN
+
+F, D = 1280, 96
+
+
+def weights(kind="gated", dtype=torch.float32, seed=0, bias=False):
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *s: (torch.randn(*s, generator=g) / 6).to(dtype)  # noqa: E731
+    return FFNWeights(
+        up=w(F, D),
+        gate=None if kind == "plain" else w(F, D),
+        down_t=w(F, D),
+        up_bias=torch.randn(F, generator=g) if bias else None,
+        down_bias=torch.randn(D, generator=g) if bias else None,
+        kind=kind,
+    )
+
+
+CASES = [("gated", False), ("gated_both", False), ("plain", True)]
+
+
+@pytest.mark.parametrize("kind, bias", CASES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_all_firing_predictor_equals_dense(kind, bias, dtype):
+    w = weights(kind, dtype, bias=bias)
+    x = torch.randn(4, D)
+    dense = DenseFFN(w)(x, x)
+    sparse = SparseFFN(w, lambda p: torch.ones(p.shape[0], F, dtype=torch.bool))(x, x)
+    tol = 1e-5 if dtype == torch.float32 else 1e-3
+    assert (sparse - dense).abs().max() <= tol * dense.abs().max()
+
+
+@pytest.mark.parametrize("kind, bias", CASES)
+def test_oracle_mask_equals_dense_restricted_to_firing_neurons(kind, bias):
+    """With the true firing set as the mask, the sparse FFN is the dense FFN over exactly those neurons;
+    for ReLU models that is the dense FFN itself (non-firing neurons output exactly 0)."""
+    w = weights(kind, bias=bias)
+    x = torch.randn(6, D)
+    seen = {}
+    dense_ffn = DenseFFN(w)
+    dense_ffn.observer = lambda ffn_in, p, a: seen.setdefault("a", a)
+    dense = dense_ffn(x, x)
+    firing = seen["a"] != 0
+    assert 0.05 < firing.float().mean() < 0.95
+    sparse = SparseFFN(w, lambda p: firing)(x, x)
+    # reference restricted to the firing neurons, computed independently
+    a = torch.where(firing, seen["a"], 0.0)
+    restricted = a @ w.down_t + (w.down_bias if w.down_bias is not None else 0)
+    assert (sparse - restricted).abs().max() <= 1e-5 * restricted.abs().max()
+    if kind != "plain" or not bias:  # relu(b) of a non-firing neuron is 0 only without bias
+        assert (sparse - dense).abs().max() <= 1e-5 * dense.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_identical_bits_for_any_thread_count(dtype):
+    w = weights("gated", dtype)
+    x = torch.randn(9, D)
+    mask = torch.rand(9, F, generator=torch.Generator().manual_seed(1)) < 0.2
+    outs = [SparseFFN(w, lambda p: mask, threads=t)(x, x) for t in (1, 2, 4)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def test_prefill_batch_equals_token_by_token():
+    w = weights("gated_both")
+    x = torch.randn(12, D)
+    mask = torch.rand(12, F, generator=torch.Generator().manual_seed(2)) < 0.15
+    batch = SparseFFN(w, lambda p: mask)(x, x)
+    single = torch.cat([SparseFFN(w, lambda p, t=t: mask[t : t + 1])(x[t : t + 1], x[t : t + 1]) for t in range(12)])
+    assert (batch - single).abs().max() <= 1e-6 * batch.abs().max()
