@@ -92,3 +92,19 @@ def test_sparse_file_with_all_firing_predictors_equals_transformers(tmp_path, sp
     ids = list(range(5, 45))
     ours, ref = llm.logits(ids), hf_logits(hf, ids)
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+def test_sparse_prefill_batch_equals_token_by_token(tiny_sparse_gguf):
+    llm = hotcold.load(tiny_sparse_gguf, device="cpu")
+    ids = torch.randint(3, 500, (20,), generator=torch.Generator().manual_seed(5)).tolist()
+    full = llm.logits(ids)
+    engine = llm.engine
+    engine.cached_ids = []
+    steps = [engine.prefill(ids[:1])]
+    for pos in range(1, 20):
+        steps.append(engine._forward([ids[pos]], pos, last_only=True)[-1])
+    assert torch.allclose(torch.stack(steps), full, atol=1e-4 * full.abs().max())
+    rate = sum(layer.ffn.stats.computed for layer in llm.loaded.model.layers) / sum(
+        layer.ffn.stats.total for layer in llm.loaded.model.layers
+    )
+    assert 0.05 < rate < 0.95  # the predictors really skip neurons
