@@ -19,7 +19,20 @@ OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": 
 FILE_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 7, "bf16": 32}
 
 # config.json model_type -> converter module under hotcold.convert
-FAMILIES = {"llama": "llama", "mistral": "llama", "bamboo": "llama"}
+# (a family module exposes architecture, activation, dims, metadata, tensors; optionally predictor_groups)
+FAMILIES = {
+    "llama": "llama",
+    "mistral": "llama",
+    "bamboo": "llama",
+    "mixtral": "mixtral",
+    "falcon": "falcon",
+    "RefinedWeb": "falcon",  # Falcon checkpoints from before transformers had the class
+    "RefinedWebModel": "falcon",
+    "opt": "opt",
+}
+
+# the FFN activation llama.cpp assumes for a dense file of each architecture; hotcold.ffn_activation says otherwise
+DENSE_ACTIVATION = {"falcon": "gelu", "opt": "relu"}
 
 
 def family_module(model_type: str, hf_dir: Path):
@@ -80,13 +93,16 @@ def convert(
     plan = family.tensors(config, ckpt, sparse_layout=sparse)
     threshold = None
     if sparse:
-        n_embd, n_ff = config["hidden_size"], config["intermediate_size"]
-        predictors, threshold = read_predictors(
-            Path(predictor_dir), config["num_hidden_layers"], n_embd, n_ff
-        )
-        for i, layer in enumerate(predictors):  # predictors last, as PowerInfer's convert.py writes them
-            plan.append((f"blk.{i}.fc1.weight", lambda t=layer["fc1.weight"]: t))
-            plan.append((f"blk.{i}.fc2.weight", lambda t=layer["fc2.weight"]: t))
+        n_layer, n_embd, n_ff = family.dims(config)
+        pred_dir = Path(predictor_dir)
+        # one predictor per layer, or (MoE) one per layer and expert, each expert's in its own subfolder
+        groups = family.predictor_groups(config) if hasattr(family, "predictor_groups") else [("", "")]
+        _, threshold = read_predictors(pred_dir, 0, n_embd, n_ff)  # the folder's config.json
+        for folder, suffix in groups:
+            predictors, _ = read_predictors(pred_dir / folder, n_layer, n_embd, n_ff)
+            for i, layer in enumerate(predictors):  # predictors last, as PowerInfer's convert.py writes them
+                plan.append((f"blk.{i}.fc1{suffix}.weight", lambda t=layer["fc1.weight"]: t))
+                plan.append((f"blk.{i}.fc2{suffix}.weight", lambda t=layer["fc2.weight"]: t))
 
     specs = []
     for name, load in plan:
@@ -103,9 +119,9 @@ def convert(
         meta.append(("general.quantization_version", 2, V.UINT32))
     if threshold is not None:
         meta.append(("powerinfer.sparse_threshold", threshold, V.FLOAT32))
-    if not sparse and act == "relu" and arch == "llama":
-        # without this key every reader (llama.cpp too) runs a dense llama file as SiLU
-        meta.append(("hotcold.ffn_activation", "relu", V.STRING))
+    if not sparse and arch != "bamboo" and act != DENSE_ACTIVATION.get(arch, "silu"):
+        # without this key every reader (llama.cpp too) runs e.g. a dense llama file as SiLU
+        meta.append(("hotcold.ffn_activation", act, V.STRING))
 
     from hotcold.convert.vocab import write_vocab
 

@@ -1,5 +1,6 @@
-"""LLaMA-family checkpoints (LlamaForCausalLM, MistralForCausalLM, Bamboo) -> GGUF tensors and keys, laid out
-as PowerInfer's convert.py lays them out."""
+"""LLaMA-family checkpoints (LlamaForCausalLM, MistralForCausalLM, Bamboo, ProSparse) -> GGUF tensors and keys,
+laid out as PowerInfer's convert.py lays them out. Mistral is written as arch `llama` (as llama.cpp does), with its
+sliding window when the config uses one; TurboSparse dReLU adds `hotcold.ffn_kind = "gated_both"` (see `drelu`)."""
 
 from __future__ import annotations
 
@@ -25,11 +26,30 @@ def architecture(config: dict[str, Any]) -> str:
     return "bamboo" if config.get("model_type") == "bamboo" else "llama"
 
 
+def drelu(config: dict[str, Any]) -> bool:
+    """dReLU, `relu(gate) * relu(up)` (TurboSparse-Mistral/-Mixtral). Their config.json says hidden_act "relu"
+    and keeps dReLU in custom modeling code, so config.json must say it: `"hotcold_ffn_kind": "gated_both"`
+    (or `"hidden_act": "drelu"`). Bamboo is dReLU by architecture and needs no flag."""
+    return config.get("hotcold_ffn_kind") == "gated_both" or config.get("hidden_act") == "drelu"
+
+
 def activation(config: dict[str, Any]) -> str:
     act = config.get("hidden_act", "silu")
+    if act in ("drelu", "fatrelu"):
+        # ProSparse's FATReLU (relu with a small cut-off) runs as plain ReLU gated by the predictor threshold,
+        # as in PowerInfer; dReLU's second relu is the FFN kind (see drelu)
+        return "relu"
     if act not in ("relu", "silu"):
         raise ConvertError(f"config.json hidden_act {act!r} is not supported for llama (relu or silu)")
+    kind = config.get("hotcold_ffn_kind")
+    if kind not in (None, "gated", "gated_both"):
+        raise ConvertError(f"config.json hotcold_ffn_kind {kind!r} is not 'gated' or 'gated_both'")
     return act
+
+
+def dims(config: dict[str, Any]) -> tuple[int, int, int]:
+    """(n_layer, n_embd, n_ff): what every layer's predictor must fit."""
+    return config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
 
 
 def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
@@ -56,25 +76,20 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
     if scaling is not None:
         items.append((f"{arch}.rope.scaling.type", scaling[0], V.STRING))
         items.append((f"{arch}.rope.scaling.factor", scaling[1], V.FLOAT32))
-    if config.get("sliding_window"):
+    if config.get("sliding_window") and config.get("use_sliding_window", True):
         items.append((f"{arch}.attention.sliding_window", int(config["sliding_window"]), V.UINT32))
+    if drelu(config) and arch != "bamboo":
+        items.append(("hotcold.ffn_kind", "gated_both", V.STRING))
     return items
 
 
 def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) -> list[tuple[str, Any]]:
     """(gguf name, loader returning a float torch tensor in GGUF numpy orientation)"""
-    n_head = config["num_attention_heads"]
-    n_head_kv = config.get("num_key_value_heads") or n_head
     plan: list[tuple[str, Any]] = [("token_embd.weight", lambda: ckpt.get("model.embed_tokens.weight"))]
     for i in range(config["num_hidden_layers"]):
         hf, gg = f"model.layers.{i}.", f"blk.{i}."
+        plan += attention_tensors(config, ckpt, i)
         plan += [
-            (gg + "attn_norm.weight", lambda n=hf + "input_layernorm.weight": ckpt.get(n)),
-            (gg + "attn_q.weight", lambda n=hf + "self_attn.q_proj.weight": permute(ckpt.get(n), n_head)),
-            (gg + "attn_k.weight", lambda n=hf + "self_attn.k_proj.weight": permute(ckpt.get(n), n_head_kv)),
-            (gg + "attn_v.weight", lambda n=hf + "self_attn.v_proj.weight": ckpt.get(n)),
-            (gg + "attn_output.weight", lambda n=hf + "self_attn.o_proj.weight": ckpt.get(n)),
-            (gg + "ffn_norm.weight", lambda n=hf + "post_attention_layernorm.weight": ckpt.get(n)),
             (gg + "ffn_gate.weight", lambda n=hf + "mlp.gate_proj.weight": ckpt.get(n)),
             (gg + "ffn_up.weight", lambda n=hf + "mlp.up_proj.weight": ckpt.get(n)),
         ]
@@ -82,7 +97,27 @@ def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) ->
             plan.append((gg + "ffn_down_t.weight", lambda n=hf + "mlp.down_proj.weight": ckpt.get(n).T))
         else:
             plan.append((gg + "ffn_down.weight", lambda n=hf + "mlp.down_proj.weight": ckpt.get(n)))
-    plan.append(("output_norm.weight", lambda: ckpt.get("model.norm.weight")))
+    plan += output_tensors(config, ckpt)
+    return plan
+
+
+def attention_tensors(config: dict[str, Any], ckpt: Checkpoint, i: int) -> list[tuple[str, Any]]:
+    """Layer i's norms and attention (shared with Mixtral, whose layers differ only in the FFN)."""
+    n_head = config["num_attention_heads"]
+    n_head_kv = config.get("num_key_value_heads") or n_head
+    hf, gg = f"model.layers.{i}.", f"blk.{i}."
+    return [
+        (gg + "attn_norm.weight", lambda n=hf + "input_layernorm.weight": ckpt.get(n)),
+        (gg + "attn_q.weight", lambda n=hf + "self_attn.q_proj.weight": permute(ckpt.get(n), n_head)),
+        (gg + "attn_k.weight", lambda n=hf + "self_attn.k_proj.weight": permute(ckpt.get(n), n_head_kv)),
+        (gg + "attn_v.weight", lambda n=hf + "self_attn.v_proj.weight": ckpt.get(n)),
+        (gg + "attn_output.weight", lambda n=hf + "self_attn.o_proj.weight": ckpt.get(n)),
+        (gg + "ffn_norm.weight", lambda n=hf + "post_attention_layernorm.weight": ckpt.get(n)),
+    ]
+
+
+def output_tensors(config: dict[str, Any], ckpt: Checkpoint) -> list[tuple[str, Any]]:
+    plan: list[tuple[str, Any]] = [("output_norm.weight", lambda: ckpt.get("model.norm.weight"))]
     if "lm_head.weight" in ckpt and not config.get("tie_word_embeddings", False):
         plan.append(("output.weight", lambda: ckpt.get("lm_head.weight")))
     return plan

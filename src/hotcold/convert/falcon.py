@@ -1,0 +1,147 @@
+"""Falcon checkpoints (FalconForCausalLM, the older RefinedWeb configs) -> GGUF, laid out as llama.cpp and
+PowerInfer's convert-hf-to-powerinfer-gguf.py lay them out: arch `falcon`, fused qkv rearranged to the "jploski"
+layout (all q heads, then all k heads, then all v heads), `attn_norm` = the FFN's LayerNorm (HF
+`input_layernorm`, or `ln_mlp` in the 40B layout), `attn_norm_2` = attention's own LayerNorm (HF `ln_attn`).
+
+Two deliberate differences from PowerInfer's converter: `falcon.feed_forward_length` is the real
+`ffn_hidden_size` (PowerInfer writes 4 * hidden_size, the same for every released Falcon), and the KV head count
+follows transformers (multi-query without `new_decoder_architecture` means 1 KV head, whatever `num_kv_heads`
+says; PowerInfer reads `num_kv_heads` first, which transformers always writes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from gguf import GGUFValueType as V
+
+from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling, rope_theta
+
+MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
+
+
+def _hp(config: dict[str, Any], *keys: str, default: Any = None) -> Any:
+    """First present key: transformers' names first, then the RefinedWeb ones."""
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    if default is None:
+        raise ConvertError(f"config.json has none of {', '.join(keys)}")
+    return default
+
+
+def architecture(config: dict[str, Any]) -> str:
+    return "falcon"
+
+
+def activation(config: dict[str, Any]) -> str:
+    act = config.get("activation", "gelu")
+    if act not in ("relu", "gelu"):
+        raise ConvertError(f"config.json activation {act!r} is not supported for falcon (relu or gelu)")
+    return act
+
+
+def dims(config: dict[str, Any]) -> tuple[int, int, int]:
+    n_embd = _hp(config, "hidden_size", "d_model")
+    return (
+        _hp(config, "num_hidden_layers", "n_layer"),
+        n_embd,
+        _hp(config, "ffn_hidden_size", default=4 * n_embd),
+    )
+
+
+def _new_arch(config: dict[str, Any]) -> bool:
+    """The 40B layout (grouped KV heads); RefinedWeb configs (40B) predate the flag, RefinedWebModel is 7B."""
+    return bool(config.get("new_decoder_architecture", config.get("model_type") == "RefinedWeb"))
+
+
+def heads(config: dict[str, Any]) -> tuple[int, int]:
+    """(n_head, n_head_kv) as transformers' FalconAttention computes them."""
+    n_head = _hp(config, "num_attention_heads", "n_head")
+    if _new_arch(config):
+        return n_head, _hp(config, "num_kv_heads", "n_head_kv", default=n_head)
+    return n_head, 1 if config.get("multi_query", True) else n_head
+
+
+def _check(config: dict[str, Any]) -> None:
+    if config.get("alibi"):
+        raise ConvertError("config.json: Falcon with alibi positions is not supported (only rotary)")
+    if config.get("bias"):
+        raise ConvertError("config.json: Falcon with linear biases (bias: true) is not supported")
+    if not _new_arch(config) and not config.get("parallel_attn", True):
+        raise ConvertError(
+            "config.json: Falcon without parallel attention (parallel_attn: false) is not supported"
+        )
+
+
+def _two_norms(config: dict[str, Any]) -> bool:
+    """The 40B layout: separate LayerNorms for attention (ln_attn) and the FFN (ln_mlp)."""
+    return _new_arch(config) and config.get("num_ln_in_parallel_attn") in (None, 2)
+
+
+def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
+    _check(config)
+    n_layer, n_embd, n_ff = dims(config)
+    n_head, n_head_kv = heads(config)
+    items = [
+        (f"{arch}.context_length", int(config.get("max_position_embeddings", 2048)), V.UINT32),
+        (f"{arch}.tensor_data_layout", "jploski", V.STRING),
+        (f"{arch}.embedding_length", n_embd, V.UINT32),
+        (f"{arch}.feed_forward_length", n_ff, V.UINT32),
+        (f"{arch}.block_count", n_layer, V.UINT32),
+        (f"{arch}.attention.head_count", n_head, V.UINT32),
+        (f"{arch}.attention.head_count_kv", n_head_kv, V.UINT32),
+        (f"{arch}.attention.layer_norm_epsilon", float(config.get("layer_norm_epsilon", 1e-5)), V.FLOAT32),
+    ]
+    theta = rope_theta(config)
+    if theta is not None:
+        items.append((f"{arch}.rope.freq_base", theta, V.FLOAT32))
+    scaling = rope_scaling(config)
+    if scaling is not None:
+        items.append((f"{arch}.rope.scaling.type", scaling[0], V.STRING))
+        items.append((f"{arch}.rope.scaling.factor", scaling[1], V.FLOAT32))
+    return items
+
+
+def jploski(qkv: torch.Tensor, n_head: int, n_head_kv: int) -> torch.Tensor:
+    """HF fused qkv rows, grouped per KV head as [q x (n_head/n_head_kv), k, v], -> [all q, all k, all v]."""
+    group = n_head // n_head_kv
+    head_dim = qkv.shape[0] // (n_head + 2 * n_head_kv)
+    w = qkv.reshape(n_head_kv, group + 2, head_dim, qkv.shape[-1])
+    q, k, v = w[:, :group], w[:, group], w[:, group + 1]
+    return torch.cat([t.reshape(-1, qkv.shape[-1]) for t in (q, k, v)])
+
+
+def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) -> list[tuple[str, Any]]:
+    """(gguf name, loader returning a float torch tensor in GGUF numpy orientation)"""
+    _check(config)
+    n_layer, _, _ = dims(config)
+    n_head, n_head_kv = heads(config)
+    two_norms = _two_norms(config)
+    plan: list[tuple[str, Any]] = [
+        ("token_embd.weight", lambda: ckpt.get("transformer.word_embeddings.weight"))
+    ]
+    for i in range(n_layer):
+        hf, gg = f"transformer.h.{i}.", f"blk.{i}."
+        ffn_norm = hf + ("ln_mlp" if two_norms else "input_layernorm")
+        for suffix in ("weight", "bias"):
+            plan.append((f"{gg}attn_norm.{suffix}", lambda n=f"{ffn_norm}.{suffix}": ckpt.get(n)))
+            if two_norms:
+                plan.append((f"{gg}attn_norm_2.{suffix}", lambda n=f"{hf}ln_attn.{suffix}": ckpt.get(n)))
+        qkv = hf + "self_attention.query_key_value.weight"
+        plan += [
+            (gg + "attn_qkv.weight", lambda n=qkv: jploski(ckpt.get(n), n_head, n_head_kv)),
+            (gg + "attn_output.weight", lambda n=hf + "self_attention.dense.weight": ckpt.get(n)),
+            (gg + "ffn_up.weight", lambda n=hf + "mlp.dense_h_to_4h.weight": ckpt.get(n)),
+        ]
+        down = hf + "mlp.dense_4h_to_h.weight"
+        if sparse_layout:
+            plan.append((gg + "ffn_down_t.weight", lambda n=down: ckpt.get(n).T))
+        else:
+            plan.append((gg + "ffn_down.weight", lambda n=down: ckpt.get(n)))
+    plan.append(("output_norm.weight", lambda: ckpt.get("transformer.ln_f.weight")))
+    plan.append(("output_norm.bias", lambda: ckpt.get("transformer.ln_f.bias")))
+    if "lm_head.weight" in ckpt and not config.get("tie_word_embeddings", True):
+        plan.append(("output.weight", lambda: ckpt.get("lm_head.weight")))
+    return plan
