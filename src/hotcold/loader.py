@@ -237,9 +237,15 @@ def _place(model, plan: BudgetPlan, fast: torch.device) -> None:
             layer.predictor.fc1 = _move(layer.predictor.fc1, fast)
             layer.predictor.fc2 = _move(layer.predictor.fc2, fast)
     if plan.output_on_gpu:
-        model.output = _move(model.output, fast)
-        model.output_norm = _move(model.output_norm, fast)
-        model.output_device = fast
+        _place_output(model, fast)
+
+
+def _place_output(model, fast: torch.device) -> None:
+    model.output = _move(model.output, fast)
+    model.output_norm = _move(model.output_norm, fast)
+    if getattr(model, "output_norm_b", None) is not None:  # LayerNorm families
+        model.output_norm_b = _move(model.output_norm_b, fast)
+    model.output_device = fast
 
 
 def _offload_last_layers(model, n_gpu_layers: int, fast: torch.device, notes: list[str]) -> None:
@@ -248,12 +254,12 @@ def _offload_last_layers(model, n_gpu_layers: int, fast: torch.device, notes: li
     n = min(n_gpu_layers, len(layers))
     for layer in layers[len(layers) - n :]:
         _move_fields(layer, fast)
-        weights = layer.ffn_weights
-        for name in ("up", "gate", "down_t", "down", "up_bias", "down_bias"):
-            setattr(weights, name, _move(getattr(weights, name), fast))
+        for weights in getattr(layer, "experts", None) or [
+            layer.ffn_weights
+        ]:  # MoE layers hold one per expert
+            for name in ("up", "gate", "down_t", "down", "up_bias", "down_bias"):
+                setattr(weights, name, _move(getattr(weights, name), fast))
         layer.device = fast
     if n_gpu_layers > len(layers):
-        model.output = _move(model.output, fast)
-        model.output_norm = _move(model.output_norm, fast)
-        model.output_device = fast
+        _place_output(model, fast)
     notes.append(f"-ngl {n_gpu_layers}: {n} of {len(layers)} layers on {fast}")
