@@ -1,0 +1,229 @@
+"""Aggregate generation throughput of `hotcold serve` with 1, 4 and 8 concurrent streaming clients.
+
+Starts the real server (uvicorn, 127.0.0.1, a free port, --parallel = the most clients) in this process,
+sends every client a different prompt at the same moment (`/v1/completions`, stream, temperature 0,
+`ignore_eos` so each produces exactly --max-tokens tokens), and reports total tokens / wall time, mean time
+to first token and per-client tokens/s. The single-request figure without HTTP (`llm.generate`) is
+measured alongside, so the server's overhead shows as a ratio. Prints JSON and appends a dated section to
+benchmarks/RESULTS.md.
+
+    python benchmarks/serve.py [MODEL] [--clients 1,4,8] [--max-tokens 32] [-t THREADS]
+
+Each slot runs its own forward (no batched decoding across requests), so on a memory-bound model the
+aggregate figure shows how well concurrent forwards share the cores, not batching gains.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import shlex
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+import hotcold
+from hotcold.loader import demo_model_path
+from hotcold.server.app import create_app
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+class Server:
+    """uvicorn in a thread, on 127.0.0.1 at a free port."""
+
+    def __init__(self, app):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self) -> str:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the server did not start")
+            time.sleep(0.02)
+        return self.url
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+        self.sock.close()
+
+
+def one_client(url: str, prompt: str, max_tokens: int, start: threading.Barrier, out: dict) -> None:
+    body = {
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start.wait()
+    t0 = time.perf_counter()
+    first = None
+    tokens = 0
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if obj.get("choices") and obj["choices"][0]["text"] and first is None:
+                first = time.perf_counter()
+            if obj.get("usage"):
+                tokens = obj["usage"]["completion_tokens"]
+    end = time.perf_counter()
+    out.update(start=t0, first=first or end, end=end, tokens=tokens)
+
+
+def run_clients(url: str, n: int, max_tokens: int) -> dict:
+    start = threading.Barrier(n)
+    results = [{} for _ in range(n)]
+    threads = [
+        threading.Thread(
+            target=one_client, args=(url, f"Client {i}: once upon a time", max_tokens, start, results[i])
+        )
+        for i in range(n)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any("tokens" not in r for r in results):
+        raise RuntimeError("a client failed (see the traceback above)")
+    wall = max(r["end"] for r in results) - min(r["start"] for r in results)
+    tokens = sum(r["tokens"] for r in results)
+    return {
+        "clients": n,
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "aggregate_tokens_per_s": round(tokens / wall, 2),
+        "per_client_tokens_per_s_mean": round(
+            sum(r["tokens"] / (r["end"] - r["start"]) for r in results) / n, 2
+        ),
+        "ttft_s_mean": round(sum(r["first"] - r["start"] for r in results) / n, 3),
+        "ttft_s_max": round(max(r["first"] - r["start"] for r in results), 3),
+    }
+
+
+def results_section(res: dict, cmd: str, label: str) -> str:
+    m = res["machine"]
+    lines = [
+        "",
+        f"## Server throughput (issue #7) — {res['date'][:10]}",
+        "",
+        f"Command: `{cmd}`",
+        f"Model: {label}",
+        f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
+        f"load average before {m['loadavg_before']}, after {m['loadavg_after']} (other jobs were running).",
+        f"Each client streams {res['max_tokens']} tokens (temperature 0, ignore_eos) from its own prompt; "
+        f"--parallel {res['parallel']}. Single request without HTTP (`llm.generate`): "
+        f"{res['direct_tokens_per_s']} tokens/s (best of 3, in a thread as the slots run).",
+        "",
+        "| clients | aggregate tokens/s | per-client tokens/s | mean / max time to first token | wall |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for r in res["runs"]:
+        lines.append(
+            f"| {r['clients']} | {r['aggregate_tokens_per_s']} | {r['per_client_tokens_per_s_mean']} "
+            f"| {r['ttft_s_mean']} s / {r['ttft_s_max']} s | {r['wall_s']} s |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default=None, help="model file (default: the bundled demo model)")
+    ap.add_argument("--clients", default="1,4,8", help="comma-separated client counts (default 1,4,8)")
+    ap.add_argument("--max-tokens", type=int, default=32, help="tokens each client generates")
+    ap.add_argument("--parallel", type=int, default=None, help="server slots (default: the most clients)")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="torch / kernel threads")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--dense", action="store_true")
+    ap.add_argument("--label", default=None, help="how to name the model in RESULTS.md")
+    ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+    path = Path(args.model) if args.model else demo_model_path()
+    if not path.exists():
+        sys.exit(f"serve.py: {path} does not exist (no bundled demo model yet: pass a model path)")
+    clients = [int(c) for c in args.clients.split(",")]
+    parallel = args.parallel or max(clients)
+
+    loadavg_before = [round(v, 2) for v in os.getloadavg()]
+    llm = hotcold.load(path, threads=args.threads, device=args.device, dense=args.dense)
+    prompt = "Client 0: once upon a time"
+    llm.generate(prompt, max_tokens=4, ignore_eos=True)  # warm up kernels
+    direct = [0.0]
+
+    def direct_run() -> None:
+        for _ in range(3):  # best of 3: the machine may be shared
+            t0 = time.perf_counter()
+            llm.generate(prompt, max_tokens=args.max_tokens, ignore_eos=True)
+            direct[0] = max(direct[0], args.max_tokens / (time.perf_counter() - t0))
+
+    # in a worker thread, as the server's slots run: on a loaded machine torch's main-thread parallel
+    # regions were measured several times slower than the same work from another thread
+    worker = threading.Thread(target=direct_run)
+    worker.start()
+    worker.join()
+
+    res: dict = {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "model": str(path),
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "torch": torch.__version__.split("+")[0],
+            "torch_threads": torch.get_num_threads(),
+            "device": llm.loaded.device,
+            "loadavg_before": loadavg_before,
+        },
+        "max_tokens": args.max_tokens,
+        "parallel": parallel,
+        "direct_tokens_per_s": round(direct[0], 2),
+        "runs": [],
+    }
+    with Server(create_app(llm, parallel=parallel)) as url:
+        run_clients(url, 1, 4)  # warm up the HTTP path
+        for n in clients:
+            res["runs"].append(run_clients(url, n, args.max_tokens))
+            print(f"# {n} clients done", file=sys.stderr, flush=True)
+    res["machine"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
+    print(json.dumps(res, indent=1))
+    if not args.no_results:
+        out = Path(__file__).with_name("RESULTS.md")
+        if not out.exists():
+            out.write_text(
+                "# Benchmark results\n\nEvery figure we quote, with the command that produced it.\n"
+            )
+        cmd = shlex.join(["python", "benchmarks/serve.py", *(argv if argv is not None else sys.argv[1:])])
+        with out.open("a") as f:
+            f.write(results_section(res, cmd.strip(), args.label or path.name))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""In front of every route: OpenAI-shaped errors, the API key, the request body limit, the JSON-only rule,
+request counts for /metrics, and a JSON 500 for anything unexpected (the server carries on)."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+
+from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hotcold.server.metrics import Metrics
+from hotcold.server.protocol import ApiError, error_body
+
+log = logging.getLogger(__name__)
+
+ROUTES = frozenset(
+    (
+        "/",
+        "/health",
+        "/metrics",
+        "/v1/models",
+        "/v1/completions",
+        "/v1/chat/completions",
+        "/completion",
+        "/tokenize",
+        "/detokenize",
+    )
+)
+# No key needed: the health probe, and the chat page itself (static, no model data; it asks for the key
+# and sends it with every request, as llama.cpp's web UI does).
+OPEN_ROUTES = frozenset(("/health", "/"))
+
+
+def _json_error(status: int, message: str, **kwargs) -> JSONResponse:
+    return JSONResponse(error_body(message, **kwargs), status_code=status)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
+        return f"the request body is not valid JSON ({detail})", None
+    # a union field fails once per member: name the field they share, list the distinct complaints
+    locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    common = locs[0]
+    for loc in locs[1:]:
+        n = 0
+        while n < min(len(common), len(loc)) and common[n] == loc[n]:
+            n += 1
+        common = common[:n]
+    param = ".".join(common) or None
+    msgs = list(dict.fromkeys(e.get("msg", "invalid") for e in errors))[:3]
+    return f"{param or 'the request body'}: {'; '.join(msgs)}", param
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request, exc: ApiError):
+        return _json_error(exc.status, exc.message, type=exc.type, param=exc.param, code=exc.code)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request, exc: RequestValidationError):
+        message, param = _validation_message(exc)
+        return _json_error(400, message, param=param, code="invalid_request")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _json_error(exc.status_code, str(exc.detail), type=kind)
+
+
+class Guard:
+    """Pure ASGI middleware in front of every route: the API key, the body size limit (the body is read
+    here, bounded, then replayed), request counts for /metrics, and a JSON 500 for anything unexpected."""
+
+    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, metrics: Metrics):
+        self.app = app
+        self.api_key = api_key.encode() if api_key else None
+        self.max_body_bytes = max_body_bytes
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = path if path in ROUTES else "other"
+        status = 500
+        started = False
+
+        async def send_counted(message) -> None:
+            nonlocal status, started
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+            await send(message)
+
+        try:
+            if self.api_key is not None and path not in OPEN_ROUTES and not self._authorized(scope):
+                return await _json_error(
+                    401,
+                    "invalid or missing API key: send the header 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )(scope, receive, send_counted)
+            if scope["method"] == "POST" and not _is_json(scope):
+                # also keeps other web pages out: a cross-site form or no-cors fetch cannot send JSON
+                return await _json_error(
+                    415, "send the request body as JSON, with 'Content-Type: application/json'"
+                )(scope, receive, send_counted)
+            body = await self._read_body(scope, receive)
+            if body is None:
+                return await _json_error(
+                    413, f"the request body is larger than {self.max_body_bytes} bytes", code="body_too_large"
+                )(scope, receive, send_counted)
+            replayed = False
+
+            async def replay():
+                nonlocal replayed
+                if not replayed:
+                    replayed = True
+                    return {"type": "http.request", "body": body, "more_body": False}
+                return await receive()
+
+            await self.app(scope, replay, send_counted)
+        except _ClientGone:
+            status = 499  # nginx's "client closed request": nothing to answer
+        except Exception:
+            log.exception("internal error on %s %s", scope.get("method"), path)
+            if not started:
+                await _json_error(500, "internal server error", type="server_error")(
+                    scope, receive, send_counted
+                )
+        finally:
+            self.metrics.request_done(route, status)
+
+    def _authorized(self, scope) -> bool:
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.partition(b" ")
+                return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.api_key)
+        return False
+
+    async def _read_body(self, scope, receive) -> bytes | None:
+        """The whole body, or None when it is over the limit (declared or actual)."""
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length" and value.isdigit() and int(value) > self.max_body_bytes:
+                return None
+        parts, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone()
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return None
+            parts.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(parts)
+
+
+def _is_json(scope) -> bool:
+    for name, value in scope.get("headers", ()):
+        if name == b"content-type":
+            media = value.split(b";", 1)[0].strip().lower()
+            return media == b"application/json" or media.endswith(b"+json")
+    return False
+
+
+class _ClientGone(Exception):
+    pass

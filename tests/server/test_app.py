@@ -1,0 +1,295 @@
+"""The real server (uvicorn on 127.0.0.1) over the tiny sparse model, driven by the official `openai`
+client and raw HTTP. Reference: the Python API (`llm.generate`, `llm.chat`) on the same model."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from hotcold.engine import Engine
+from hotcold.server.app import Limits, create_app
+from hotcold.server.scheduler import Scheduler
+from tests.server.conftest import SlowModel, off_main_thread, openai_client, running
+
+N = 12  # tokens per request: short, the machine is shared
+PROMPTS = [f"Line {i}: the quick brown fox" for i in range(8)]
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about the fox."}]
+
+
+def post(url: str, path: str, body, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, str | bytes) else json.dumps(body)
+    headers = {"Content-Type": "application/json"} | kwargs.pop("headers", {})
+    kwargs.setdefault("timeout", 60)
+    return httpx.post(url + path, content=content, headers=headers, **kwargs)
+
+
+def sse_data(response: httpx.Response) -> list[str]:
+    return [line[len("data: ") :] for line in response.text.split("\n") if line.startswith("data: ")]
+
+
+def test_health_models_and_page(server_url, llm):
+    assert httpx.get(server_url + "/health", timeout=10).json()["status"] == "ok"
+    models = openai_client(server_url).models.list().data
+    assert [m.id for m in models] == [llm.path.name]
+    page = httpx.get(server_url + "/", timeout=10)
+    assert page.status_code == 200 and "text/html" in page.headers["content-type"]
+    assert "default-src 'none'" in page.headers["content-security-policy"]
+    assert "http://" not in page.text and "https://" not in page.text  # no external assets
+
+
+def test_greedy_completion_equals_generate(server_url, llm):
+    client = openai_client(server_url)
+    for prompt in PROMPTS[:2]:
+        expected = off_main_thread(llm.generate, prompt, max_tokens=N, temperature=0.0)
+        r = client.completions.create(model="x", prompt=prompt, max_tokens=N, temperature=0)
+        assert r.choices[0].text == expected
+        assert r.usage.prompt_tokens == len(llm.tokenize(prompt))
+        assert r.choices[0].finish_reason in ("stop", "length")
+        if r.choices[0].finish_reason == "length":
+            assert r.usage.completion_tokens == N
+
+        stream = client.completions.create(
+            model="x",
+            prompt=prompt,
+            max_tokens=N,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = list(stream)
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+        assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
+        assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_token_prompt_and_length_finish(server_url, llm):
+    ids = llm.tokenize(PROMPTS[2])
+    expected = off_main_thread(llm.generate, ids, max_tokens=5, temperature=0.0, ignore_eos=True)
+    r = openai_client(server_url).completions.create(
+        model="x", prompt=ids, max_tokens=5, temperature=0, extra_body={"ignore_eos": True}
+    )
+    assert r.choices[0].text == expected
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5
+
+
+def test_greedy_chat_equals_llm_chat(server_url, llm):
+    client = openai_client(server_url)
+    expected = off_main_thread(llm.chat, CHAT, max_tokens=N, temperature=0.0)
+    r = client.chat.completions.create(model="x", messages=CHAT, max_tokens=N, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == expected
+    assert r.usage.prompt_tokens == len(llm.chat_prompt_ids(CHAT))
+
+    chunks = list(
+        client.chat.completions.create(model="x", messages=CHAT, max_tokens=N, temperature=0, stream=True)
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
+
+
+def test_stop_strings_cut_the_text(server_url, llm):
+    full = off_main_thread(llm.generate, PROMPTS[3], max_tokens=N, temperature=0.0, ignore_eos=True)
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
+    expected = off_main_thread(
+        llm.generate, PROMPTS[3], max_tokens=N, temperature=0.0, ignore_eos=True, stop=[stop]
+    )
+    assert stop not in expected
+    client = openai_client(server_url)
+    for stops in (stop, [stop, "never-there"]):
+        r = client.completions.create(
+            model="x",
+            prompt=PROMPTS[3],
+            max_tokens=N,
+            temperature=0,
+            stop=stops,
+            extra_body={"ignore_eos": True},
+        )
+        assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(server_url):
+    client = openai_client(server_url)
+    kwargs = dict(model="x", prompt=PROMPTS[4], max_tokens=8, temperature=1.0, top_p=0.9, seed=1234)
+    a = client.completions.create(**kwargs).choices[0].text
+    b = client.completions.create(**kwargs).choices[0].text
+    assert a == b
+
+
+def test_eight_concurrent_streaming_clients_get_their_greedy_text(server_url, llm):
+    expected = [off_main_thread(llm.generate, p, max_tokens=N, temperature=0.0) for p in PROMPTS]
+
+    def client_run(prompt: str) -> str:
+        stream = openai_client(server_url).completions.create(
+            model="x", prompt=prompt, max_tokens=N, temperature=0, stream=True
+        )
+        return "".join(c.choices[0].text for c in stream if c.choices)
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futures = [pool.submit(client_run, p) for p in PROMPTS]
+        got = [f.result(timeout=120) for f in futures]
+    assert got == expected
+    health = httpx.get(server_url + "/health", timeout=10).json()
+    assert health["queue"] == 0
+
+
+BAD_REQUESTS = [
+    ("/v1/completions", '{"prompt": "x", "max_tokens": 4', 400, None),  # malformed JSON
+    ("/v1/completions", {"prompt": "x", "max_tokens": "4"}, 400, "max_tokens"),  # wrong type
+    ("/v1/completions", {"prompt": 7}, 400, "prompt"),
+    ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
+    ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    ("/v1/completions", [1, 2, 3], 400, None),
+    ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
+    ("/completion", {"prompt": "x", "n_predict": -2}, 400, "n_predict"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/tokenize", {"content": None}, 400, "content"),
+    ("/v1/nothing-here", {}, 404, None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param", BAD_REQUESTS)
+def test_bad_requests_get_openai_errors_and_the_server_carries_on(server_url, path, body, status, param):
+    r = post(server_url, path, body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+    ok = post(server_url, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_prompt_longer_than_the_context_is_refused(server_url, llm):
+    prompt = "the quick brown fox " * llm.ctx_size
+    with pytest.raises(openai.BadRequestError, match="longer than the context size") as info:
+        openai_client(server_url).completions.create(model="x", prompt=prompt, max_tokens=2)
+    assert info.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="longer than the context size"):
+        openai_client(server_url).chat.completions.create(
+            model="x", messages=[{"role": "user", "content": prompt}], max_tokens=2
+        )
+    assert openai_client(server_url).completions.create(model="x", prompt="x", max_tokens=2).choices
+
+
+def test_oversized_body_and_wrong_content_type(server_url):
+    huge = json.dumps({"prompt": "a" * (Limits().max_body_bytes + 10)})
+    r = post(server_url, "/v1/completions", huge)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+    r = post(server_url, "/v1/completions", '{"prompt": "x"}', headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and "application/json" in r.json()["error"]["message"]
+    assert post(server_url, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200
+
+
+def test_llama_cpp_routes(server_url, llm):
+    prompt = PROMPTS[5]
+    expected = off_main_thread(llm.generate, prompt, max_tokens=N, temperature=0.0)
+    r = post(server_url, "/completion", {"prompt": prompt, "n_predict": N, "temperature": 0}).json()
+    assert r["content"] == expected and r["stop"] is True
+    assert r["tokens_evaluated"] == len(llm.tokenize(prompt)) and "predicted_per_second" in r["timings"]
+    streamed = post(
+        server_url, "/completion", {"prompt": prompt, "n_predict": N, "temperature": 0, "stream": True}
+    )
+    events = [json.loads(d) for d in sse_data(streamed)]
+    assert "".join(e["content"] for e in events) == expected
+    assert [e["stop"] for e in events][-1] is True and not any(e["stop"] for e in events[:-1])
+
+    tokens = post(server_url, "/tokenize", {"content": prompt}).json()["tokens"]
+    assert tokens == llm.tokenize(prompt, add_bos=False)
+    with_bos = post(server_url, "/tokenize", {"content": prompt, "add_special": True}).json()["tokens"]
+    assert with_bos == llm.tokenize(prompt)
+    assert post(server_url, "/detokenize", {"tokens": tokens}).json()["content"] == llm.detokenize(tokens)
+
+
+def test_metrics_count_requests_and_tokens(server_url):
+    post(server_url, "/v1/completions", {"prompt": "x", "max_tokens": 3, "ignore_eos": True})
+    text = httpx.get(server_url + "/metrics", timeout=10).text
+    values = {
+        line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines() if line and line[0] != "#"
+    }
+    assert values['hotcold_requests_total{route="/v1/completions",status="200"}'] >= 1
+    assert values["hotcold_generated_tokens_total"] >= 3 and values["hotcold_prompt_tokens_total"] >= 1
+    assert values["hotcold_queue_depth"] == 0 and values["hotcold_slots_total"] == 4
+    assert "hotcold_tokens_per_second" in values
+
+
+def test_api_key_is_required_everywhere_but_health(llm):
+    with running(create_app(llm, api_key="s3cret")) as url:
+        assert httpx.get(url + "/health", timeout=10).status_code == 200
+        for path in ("/v1/models", "/metrics"):
+            assert httpx.get(url + path, timeout=10).status_code == 401
+        r = post(url, "/v1/completions", {"prompt": "x"}, headers={"Authorization": "Bearer nope"})
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(url, api_key="wrong").completions.create(model="x", prompt="x", max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            openai_client(url, api_key="wrong").chat.completions.create(
+                model="x", messages=CHAT, max_tokens=2
+            )
+        r = openai_client(url, api_key="s3cret").completions.create(model="x", prompt="x", max_tokens=2)
+        assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_disconnected_clients_free_their_slot(llm):
+    # one slot, 50 ms per token: an abandoned request alone would take ~10 s to finish
+    engine = Engine(SlowModel(llm.loaded.model, 0.05), llm.tokenizer, llm.ctx_size)
+    scheduler = Scheduler([engine])
+    body = {"prompt": "x", "max_tokens": 200, "ignore_eos": True}
+    with running(create_app(llm, scheduler=scheduler)) as url:
+        with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}, timeout=30) as r:
+            lines = r.iter_lines()
+            assert [line for line, _ in zip(lines, range(6)) if line.startswith("data: ")]  # it has begun
+        check_slot_is_free(url, scheduler, cancelled=1)  # the streaming client hung up
+        with pytest.raises(httpx.ReadTimeout):
+            post(url, "/v1/completions", body, timeout=0.5)
+        check_slot_is_free(url, scheduler, cancelled=2)  # the waiting client gave up
+
+
+def check_slot_is_free(url: str, scheduler: Scheduler, *, cancelled: int) -> None:
+    """The next request gets the slot within a few tokens."""
+    start = time.monotonic()
+    r = openai_client(url).completions.create(
+        model="x", prompt="x", max_tokens=3, extra_body={"ignore_eos": True}
+    )
+    assert r.usage.completion_tokens == 3
+    assert time.monotonic() - start < 5
+    assert scheduler.cancelled == cancelled
+
+
+def test_errors_inside_are_500_json_and_the_server_carries_on(llm):
+    class Broken:
+        cached_ids: list[int] = []
+
+        def stream(self, *args, **kwargs):
+            raise RuntimeError("kernel exploded")
+            yield
+
+    stub = SimpleNamespace(
+        path=llm.path,
+        ctx_size=llm.ctx_size,
+        tokenizer=llm.tokenizer,
+        config=llm.config,
+        tokenize=llm.tokenize,
+        detokenize=lambda ids: 1 / 0,
+        chat_prompt_ids=llm.chat_prompt_ids,
+    )
+    with running(create_app(stub, scheduler=Scheduler([Broken()]))) as url:
+        r = post(url, "/detokenize", {"tokens": [1, 2]})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        r = post(url, "/v1/completions", {"prompt": "x"})
+        assert r.status_code == 500 and "kernel exploded" in r.json()["error"]["message"]
+        with pytest.raises(openai.APIError, match="kernel exploded"):
+            list(openai_client(url).completions.create(model="x", prompt="x", stream=True))
+        assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
+        assert post(url, "/tokenize", {"content": "still here"}).status_code == 200
