@@ -4,6 +4,7 @@ plain built-in template."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from datetime import datetime
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -44,6 +45,7 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[dict], *, add_generatio
         raise ValueError(f"chat template: {message}")
 
     env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)  # used by many HF templates
     try:
         compiled = env.from_string(template)
     except jinja2.TemplateError as exc:
@@ -51,9 +53,12 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[dict], *, add_generatio
     # the token texts ("<s>"): encode() turns them back into the special tokens
     bos = tokenizer.piece(tokenizer.bos_id) if tokenizer.bos_id is not None else ""
     eos = tokenizer.piece(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
-    return compiled.render(
-        messages=[{"role": m["role"], "content": m["content"]} for m in messages],
-        add_generation_prompt=add_generation_prompt,
-        bos_token=bos,
-        eos_token=eos,
-    )
+    try:
+        return compiled.render(
+            messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+        )
+    except (jinja2.TemplateError, TypeError) as exc:
+        raise ValueError(f"the model's chat template failed: {exc}") from exc

@@ -73,8 +73,10 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
         if len(set(n_ff)) != 1:
             raise GGUFError(f"{path}: per-layer feed_forward_length {n_ff} is not supported")
         n_ff = n_ff[0]
+    if n_head <= 0:
+        raise GGUFError(f"{path}: attention.head_count must be > 0, got {n_head}")
     head_dim = int(get("attention.key_length", n_embd // n_head))
-    if n_head <= 0 or n_embd % n_head and "attention.key_length" not in meta:
+    if n_embd % n_head and f"{arch}.attention.key_length" not in meta:
         raise GGUFError(f"{path}: embedding_length {n_embd} is not divisible by head_count {n_head}")
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise GGUFError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")

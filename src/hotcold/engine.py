@@ -20,13 +20,14 @@ class GenerationStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
     prompt_seconds: float = 0.0
+    prompt_computed: int = 0  # prompt tokens actually run (the rest came from the prefix cache)
     generate_seconds: float = 0.0
     neurons_computed: int = 0
     neurons_total: int = 0
 
     @property
     def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+        return self.prompt_computed / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
 
     @property
     def generate_tps(self) -> float:
@@ -56,6 +57,7 @@ class Engine:
         self.ctx_size = ctx_size
         self.cache = model.new_cache(ctx_size)
         self.cached_ids: list[int] = []  # tokens whose keys/values are in the cache, in order
+        self.last_prefill_computed = 0
 
     def _forward(self, ids: Sequence[int], pos: int, *, last_only: bool) -> torch.Tensor:
         tokens = torch.tensor(ids, dtype=torch.long)
@@ -95,6 +97,7 @@ class Engine:
             common += 1
         start = min(common, len(ids) - 1)  # recompute at least the last token to get its logits
         self.cached_ids = self.cached_ids[:start]
+        self.last_prefill_computed = len(ids) - start
         logits = None
         for s in range(start, len(ids), PREFILL_CHUNK):
             logits = self._forward(ids[s : s + PREFILL_CHUNK], s, last_only=True)
@@ -109,6 +112,7 @@ class Engine:
         start = time.perf_counter()
         logits = self.prefill(prompt_ids)
         stats.prompt_tokens = len(prompt_ids)
+        stats.prompt_computed = self.last_prefill_computed
         stats.prompt_seconds = time.perf_counter() - start
         history = list(prompt_ids)
         decode_start = time.perf_counter()
@@ -169,6 +173,9 @@ class Engine:
             steps.close()
             if finish == "length":
                 pending += detok.flush()
+                hit = _find_stop(pending, stop)
+                if hit is not None:
+                    pending, finish = pending[:hit], "stop"
         after = [(f.stats.computed, f.stats.total) for f in ffns if hasattr(f, "stats")]
         stats.neurons_computed = sum(a[0] - b[0] for a, b in zip(after, before))
         stats.neurons_total = sum(a[1] - b[1] for a, b in zip(after, before))

@@ -262,6 +262,8 @@ def write_model_file(
         for key, value, vtype, *sub_type in metadata:
             if key == "general.architecture":
                 continue
+            if key == "general.alignment":  # the writer must pad as the copied key says
+                writer.data_alignment = int(value)
             writer.add_key_value(key, value, vtype, sub_type[0] if sub_type else None)
         if extra is not None:
             extra(writer)

@@ -80,6 +80,8 @@ def load_model(
         torch.set_num_threads(threads)
     if vram_budget is not None and vram_budget < 0:
         raise ValueError(f"--vram-budget must be >= 0 GiB, got {vram_budget}")
+    if n_gpu_layers is not None and n_gpu_layers < 0:
+        raise ValueError(f"-ngl/--n-gpu-layers must be >= 0, got {n_gpu_layers}")
     device = resolve_device(device)
     model_file = ModelFile(path)
     module = registry.model_module(model_file.architecture, str(path))
@@ -104,8 +106,14 @@ def load_model(
             budget = default_budget_bytes() // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP
         else:
             budget = int((vram_budget or 0) * GIB)
+        on_gpu = fast.type == "cuda"
         plan = plan_budget(
-            model_file, config, budget, ctx_size=ctx, kv_dtype_bytes=2 if fast.type == "cuda" else 4
+            model_file,
+            config,
+            budget,
+            ctx_size=ctx,
+            kv_dtype_bytes=2 if on_gpu else 4,
+            dequantize_blocks=on_gpu,
         )
         notes.append(plan.describe())
         hot = (
@@ -115,6 +123,13 @@ def load_model(
         )
         if disable_gpu_index:
             notes.append("--disable-gpu-index: every FFN neuron runs on the CPU")
+        if hot is not None and fast.type == "cuda":
+            from hotcold.kernels import triton as gpu_kernels
+
+            if not gpu_kernels.available():
+                raise ValueError(
+                    "hot neurons on the GPU need Triton: pip install 'hotcold[gpu]' (or --vram-budget 0)"
+                )
         if hot is not None:
             factory.make_hybrid = _hybrid_factory(hot, fast, threads)
     model = module.build(model_file, config, factory)
@@ -128,8 +143,11 @@ def load_model(
                 n_gpu_layers += 1  # the output head too
         if n_gpu_layers:
             _offload_last_layers(model, n_gpu_layers, fast, notes)
+    if n_gpu_layers and (fast is None or plan is not None):
+        reason = "no GPU in use" if fast is None else "sparse files are placed by --vram-budget"
+        notes.append(f"-ngl {n_gpu_layers} ignored: {reason}")
     mode = "dense" if dense else "sparse"
-    where = device if fast is None else f"{device} + {fast}"
+    where = "cpu" if fast is None else f"cpu + {fast}"
     notes.insert(
         0,
         f"{config.arch} {mode} on {where}: {config.n_layer} layers, n_embd {config.n_embd}, n_ff {config.n_ff}",
@@ -205,7 +223,12 @@ def load_activations(activation_dir: Path, config: ModelConfig) -> list[torch.Te
             raise GGUFError(
                 f"{activation_dir}: missing {file.name} (one file per layer, 0..{config.n_layer - 1})"
             )
-        counts = torch.load(file, map_location="cpu", weights_only=True)
+        try:
+            counts = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a torn or foreign file: name it instead of a pickle traceback
+            raise GGUFError(
+                f"{file}: not a readable activation tensor ({type(exc).__name__}: {exc})"
+            ) from exc
         if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != config.n_ff:
             raise GGUFError(f"{file}: expected a 1-D tensor of {config.n_ff} activation counts")
         out.append(counts.float())

@@ -225,7 +225,9 @@ class QuantTensor:
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """float32 [rows, cols], or [len(rows), cols] for a 1-D index (or bool mask) tensor `rows`."""
         data = self.data if rows is None else self.data[rows.to(self.data.device)]
-        return dequantize(data.cpu(), self.qtype, (data.shape[0], self.shape[1])).to(self.data.device)
+        if data.is_cpu:
+            return dequantize(data, self.qtype, (data.shape[0], self.shape[1]))
+        return dequantize_torch(data, self.qtype)  # on the tensor's own device
 
     def select_rows(self, rows: torch.Tensor) -> QuantTensor:
         """A new QuantTensor holding a copy of the given rows (e.g. the hot rows for the GPU)."""

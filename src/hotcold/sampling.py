@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,8 +20,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
@@ -45,8 +46,9 @@ def apply_repeat_penalty(logits: torch.Tensor, recent: Sequence[int], penalty: f
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     if k <= 0 or k >= logits.shape[-1]:
         return logits
-    kth = torch.topk(logits, k).values[-1]
-    return logits.masked_fill(logits < kth, float("-inf"))
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[torch.topk(logits, k).indices] = True  # exactly k, as llama.cpp keeps, even with ties
+    return logits.masked_fill(~keep, float("-inf"))
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
@@ -79,7 +81,7 @@ def sample(
     logits = apply_repeat_penalty(
         logits.float(), recent[-params.repeat_last_n :] if recent else (), params.repeat_penalty
     )
-    if params.temperature == 0.0:
+    if params.temperature < 1e-6:  # 0 is greedy; tiny temperatures would overflow the softmax
         return int(torch.argmax(logits))
     logits = logits / params.temperature
     if params.top_k:

@@ -22,12 +22,31 @@ def rewrite(src, dst, *, meta_change=None, drop=None, reshape=None):
         if e.name == reshape:
             shape = (shape[1], shape[0])
         specs.append(TensorSpec(e.name, shape, e.qtype, lambda e=e: e.data))
-    write_model_file(dst, meta_change.get("general.architecture", "llama") if meta_change else "llama", meta, specs, sparse=mf.is_sparse)
+    write_model_file(
+        dst,
+        meta_change.get("general.architecture", "llama") if meta_change else "llama",
+        meta,
+        specs,
+        sparse=mf.is_sparse,
+    )
     return dst
 
 
 def test_generate_prints_text_and_timings(tiny_dense_gguf, capsys):
-    code = main(["generate", "-m", str(tiny_dense_gguf), "-p", "Line 1: the quick", "-n", "16", "--temp", "0", "--ignore-eos"])
+    code = main(
+        [
+            "generate",
+            "-m",
+            str(tiny_dense_gguf),
+            "-p",
+            "Line 1: the quick",
+            "-n",
+            "16",
+            "--temp",
+            "0",
+            "--ignore-eos",
+        ]
+    )
     out, err = capsys.readouterr()
     assert code == 0
     assert len(out.strip()) > 0
@@ -35,7 +54,9 @@ def test_generate_prints_text_and_timings(tiny_dense_gguf, capsys):
 
 
 def test_generate_sparse_reports_firing_rate(tiny_sparse_gguf, capsys):
-    code = main(["generate", "-m", str(tiny_sparse_gguf), "-p", "Line 2", "-n", "8", "--ignore-eos", "--seed", "3"])
+    code = main(
+        ["generate", "-m", str(tiny_sparse_gguf), "-p", "Line 2", "-n", "8", "--ignore-eos", "--seed", "3"]
+    )
     out, err = capsys.readouterr()
     assert code == 0
     assert "FFN neurons computed" in err
@@ -81,7 +102,9 @@ def test_missing_tensor_named(capsys, tmp_path, tiny_dense_gguf):
 
 def test_wrong_shape_named(capsys, tmp_path, tiny_dense_gguf):
     bad = rewrite(tiny_dense_gguf, tmp_path / "m.gguf", reshape="blk.0.ffn_up.weight")
-    assert "blk.0.ffn_up.weight has shape (64, 1280), expected (1280, 64)" in run_error(capsys, ["generate", "-m", str(bad), "-p", "x"])
+    assert "blk.0.ffn_up.weight has shape (64, 1280), expected (1280, 64)" in run_error(
+        capsys, ["generate", "-m", str(bad), "-p", "x"]
+    )
 
 
 def test_prompt_longer_than_context(capsys, tiny_dense_gguf):
@@ -100,3 +123,11 @@ def test_info(capsys, tiny_sparse_gguf):
     assert "PWRI" in out and "llama" in out and "ranks" in out
 
 
+def test_prompt_file_not_utf8_named(capsys, tmp_path, tiny_dense_gguf):
+    bad = tmp_path / "prompt.txt"
+    bad.write_bytes(b"\xff\xfe bad")
+    assert "prompt.txt: not UTF-8 text" in run_error(capsys, ["generate", "-m", str(tiny_dense_gguf), "-f", str(bad)])
+
+
+def test_prompt_file_missing(capsys, tmp_path, tiny_dense_gguf):
+    assert "nope.txt" in run_error(capsys, ["generate", "-m", str(tiny_dense_gguf), "-f", str(tmp_path / "nope.txt")])

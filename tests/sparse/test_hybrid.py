@@ -142,3 +142,10 @@ def test_dense_layer_offload_equals_cpu(tiny_dense_gguf):
     loaded = load_model(tiny_dense_gguf, device="cpu", fast_device="cpu", n_gpu_layers=1)
     assert any("-ngl 1: 1 of 2 layers" in n for n in loaded.notes)
     assert torch.allclose(hotcold.Model(loaded).logits(IDS), ref, atol=1e-6 * ref.abs().max())
+
+
+def test_corrupt_activation_file_named(model_with_stats):
+    bad = model_with_stats.parent / "activation" / "activation_1.pt"
+    bad.write_bytes(b"not a tensor")
+    with pytest.raises(ValueError, match="activation_1.pt: not a readable activation tensor"):
+        load_model(model_with_stats, device="cpu", fast_device="cpu", vram_budget=budget_gib(model_with_stats, 800_000))

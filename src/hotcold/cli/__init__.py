@@ -17,7 +17,10 @@ COMMANDS = {
     "bench": ("bench", "llama-bench-like speed table: prompt processing and generation, sparse vs dense"),
     "serve": ("serve", "OpenAI-compatible HTTP server with a chat page at /"),
     "profile": ("profile", "count how often each FFN neuron fires on a corpus -> activation_{i}.pt"),
-    "train-predictors": ("train_predictors", "train per-layer predictors (which neurons fire) for a ReLU model"),
+    "train-predictors": (
+        "train_predictors",
+        "train per-layer predictors (which neurons fire) for a ReLU model",
+    ),
     "perplexity": ("perplexity", "perplexity over a text; sparse mode adds predictor recall and precision"),
 }
 
@@ -88,4 +91,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.verbose:
             raise
         print(f"hotcold: error: {exc}", file=sys.stderr)
+        return 1
+    except RuntimeError as exc:  # from torch: out of memory, device trouble; one line unless -v
+        if args.verbose:
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        hint = (
+            " (try a lower --vram-budget)"
+            if "out of memory" in first.lower()
+            else " (run with -v for details)"
+        )
+        print(f"hotcold: error: {first}{hint}", file=sys.stderr)
         return 1

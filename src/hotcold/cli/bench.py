@@ -19,7 +19,9 @@ def add_args(p) -> None:
     p.add_argument("-t", "--threads", type=int, default=None)
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--vram-budget", type=float, default=None)
-    p.add_argument("--mode", choices=("both", "sparse", "dense"), default="both", help="which paths to measure")
+    p.add_argument(
+        "--mode", choices=("both", "sparse", "dense"), default="both", help="which paths to measure"
+    )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
 
 
@@ -31,7 +33,7 @@ def weight_bytes(model_file) -> dict[str, int]:
         name = entry.name
         if name == "token_embd.weight" and "output.weight" in model_file.tensors:
             continue
-        if any(k in name for k in (".ffn_up.", ".ffn_gate.", ".ffn_down.", ".ffn_down_t.")):
+        if any(k in name for k in (".ffn_up", ".ffn_gate.", ".ffn_gate_exps", ".ffn_down")):
             parts["ffn"] += entry.n_bytes
         elif ".fc1." in name or ".fc2." in name:
             parts["predictor"] += entry.n_bytes
@@ -70,38 +72,72 @@ def measure(llm, test: str, n: int) -> tuple[float, float]:
     return seconds, (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
 
 
-def run_bench(path, *, n_prompt=512, n_gen=128, repetitions=3, threads=None, device="auto", vram_budget=None, mode="both"):
+def run_bench(
+    path,
+    *,
+    n_prompt=512,
+    n_gen=128,
+    repetitions=3,
+    threads=None,
+    device="auto",
+    vram_budget=None,
+    mode="both",
+):
+    """Rows of results. On the CPU the modes are interleaved run by run (weights are mapped once, so both
+    models cost nothing extra); on a GPU each mode is loaded, measured and freed in turn, with the same
+    budget, so the two never compete for VRAM."""
     import hotcold
+    from hotcold.loader import resolve_device
+    from hotcold.placement.budget import GIB, default_budget_bytes
 
-    probe = hotcold.load(path, threads=threads, device=device, vram_budget=vram_budget, ctx_size=max(n_prompt, n_gen) + 2)
-    modes = ["dense"] if not probe.config.sparse else {"both": ["sparse", "dense"], "sparse": ["sparse"], "dense": ["dense"]}[mode]
-    models = {"sparse": probe} if "sparse" in modes and probe.config.sparse else {}
-    for m in modes:
-        if m not in models:
-            models[m] = hotcold.load(
-                path, threads=threads, device=device, vram_budget=vram_budget, dense=True, ctx_size=max(n_prompt, n_gen) + 2
-            )
-    mf = probe.loaded.file
+    on_gpu = resolve_device(device) == "cuda"
+    if on_gpu and vram_budget is None:
+        vram_budget = default_budget_bytes() / GIB  # one figure for both modes
+    ctx = max(n_prompt, n_gen) + 2
+
+    def load(m):
+        return hotcold.load(
+            path, threads=threads, device=device, vram_budget=vram_budget, dense=m == "dense", ctx_size=ctx
+        )
+
+    first = load("sparse")
+    modes = (
+        ["dense"]
+        if not first.config.sparse
+        else {"both": ["sparse", "dense"], "sparse": ["sparse"], "dense": ["dense"]}[mode]
+    )
+    mf = first.loaded.file
     sizes = weight_bytes(mf)
     file_size = mf.path.stat().st_size
     n_params = sum(_numel(e.shape) for e in mf.tensors.values())
     tests = [("pp", n_prompt)] if n_prompt > 0 else []
     tests += [("tg", n_gen)] if n_gen > 0 else []
+    samples = {(m, t): [] for m in modes for t, _ in tests}
+    rates = {(m, t): [] for m in modes for t, _ in tests}
+    groups = [[m] for m in modes] if on_gpu else [modes]
+    for group in groups:
+        models = {m: first if m == "sparse" and first.config.sparse else load(m) for m in group}
+        for test, n in tests:
+            for m in group:  # warm-up: page in the weights, compile kernels
+                measure(models[m], test, min(n, 8))
+            for _ in range(repetitions):  # interleaved so machine noise hits both modes alike
+                for m in group:
+                    seconds, rate = measure(models[m], test, n)
+                    samples[m, test].append(n / seconds)
+                    rates[m, test].append(rate)
+        device_name = first.loaded.device
+        del models
+        first = None
+        if on_gpu:
+            torch.cuda.empty_cache()
     rows = []
     for test, n in tests:
-        samples = {m: [] for m in modes}
-        rates = {m: [] for m in modes}
-        for m in modes:  # warm-up: page in the weights, compile kernels
-            measure(models[m], test, min(n, 8))
-        for _ in range(repetitions):  # interleaved so machine noise hits both modes alike
-            for m in modes:
-                seconds, rate = measure(models[m], test, n)
-                samples[m].append(n / seconds)
-                rates[m].append(rate)
         for m in modes:
-            tps = statistics.median(samples[m])
-            rate = statistics.mean(rates[m]) if m == "sparse" else 1.0
-            bytes_per_token = sizes["other"] + sizes["ffn"] * rate + (sizes["predictor"] if m == "sparse" else 0)
+            tps = statistics.median(samples[m, test])
+            rate = statistics.mean(rates[m, test]) if m == "sparse" else 1.0
+            bytes_per_token = (
+                sizes["other"] + sizes["ffn"] * rate + (sizes["predictor"] if m == "sparse" else 0)
+            )
             rows.append(
                 {
                     "model": mf.path.name,
@@ -110,12 +146,12 @@ def run_bench(path, *, n_prompt=512, n_gen=128, repetitions=3, threads=None, dev
                     "mode": m,
                     "test": f"{test}{n}",
                     "tokens_per_s": tps,
-                    "tokens_per_s_all": samples[m],
+                    "tokens_per_s_all": samples[m, test],
                     "firing_rate": rate,
                     # decode reads every needed weight once per token; prefill reuses them across the batch
                     "effective_gb_s": tps * bytes_per_token / 1e9 if test == "tg" else None,
                     "threads": threads or torch.get_num_threads(),
-                    "device": probe.loaded.device,
+                    "device": device_name,
                 }
             )
     return rows

@@ -24,8 +24,11 @@ def add_args(p) -> None:
 
 def run(args) -> int:
     if args.file is not None:
-        with open(args.file, encoding="utf-8") as f:
-            prompt = f.read()
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                prompt = f.read()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{args.file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     elif args.prompt is not None:
         prompt = args.prompt
     else:

@@ -35,11 +35,14 @@
 #ifndef HC_PF_HINT
 #define HC_PF_HINT _MM_HINT_T0
 #endif
-#ifndef HC_PF_HEAD
-#define HC_PF_HEAD 4
-#endif
 #ifndef HC_G
 #define HC_G 4 /* rows streamed side by side in a one-token gather */
+#endif
+#ifndef HC_AG
+#define HC_AG 4 /* rows accumulated together in a one-token axpy */
+#endif
+#if HC_G < 1 || HC_G > 4
+#error "HC_G must be 1..4"
 #endif
 
 enum { WT_F32 = 0, WT_F16 = 1, WT_BF16 = 2, WT_Q8_0 = 3, WT_Q4_0 = 4, WT_Q5_0 = 5, WT_Q6_K = 6 };
@@ -326,13 +329,30 @@ HC_INLINE void vprefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
 #endif
 
 #define NV (32 / VL) /* vectors per 32-element chunk */
-#define NACC 4       /* vector accumulators per token in a dot product */
-#define UNR (NACC / NV)
+#ifndef UNR
+#define UNR 1 /* chunks per step of a dot product (1: one cache line of F16 per row per step) */
+#endif
+#define NACC (UNR * NV) /* vector accumulators per token in a dot product */
+#ifndef NTMAX /* tokens sharing one pass over a weight row: NTMAX * NACC accumulators in registers */
 #if VL == 16
-#define NTMAX 4 /* tokens sharing one pass over a weight row (register budget) */
+#define NTMAX 8
 #else
 #define NTMAX 2
 #endif
+#endif
+
+/* Fixed pairwise reduction of a token's NACC accumulators. */
+HC_INLINE vf vsum_acc(const vf *a) {
+#if NACC == 2
+    return vadd(a[0], a[1]);
+#elif NACC == 4
+    return vadd(vadd(a[0], a[1]), vadd(a[2], a[3]));
+#elif NACC == 8
+    return vadd(vadd(vadd(a[0], a[1]), vadd(a[2], a[3])), vadd(vadd(a[4], a[5]), vadd(a[6], a[7])));
+#else
+#error "unsupported NACC"
+#endif
+}
 
 /* The 32 weights of chunk c of a row, as fp32, exactly as ggml dequantizes them. */
 HC_INLINE void load32(const int wt, const uint8_t *row, int64_t c, vf *w) {
@@ -386,10 +406,7 @@ HC_INLINE void dot_row(const int wt, const int NT, const uint8_t *row, const flo
             for (int v = 0; v < NV; v++) acc[t][v] = vfma(w[v], vloadu(xs[t] + c * 32 + v * VL), acc[t][v]);
     }
     for (int t = 0; t < NT; t++) {
-#if NACC == 4
-        vf s = vadd(vadd(acc[t][0], acc[t][1]), vadd(acc[t][2], acc[t][3]));
-#endif
-        float r = vhsum(s);
+        float r = vhsum(vsum_acc(acc[t]));
         for (int64_t j = nchunk * 32; j < D; j++) r = fmaf(wscalar(wt, row, j), xs[t][j], r);
         res[t] = r;
     }
@@ -415,18 +432,13 @@ HC_INLINE void dot_rows1(const int wt, const int NR, const uint8_t *const *rows,
                 for (int v = 0; v < NV; v++) acc[r][u * NV + v] = vfma(w[v], xv[v], acc[r][u * NV + v]);
             }
         }
-#if HC_PF == 1
+#if HC_PF
         if (pf) {
             const int64_t end = chunk_off(wt, c + UNR);
             for (; pfo < end; pfo += 64)
                 for (int r = 0; r < 4; r++)
                     if (pf[r]) vprefetch(pf[r] + pfo);
         }
-#elif HC_PF == 2
-        if (pf && c == 0)
-            for (int r = 0; r < 4; r++)
-                if (pf[r])
-                    for (int l = 0; l < HC_PF_HEAD; l++) vprefetch(pf[r] + 64 * l);
 #else
         (void)pf;
         (void)pfo;
@@ -442,8 +454,7 @@ HC_INLINE void dot_rows1(const int wt, const int NR, const uint8_t *const *rows,
         }
     }
     for (int r = 0; r < NR; r++) {
-        vf s = vadd(vadd(acc[r][0], acc[r][1]), vadd(acc[r][2], acc[r][3]));
-        float q = vhsum(s);
+        float q = vhsum(vsum_acc(acc[r]));
         for (int64_t j = nchunk * 32; j < D; j++) q = fmaf(wscalar(wt, rows[r], j), x[j], q);
         res[r] = q;
     }
@@ -503,11 +514,17 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
                 cnt = 0;
             }
         }
-        switch (cnt) {
+        switch (cnt) { /* the rest, with a constant token count so the accumulators stay in registers */
         case 1: dot_row(wt, 1, row, xs, D, res, pf); break;
 #if NTMAX > 2
         case 2: dot_row(wt, 2, row, xs, D, res, pf); break;
         case 3: dot_row(wt, 3, row, xs, D, res, pf); break;
+#endif
+#if NTMAX > 4
+        case 4: dot_row(wt, 4, row, xs, D, res, pf); break;
+        case 5: dot_row(wt, 5, row, xs, D, res, pf); break;
+        case 6: dot_row(wt, 6, row, xs, D, res, pf); break;
+        case 7: dot_row(wt, 7, row, xs, D, res, pf); break;
 #endif
         default: break;
         }
@@ -520,7 +537,7 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
  * output row; each element gets one fma per row, in ascending row order. */
 HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows, const float *coef, float *acc,
                          int64_t c0, int64_t c1, const uint8_t *const *pf) {
-    vf va[4];
+    vf va[HC_AG];
     for (int r = 0; r < NR; r++) va[r] = vset1(coef[r]);
     int64_t pfo = chunk_off(wt, c0) & ~(int64_t)63;
     for (int64_t c = c0; c < c1; c++) {
@@ -535,7 +552,7 @@ HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows,
         if (HC_PF && pf) {
             const int64_t end = chunk_off(wt, c + 1);
             for (; pfo < end; pfo += 64)
-                for (int r = 0; r < 4; r++)
+                for (int r = 0; r < HC_AG; r++)
                     if (pf[r]) vprefetch(pf[r] + pfo);
         }
     }
@@ -552,27 +569,22 @@ HC_INLINE void axpy_part(const int wt, const hc_args *A, int64_t c0, int64_t c1,
     if (T == 1) {
         float *out = A->out;
         int64_t k = 0;
-        for (; k + 4 <= n; k += 4) {
-            const uint8_t *rows[4], *pf[4];
-            for (int r = 0; r < 4; r++) {
+        for (; k + HC_AG <= n; k += HC_AG) {
+            const uint8_t *rows[HC_AG], *pf[HC_AG];
+            for (int r = 0; r < HC_AG; r++) {
                 rows[r] = A->W + (int64_t)A->idx[k + r] * A->stride;
-                pf[r] = (k + 4 + r < n) ? A->W + (int64_t)A->idx[k + 4 + r] * A->stride : NULL;
+                pf[r] = (k + HC_AG + r < n) ? A->W + (int64_t)A->idx[k + HC_AG + r] * A->stride : NULL;
             }
-            axpy_rows(wt, 4, rows, A->coef + k, out, c0, c1, pf);
+            axpy_rows(wt, HC_AG, rows, A->coef + k, out, c0, c1, pf);
             if (tail)
-                for (int r = 0; r < 4; r++) axpy_tail(wt, rows[r], A->coef[k + r], out, jt, D);
+                for (int r = 0; r < HC_AG; r++) axpy_tail(wt, rows[r], A->coef[k + r], out, jt, D);
         }
+        /* the last rows one at a time (a row's contribution is the same whichever group it is in) */
         const int rem = (int)(n - k);
-        if (rem > 0) {
-            const uint8_t *rows[4];
-            for (int r = 0; r < rem; r++) rows[r] = A->W + (int64_t)A->idx[k + r] * A->stride;
-            switch (rem) {
-            case 1: axpy_rows(wt, 1, rows, A->coef + k, out, c0, c1, NULL); break;
-            case 2: axpy_rows(wt, 2, rows, A->coef + k, out, c0, c1, NULL); break;
-            default: axpy_rows(wt, 3, rows, A->coef + k, out, c0, c1, NULL); break;
-            }
-            if (tail)
-                for (int r = 0; r < rem; r++) axpy_tail(wt, rows[r], A->coef[k + r], out, jt, D);
+        for (int r = 0; r < rem; r++) {
+            const uint8_t *rows[1] = {A->W + (int64_t)A->idx[k + r] * A->stride};
+            axpy_rows(wt, 1, rows, A->coef + k + r, out, c0, c1, NULL);
+            if (tail) axpy_tail(wt, rows[0], A->coef[k + r], out, jt, D);
         }
         return;
     }
@@ -587,7 +599,7 @@ HC_INLINE void axpy_part(const int wt, const hc_args *A, int64_t c0, int64_t c1,
     for (int64_t k = 0; k < n; k++) {
         const int64_t i = A->idx[k];
         const uint8_t *row = A->W + i * A->stride;
-        const uint8_t *pf[4] = {(k + 1 < n) ? A->W + (int64_t)A->idx[k + 1] * A->stride : NULL, NULL, NULL, NULL};
+        const uint8_t *pf[HC_AG] = {(k + 1 < n) ? A->W + (int64_t)A->idx[k + 1] * A->stride : NULL};
         int64_t cnt = 0;
         for (int64_t t = 0; t < T; t++) {
             const float a = A->x[t * F + i];
@@ -705,15 +717,19 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
     if (nth == 1) {
         gather_range(wt, &A, 0, A.n);
     } else {
+        /* Work items of whole rows handed out dynamically: a thread that the OS (or the GPU
+         * driver thread) preempts does not hold the others up. Results do not depend on who
+         * computes a row. */
+        int64_t ch = A.n / (4 * (int64_t)nth);
+        ch = ch < 8 ? 8 : ch > 256 ? 256 : ch;
+        const int64_t items = (A.n + ch - 1) / ch;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(nth)
-        {
-            const int64_t ith = omp_get_thread_num(), nt = omp_get_num_threads();
-            gather_range(wt, &A, A.n * ith / nt, A.n * (ith + 1) / nt);
-        }
-#else
-        gather_range(wt, &A, 0, A.n);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
 #endif
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t k0 = it * ch, k1 = k0 + ch < A.n ? k0 + ch : A.n;
+            gather_range(wt, &A, k0, k1);
+        }
     }
     free(idx);
     return 0;
@@ -744,6 +760,7 @@ int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t 
     }
     A.n = mask_to_idx(u, F, idx);
     free(u);
+
     for (int64_t k = 0; k < A.n; k++) coef[k] = a[idx[k]]; /* used when T == 1 */
     A.idx = idx;
     A.coef = coef;
@@ -753,15 +770,18 @@ int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t 
     if (nth == 1) {
         axpy_range(wt, &A, 0, nchunk, tail);
     } else {
+        /* Column blocks handed out dynamically (about two per thread); each output element is
+         * still a chain of fmas in ascending row order, whoever computes it. */
+        int64_t cb = nchunk / (2 * (int64_t)nth);
+        cb = cb < 2 ? 2 : cb;
+        const int64_t items = (nchunk + cb - 1) / cb;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(nth)
-        {
-            const int64_t ith = omp_get_thread_num(), nt = omp_get_num_threads();
-            axpy_range(wt, &A, nchunk * ith / nt, nchunk * (ith + 1) / nt, tail && ith == nt - 1);
-        }
-#else
-        axpy_range(wt, &A, 0, nchunk, tail);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
 #endif
+        for (int64_t it = 0; it < items; it++) {
+            const int64_t c0 = it * cb, c1 = c0 + cb < nchunk ? c0 + cb : nchunk;
+            axpy_range(wt, &A, c0, c1, tail && it == items - 1);
+        }
     }
     free(idx);
     free(coef);

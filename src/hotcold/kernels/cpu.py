@@ -4,6 +4,8 @@ The work is done by `_cpu_kernels.c` (OpenMP + AVX-512/AVX2/F16C, portable fallb
 first use with the system C compiler into a per-user cache and called through ctypes (which
 releases the GIL, so a GPU thread can run at the same time). Without a compiler, or with
 HOTCOLD_NO_CEXT=1, a pure-torch fallback computes the same results (up to fp32 rounding).
+HOTCOLD_CFLAGS replaces the compiler flags (default: -O3 -march=native -fopenmp, then safer sets);
+HOTCOLD_CACHE_DIR the cache folder (default: $XDG_CACHE_HOME/hotcold or ~/.cache/hotcold).
 
 Weights are [F, D]: row i is neuron i (ffn_up / ffn_gate, and ffn_down_t for the axpy). They are
 float32/float16/bfloat16 torch tensors or `QuantTensor`s (Q8_0, Q4_0, Q5_0, Q6_K, ...), read in
@@ -52,7 +54,7 @@ _TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF
 _BASE_FLAGS = ["-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
 # T at or above which matmul dequantizes blocks of rows and hands them to torch's GEMM.
-_GEMM_MIN_TOKENS = 16
+_GEMM_MIN_TOKENS = 48
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -86,10 +88,26 @@ def _machine_signature() -> bytes:
     return "\n".join(sig).encode()
 
 
+def _writable_cache_dir() -> Path | None:
+    """The cache folder, or a private one under the temp folder when that is not writable."""
+    fallback = Path(tempfile.gettempdir()) / f"hotcold-{os.getuid() if hasattr(os, 'getuid') else 'user'}"
+    for d in (_cache_dir(), fallback):
+        try:
+            d.mkdir(parents=True, exist_ok=True, mode=0o700)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    return None
+
+
 def _compile(cc: str, flags: list[str], out: Path) -> bool:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
-    os.close(fd)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
+        os.close(fd)
+    except OSError as e:
+        log.debug("cannot write to %s: %s", out.parent, e)
+        return False
     try:
         cmd = [cc, *flags, *_BASE_FLAGS, "-o", tmp, str(_SRC)]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
@@ -131,13 +149,18 @@ def _build_and_load() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("C compiler %s does not run (%s): using the slower torch CPU kernels", cc, e)
         return None
+    cache = _writable_cache_dir()
+    if cache is None:
+        log.warning("no writable cache folder for the compiled CPU kernels: using torch")
+        return None
     src = _SRC.read_bytes()
-    for flags in _FLAG_SETS:
+    custom = os.environ.get("HOTCOLD_CFLAGS")  # e.g. "-O3 -mavx2 -mfma -mf16c -fopenmp"
+    for flags in [custom.split()] if custom else _FLAG_SETS:
         h = hashlib.sha256()
         for part in (src, cc.encode(), version, " ".join(flags + _BASE_FLAGS).encode(), _machine_signature()):
             h.update(part)
             h.update(b"\0")
-        path = _cache_dir() / f"cpu_kernels-{h.hexdigest()[:20]}.so"
+        path = cache / f"cpu_kernels-{h.hexdigest()[:20]}.so"
         if not path.exists() and not _compile(cc, flags, path):
             continue
         try:
@@ -367,7 +390,7 @@ def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> to
     t = x2.shape[0]
     if t < _GEMM_MIN_TOKENS or _get_lib() is None:
         out = gather_matvec(weight, x2, None, threads=threads)
-    elif qtype == Q.F32:
+    elif isinstance(weight, torch.Tensor) and qtype == Q.F32:
         out = x2 @ weight.T
     else:
         out = torch.empty(t, f, dtype=torch.float32)
@@ -381,7 +404,12 @@ def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> to
 
 
 def dequantize_rows(
-    weight: Weight, start: int = 0, stop: int | None = None, *, out: torch.Tensor | None = None, threads=None
+    weight: Weight,
+    start: int = 0,
+    stop: int | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    threads: int | None = None,
 ) -> torch.Tensor:
     """float32 copy of rows [start, stop) of any weight, exact as ggml's dequantization."""
     qtype, data, stride, f, d = _weight_view(weight)

@@ -10,6 +10,7 @@ Pure function of sizes: no device is touched here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from hotcold.config import ModelConfig
@@ -82,14 +83,31 @@ def kv_bytes_per_layer(config: ModelConfig, ctx_size: int, dtype_bytes: int) -> 
     return 2 * ctx_size * config.n_head_kv * config.head_dim * dtype_bytes
 
 
+def placed_sizes(model_file: ModelFile, dequantize_blocks: bool) -> dict[str, int]:
+    """Bytes each tensor takes once placed: dense GPU matmuls run on fp16 copies of block-quantized
+    matrices (loader._move), so those cost 2 bytes a value, not their file bytes."""
+    sizes = {}
+    for name, e in model_file.tensors.items():
+        blocks = e.qtype.name not in ("F32", "F16", "BF16") and len(e.shape) >= 2
+        sizes[name] = 2 * math.prod(e.shape) if dequantize_blocks and blocks else e.n_bytes
+    return sizes
+
+
 def plan_budget(
-    model_file: ModelFile, config: ModelConfig, budget_bytes: int, *, ctx_size: int, kv_dtype_bytes: int = 2
+    model_file: ModelFile,
+    config: ModelConfig,
+    budget_bytes: int,
+    *,
+    ctx_size: int,
+    kv_dtype_bytes: int = 2,
+    dequantize_blocks: bool = True,
 ) -> BudgetPlan:
     if budget_bytes < 0:
         raise ValueError(f"VRAM budget must be >= 0, got {budget_bytes} bytes")
     L = config.n_layer
     dense, pred, ffn = layer_tensor_groups(model_file, L)
-    size = {name: e.n_bytes for name, e in model_file.tensors.items()}
+    size = placed_sizes(model_file, dequantize_blocks)
+    file_bytes = {name: e.n_bytes for name, e in model_file.tensors.items()}  # hot rows stay in their format
     left = budget_bytes
     scratch = scratch_bytes(config)
     spent = {"attention": 0, "predictors": 0, "output": 0}
@@ -125,7 +143,7 @@ def plan_budget(
     per_neuron = []
     for i in range(L):
         n_ff = max(config.n_ff, 1)
-        per_neuron.append(sum(size[n] for n in ffn[i] if n.endswith(".weight")) // n_ff)
+        per_neuron.append(sum(file_bytes[n] for n in ffn[i] if n.endswith(".weight")) // n_ff)
     return BudgetPlan(
         budget_bytes, scratch, layer_on_gpu, predictor_on_gpu, output_on_gpu, left, per_neuron, spent
     )
@@ -139,11 +157,13 @@ def default_budget_bytes() -> int:
     return max(0, free - FREE_VRAM_MARGIN)
 
 
-def dense_layers_fitting(model_file: ModelFile, config: ModelConfig, budget_bytes: int, *, ctx_size: int) -> int:
+def dense_layers_fitting(
+    model_file: ModelFile, config: ModelConfig, budget_bytes: int, *, ctx_size: int
+) -> int:
     """For dense execution with layer offload (llama.cpp's -ngl): how many whole layers, counted from the
     last, fit in the budget after the scratch space and the output head."""
     dense, pred, ffn = layer_tensor_groups(model_file, config.n_layer)
-    size = {name: e.n_bytes for name, e in model_file.tensors.items()}
+    size = placed_sizes(model_file, dequantize_blocks=True)
     left = budget_bytes - scratch_bytes(config)
     left -= sum(size.get(n, 0) for n in ("output.weight", "output_norm.weight", "output_norm.bias"))
     kv = kv_bytes_per_layer(config, ctx_size, 2)

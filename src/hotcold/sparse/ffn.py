@@ -123,7 +123,9 @@ class SparseFFN:
         from hotcold.kernels import cpu
 
         w = self.weights
-        mask = self.predictor(pred_input)  # [T, F] bool
+        # the CPU kernels run on the CPU even when this layer's attention was placed on a GPU
+        out_device, x = x.device, x.to("cpu")
+        mask = self.predictor(pred_input).to("cpu")  # [T, F] bool
         up = cpu.gather_matvec(w.up, x, mask, threads=self.threads)
         gate = cpu.gather_matvec(w.gate, x, mask, threads=self.threads) if w.gate is not None else None
         # inactive neurons contribute exactly 0, even where a bias would make act(b) nonzero (OPT)
@@ -131,12 +133,17 @@ class SparseFFN:
         out = cpu.sparse_axpy(w.down_t, a, mask, threads=self.threads)
         self.stats.computed += int(mask.sum())
         self.stats.total += mask.numel()
-        return out + w.down_bias if w.down_bias is not None else out
+        out = out + w.down_bias if w.down_bias is not None else out
+        return out.to(out_device)
 
 
 def down_projection(down_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """sum_i a[:, i] * down_t[i] -> [T, D]"""
-    if isinstance(down_t, torch.Tensor) and mask is None and (down_t.dtype == torch.float32 or down_t.device.type != "cpu"):
+    if (
+        isinstance(down_t, torch.Tensor)
+        and mask is None
+        and (down_t.dtype == torch.float32 or down_t.device.type != "cpu")
+    ):
         return (a.to(down_t.dtype) @ down_t).float()
     from hotcold.kernels import cpu
 

@@ -70,13 +70,14 @@ class HybridFFN:
         out_device = x.device
         mask = self.predictor(pred_input)  # [T, F] bool, on the predictor's device
         mask_cpu = mask.to("cpu")  # sync point: waits for the predictor only
+        x_cpu = x.to("cpu")  # before the hot launch, so this copy does not wait for the hot kernels
         hot_out = self._hot(x.to(self.device, non_blocking=True), mask.to(self.device)[:, self.hot_idx_fast])
         total = mask_cpu.sum()
         if self.all_hot:
             out = hot_out.to(out_device)
         else:
             cold_mask = mask_cpu & self.cold
-            cold_out = self._cold(x.to("cpu"), cold_mask)
+            cold_out = self._cold(x_cpu, cold_mask)
             out = cold_out.to(out_device) + hot_out.to(out_device)
         self.stats.computed += int(total)
         self.stats.total += mask_cpu.numel()

@@ -25,6 +25,7 @@ class Predictor:
         return self.fc1.shape[0]
 
     def logits(self, p: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, F]
+        p = p.to(self.fc1.device)  # a GPU layer's predictor may have stayed on the CPU, and vice versa
         return linear(torch.relu(linear(p, self.fc1)), self.fc2)
 
     def __call__(self, p: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, F] bool

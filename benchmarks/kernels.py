@@ -1,0 +1,234 @@
+"""CPU kernel bandwidth: sparse row-gather GEMV and sparse axpy per weight type, against the machine.
+
+Prints JSON and appends a dated section to benchmarks/RESULTS.md. Shapes are a 1B model's FFN
+(22 matrices of 5632 x 2048, one per layer, so nothing stays in cache between calls); rows are
+drawn at random for every call. Effective GB/s = bytes of the rows a call had to read / its time.
+Everything is measured side by side in one run, in interleaved rounds, and the median is reported.
+
+    python benchmarks/kernels.py [--quick] [--threads 1,2] [--no-results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from hotcold.kernels import cpu
+from hotcold.quants import QuantTensor, row_bytes
+
+F, D, LAYERS = 5632, 2048, 22
+FORMATS = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+DENSITIES = [0.05, 0.10, 0.25, 0.50, 1.00]
+
+
+def cpu_name() -> str:
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+        for line in out.splitlines():
+            if line.startswith("Model name:"):
+                return line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return platform.processor() or platform.machine()
+
+
+def median_gbps(fn, nbytes, rounds: int, clock=time.perf_counter) -> float:
+    fn()  # warm up (and page in)
+    times = []
+    for _ in range(rounds):
+        t0 = clock()
+        fn()
+        times.append(clock() - t0)
+    return nbytes / statistics.median(times) / 1e9
+
+
+def machine_bandwidth(threads: list[int], rounds: int) -> dict:
+    """Large-tensor copy (bytes read + written) and torch's dense mv, fp32 and fp16."""
+    src = torch.ones(64 * 1024 * 1024)  # 256 MiB
+    dst = torch.empty_like(src)
+    w32 = [torch.randn(F, D) for _ in range(4)]
+    w16 = [torch.randn(F, D).half() for _ in range(LAYERS // 2)]
+    x32, x16 = torch.randn(D), torch.randn(D).half()
+    res: dict = {"copy_gbps": {}, "torch_mv_f32_gbps": {}, "torch_mv_f16_gbps": {}}
+    saved = torch.get_num_threads()
+    for th in threads:
+        torch.set_num_threads(th)
+        res["copy_gbps"][th] = median_gbps(lambda: dst.copy_(src), 2 * src.numel() * 4, rounds)
+        res["torch_mv_f32_gbps"][th] = median_gbps(
+            lambda: [torch.mv(w, x32) for w in w32], 4 * F * D * 4, rounds
+        )
+        res["torch_mv_f16_gbps"][th] = median_gbps(
+            lambda: [torch.mv(w, x16) for w in w16], len(w16) * F * D * 2, rounds
+        )
+        if th == 1:  # CPU-time figures, comparable with the kernels' *_cpu_time rows
+            res["torch_mv_f32_cpu_time_gbps"] = median_gbps(
+                lambda: [torch.mv(w, x32) for w in w32], 4 * F * D * 4, rounds, time.thread_time
+            )
+            res["torch_mv_f16_cpu_time_gbps"] = median_gbps(
+                lambda: [torch.mv(w, x16) for w in w16], len(w16) * F * D * 2, rounds, time.thread_time
+            )
+    torch.set_num_threads(saved)
+    return res
+
+
+def make_weights(fmt: str) -> tuple[list, int]:
+    """LAYERS distinct matrices (copies of one random matrix) and the bytes of one row."""
+    base = torch.randn(F, D) * 0.02
+    kind = FORMATS[fmt]
+    if isinstance(kind, torch.dtype):
+        w = base.to(kind)
+        return [w.clone() for _ in range(LAYERS)], D * w.element_size()
+    qt = QuantTensor.from_float(base, kind)
+    return [QuantTensor(qt.data.clone(), kind, qt.shape) for _ in range(LAYERS)], row_bytes(kind, D)
+
+
+def bench_format(fmt: str, threads: list[int], densities: list[float], rounds: int) -> dict:
+    """{kernel: {threads: {density% or "dense": GB/s}}}, interleaving all cases in every round."""
+    weights, rb = make_weights(fmt)
+    x = torch.randn(1, D)
+    a = [torch.randn(1, F).abs() + 0.1 for _ in range(LAYERS)]  # no exact zeros: density = mask density
+    cases = [(k, th, dens) for k in ("gather", "axpy") for th in threads for dens in [*densities, None]]
+    times: dict = {c: [] for c in cases}
+    cpu_times: dict = {c: [] for c in cases}  # thread CPU time: meaningful for 1 thread on a busy machine
+    nbytes: dict = {c: [] for c in cases}
+
+    def run(kernel, th, masks):
+        if kernel == "gather":
+            for w, m in zip(weights, masks, strict=True):
+                cpu.gather_matvec(w, x, m, threads=th)
+        else:
+            for w, aa, m in zip(weights, a, masks, strict=True):
+                cpu.sparse_axpy(w, aa, m, threads=th)
+
+    run("gather", threads[0], [None] * LAYERS)  # warm-up: page everything in
+    run("axpy", threads[0], [None] * LAYERS)
+    for _ in range(rounds):
+        for c in cases:
+            kernel, th, dens = c
+            masks = [None if dens is None else torch.rand(1, F) < dens for _ in range(LAYERS)]
+            rows = sum(F if m is None else int(m.sum()) for m in masks)
+            c0, t0 = time.thread_time(), time.perf_counter()
+            run(kernel, th, masks)
+            times[c].append(time.perf_counter() - t0)
+            cpu_times[c].append(time.thread_time() - c0)
+            nbytes[c].append(rows * rb)
+    out: dict = {}
+    for (kernel, th, dens), ts in times.items():
+        gbps = statistics.median(b / t / 1e9 for b, t in zip(nbytes[(kernel, th, dens)], ts, strict=True))
+        key = "dense" if dens is None else f"{round(dens * 100)}%"
+        out.setdefault(kernel, {}).setdefault(th, {})[key] = round(gbps, 2)
+        if th == 1:
+            cpu_gbps = statistics.median(
+                b / t / 1e9
+                for b, t in zip(nbytes[(kernel, th, dens)], cpu_times[(kernel, th, dens)], strict=True)
+            )
+            out.setdefault(kernel + "_cpu_time", {}).setdefault(th, {})[key] = round(cpu_gbps, 2)
+    return out
+
+
+def results_section(res: dict, cmd: str) -> str:
+    m = res["machine"]
+    lines = [
+        f"\n## CPU kernels — {res['date']}\n",
+        f"`{cmd}` · {m['cpu']}, {m['cores']} cores, SIMD {m['simd']}, backend {m['backend']}, "
+        f"load average before/after {m['loadavg_before']} / {m['loadavg_after']}\n",
+        f"22 matrices of {F} x {D}, rows drawn at random per call, effective GB/s (bytes of the rows "
+        "read / time), median of interleaved rounds; `dense` = rows=None.\n",
+        "| threads | copy (r+w) | torch mv f32 | torch mv f16 |",
+        "| --- | --- | --- | --- |",
+    ]
+    for th in res["threads"]:
+        lines.append(
+            f"| {th} | {res['copy_gbps'][th]:.1f} | {res['torch_mv_f32_gbps'][th]:.1f} "
+            f"| {res['torch_mv_f16_gbps'][th]:.1f} |"
+        )
+    keys = [f"{round(d * 100)}%" for d in res["densities"]] + ["dense"]
+    lines += ["", "| kernel | type | threads | " + " | ".join(keys) + " | 10% / dense |"]
+    lines.append("| --- " * (4 + len(keys)) + "|")
+    for kernel in ("gather", "axpy", "gather_cpu_time", "axpy_cpu_time"):
+        for fmt, r in res["kernels"].items():
+            for th in res["threads"]:
+                if th not in r.get(kernel, {}):
+                    continue
+                row = r[kernel][th]
+                ratio = f"{row['10%'] / row['dense']:.2f}" if "10%" in row and row["dense"] else "-"
+                cells = " | ".join(f"{row[k]:.1f}" for k in keys)
+                lines.append(f"| {kernel} | {fmt} | {th} | {cells} | {ratio} |")
+    if "torch_mv_f16_cpu_time_gbps" in res:
+        lines.append(
+            f"\ntorch mv by thread CPU time, 1 thread: f32 {res['torch_mv_f32_cpu_time_gbps']:.1f}, "
+            f"f16 {res['torch_mv_f16_cpu_time_gbps']:.1f} GB/s (compare with the `*_cpu_time` rows)."
+        )
+    lines.append(
+        "\n`*_cpu_time` rows: the same 1-thread runs timed by the thread's CPU time, which a busy machine "
+        "distorts less than wall time."
+    )
+    if max(m["loadavg_before"][0], m["loadavg_after"][0]) > (m["cores"] or 1):
+        lines.append(
+            "**The machine was oversubscribed during this run** (load average above the core count): an "
+            "OpenMP fork/join then waits for a descheduled worker (~20 ms per call measured), so the "
+            "2-thread rows (and torch's own 2-thread mv) say nothing about the kernels; rerun on a quiet machine."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument(
+        "--quick", action="store_true", help="fewer rounds, densities 10%% and 100%%, F16 and Q4_0 only"
+    )
+    ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
+    ap.add_argument("--formats", default=None, help=f"comma-separated subset of {','.join(FORMATS)}")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    args = ap.parse_args(argv)
+    threads = [int(t) for t in args.threads.split(",")]
+    formats = args.formats.split(",") if args.formats else (["f16", "q4_0"] if args.quick else list(FORMATS))
+    densities = [0.10, 1.00] if args.quick else DENSITIES
+    rounds = args.rounds or (3 if args.quick else 7)
+
+    res: dict = {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "backend": cpu.backend(),
+            "simd": cpu.simd(),
+            "loadavg_before": [round(v, 2) for v in os.getloadavg()],
+        },
+        "threads": threads,
+        "densities": densities,
+        "shape": {"matrices": LAYERS, "rows": F, "cols": D},
+    }
+    res.update(machine_bandwidth(threads, rounds))
+    res["kernels"] = {}
+    for fmt in formats:
+        res["kernels"][fmt] = bench_format(fmt, threads, densities, rounds)
+        print(f"# {fmt} done", file=sys.stderr, flush=True)
+    res["machine"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
+    print(json.dumps(res, indent=1))
+    if not args.no_results:
+        path = Path(__file__).with_name("RESULTS.md")
+        if not path.exists():
+            path.write_text(
+                "# Benchmark results\n\nEvery figure quoted in the docs, with the command that produced it.\n"
+            )
+        cmd = "python benchmarks/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        with path.open("a") as f:
+            f.write(results_section(res, cmd.strip()))
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,240 @@
+"""Activation statistics: how often each FFN neuron fires on a corpus, counted on the dense path.
+
+The counts feed the placement solver (hot neurons go to the GPU) and are written as PowerInfer's
+`activation/activation_{i}.pt` files: one 1-D int64 tensor of length n_ff per layer.
+
+The corpus helpers here (reading, tokenizing, cutting into windows) are shared by `hotcold profile`,
+`hotcold train-predictors` and `hotcold perplexity`, so the three see the same token windows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from hotcold.sparse.ffn import DenseFFN, Observer
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CTX = 512  # window length in tokens (llama.cpp's perplexity default), capped by the model's context
+
+
+# ------------------------------------------------------------------------------------------------
+# Corpus -> token windows
+# ------------------------------------------------------------------------------------------------
+
+
+def read_corpus(path: str | os.PathLike[str]) -> str:
+    """The text of a corpus file; ValueError naming the file when it is missing, a folder, or empty."""
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such file (the corpus, -f/--file)")
+    if path.is_dir():
+        raise ValueError(f"{path}: is a folder, expected a UTF-8 text file")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.strip():
+        raise ValueError(f"{path}: the corpus is empty (no text to run the model on)")
+    return text
+
+
+def corpus_tokens(
+    tokenizer, text: str, *, max_tokens: int | None = None, spread: bool = False, source: str = "corpus"
+) -> list[int]:
+    """Token ids of `text` without BOS (control-token spellings in the text stay plain text, as llama.cpp's
+    perplexity tool reads a corpus).
+
+    With max_tokens only part of the text is tokenized: a prefix (cut at a line end), or with spread=True
+    evenly spaced pieces of about SPREAD_BLOCK characters from the whole text, so that a sample of a long
+    corpus that is sorted by source (book after book) still covers every source."""
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"--max-tokens must be >= 1, got {max_tokens}")
+
+    def encode(piece: str) -> list[int]:
+        return tokenizer.encode(piece, add_bos=False, parse_special=False)
+
+    if max_tokens is None:
+        ids = encode(text)
+    elif spread:
+        ids = _spread_tokens(encode, text, max_tokens)
+    else:
+        chars = max_tokens * 6
+        while True:
+            cut = len(text) if chars >= len(text) else text.rfind("\n", 0, chars) + 1 or chars
+            ids = encode(text[:cut])
+            if len(ids) > max_tokens or cut >= len(text):
+                break
+            chars *= 2
+        ids = ids[:max_tokens]
+    if not ids:
+        raise ValueError(f"{source}: the corpus has no tokens")
+    return ids
+
+
+SPREAD_BLOCK = 8192  # characters per sampled piece (cut at line ends)
+
+
+def _line_blocks(text: str, size: int) -> list[str]:
+    blocks, start = [], 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end + 1
+        blocks.append(text[start:end])
+        start = end
+    return blocks
+
+
+def _spread_tokens(encode, text: str, max_tokens: int) -> list[int]:
+    blocks = _line_blocks(text, SPREAD_BLOCK)
+    cache: dict[int, list[int]] = {}
+
+    def tokens_of(b: int) -> list[int]:
+        if b not in cache:
+            cache[b] = encode(blocks[b])
+        return cache[b]
+
+    chars_per_token = len(blocks[0]) / max(1, len(tokens_of(0)))
+    k = math.ceil(1.05 * max_tokens * chars_per_token / SPREAD_BLOCK)
+    while k < len(blocks):
+        picks = sorted({round(j * (len(blocks) - 1) / max(1, k - 1)) for j in range(k)})
+        ids = [t for b in picks for t in tokens_of(b)]
+        if len(ids) >= max_tokens:
+            return ids[:max_tokens]
+        k = math.ceil(k * 1.2) + 1
+    return encode(text)[:max_tokens]
+
+
+def token_windows(ids: Sequence[int], ctx: int, bos_id: int | None) -> list[list[int]]:
+    """Non-overlapping windows of at most ctx tokens covering every corpus token once: BOS (when the vocabulary
+    has one) followed by the next ctx-1 corpus tokens. The last window may be shorter."""
+    if ctx < 2:
+        raise ValueError(f"the context size (-c/--ctx-size) must be >= 2 tokens, got {ctx}")
+    head = [bos_id] if bos_id is not None else []
+    step = ctx - len(head)
+    return [head + list(ids[s : s + step]) for s in range(0, len(ids), step)]
+
+
+def window_ctx(requested: int | None, n_ctx_train: int) -> int:
+    """The window length: -c when given, else DEFAULT_CTX capped by the model's training context."""
+    return requested if requested else min(DEFAULT_CTX, n_ctx_train)
+
+
+# ------------------------------------------------------------------------------------------------
+# Watching the dense FFNs
+# ------------------------------------------------------------------------------------------------
+
+
+def dense_ffns(llm) -> list[DenseFFN]:
+    """The per-layer DenseFFN objects of a model loaded with dense=True (they call observers)."""
+    layers = getattr(llm.loaded.model, "layers", None)
+    if not layers:
+        raise ValueError(f"{llm.path}: the model has no per-layer FFNs to observe")
+    ffns = [layer.ffn for layer in layers]
+    if not all(isinstance(f, DenseFFN) for f in ffns):
+        raise ValueError(f"{llm.path}: load the model with dense=True to observe its true activations")
+    return ffns
+
+
+def check_relu(llm) -> None:
+    act = llm.config.ffn_activation
+    if act != "relu":
+        raise ValueError(
+            f"{llm.path}: the FFN activation is {act!r}, not ReLU: neurons are never exactly zero, so there is "
+            "no activation sparsity to measure (a dense llama GGUF without hotcold.ffn_activation='relu' is SiLU)"
+        )
+
+
+@contextmanager
+def observing(ffns: Sequence[DenseFFN], observers: Sequence[Observer | None]) -> Iterator[None]:
+    """Install one observer per layer (None: leave that layer alone) for the duration of the block."""
+    saved = [f.observer for f in ffns]
+    try:
+        for f, obs in zip(ffns, observers):
+            if obs is not None:
+                f.observer = obs
+        yield
+    finally:
+        for f, obs in zip(ffns, saved):
+            f.observer = obs
+
+
+def run_windows(llm, windows: Sequence[list[int]], *, desc: str, progress: bool) -> None:
+    """One dense forward per window (the observers see every token), with a progress bar in tokens."""
+    from tqdm import tqdm
+
+    total = sum(len(w) for w in windows)
+    with tqdm(total=total, desc=desc, unit="tok", disable=not progress) as bar:
+        for window in windows:
+            llm.logits(window)
+            bar.update(len(window))
+
+
+# ------------------------------------------------------------------------------------------------
+# Profiling
+# ------------------------------------------------------------------------------------------------
+
+
+def profile_activations(
+    llm, ids: Sequence[int], *, ctx: int | None = None, progress: bool = False
+) -> list[torch.Tensor]:
+    """Per layer, how many of the corpus tokens make each FFN neuron's activation nonzero: [n_ff] int64.
+
+    `llm` is a hotcold Model loaded with dense=True; `ids` the corpus tokens (see corpus_tokens), run in
+    non-overlapping windows of ctx tokens that each start with BOS (BOS positions are counted too)."""
+    check_relu(llm)
+    ffns = dense_ffns(llm)
+    ctx = window_ctx(ctx, llm.config.n_ctx_train)
+    if ctx > llm.ctx_size:
+        raise ValueError(f"window of {ctx} tokens is longer than the model's context size {llm.ctx_size}")
+    counts = [torch.zeros(f.weights.n_ff, dtype=torch.int64) for f in ffns]
+
+    def counter(i: int) -> Observer:
+        def observe(_x: torch.Tensor, _p: torch.Tensor, a: torch.Tensor) -> None:  # a: [T, F]
+            counts[i] += (a != 0).sum(0)
+
+        return observe
+
+    windows = token_windows(ids, ctx, llm.tokenizer.bos_id)
+    with observing(ffns, [counter(i) for i in range(len(ffns))]):
+        run_windows(llm, windows, desc="profiling", progress=progress)
+    n_tokens = sum(len(w) for w in windows)
+    for i, c in enumerate(counts):
+        log.info(
+            "layer %d: %.1f%% of neurons fire per token", i, 100 * c.sum().item() / (n_tokens * c.numel())
+        )
+    return counts
+
+
+def save_tensor(tensor: torch.Tensor | dict, path: Path) -> None:
+    """torch.save to a temporary file in the same folder, then rename: never a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(tensor, f)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_activation_files(counts: Sequence[torch.Tensor], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """DIR/activation_{i}.pt for every layer, each written atomically."""
+    out_dir = Path(out_dir)
+    paths = []
+    for i, c in enumerate(counts):
+        path = out_dir / f"activation_{i}.pt"
+        save_tensor(c.clone(), path)
+        paths.append(path)
+    return paths
+
+
+def default_activation_dir(model_path: str | os.PathLike[str]) -> Path:
+    """Where the loader looks for activation statistics: `<model dir>/activation`."""
+    return Path(model_path).parent / "activation"

@@ -1,0 +1,226 @@
+"""hotcold.kernels.cpu (both backends) against a float64 torch reference.
+
+Rows that no token needs are filled with NaN (float weights) or NaN block scales (ggml blocks):
+a kernel that reads one of them shows NaN in its output.
+"""
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from hotcold.kernels import cpu
+from hotcold.quants import QuantTensor
+
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q6_k"]
+FLOAT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+QTYPE = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q5_0": Q.Q5_0, "q6_k": Q.Q6_K}
+F = 1001  # not a multiple of any thread count
+D_FOR = {"q6_k": 256}  # super-blocks of 256
+D_FLOAT = 100  # float types: a column tail that is not a multiple of the SIMD width
+D_QUANT = 96
+NAN_F16 = np.array([np.nan], dtype=np.float16).view(np.uint8)
+
+
+@pytest.fixture(params=["c", "torch"], scope="module")
+def backend(request):
+    mp = pytest.MonkeyPatch()
+    if request.param == "torch":
+        mp.setenv("HOTCOLD_NO_CEXT", "1")
+    else:
+        mp.delenv("HOTCOLD_NO_CEXT", raising=False)
+    cpu._reset_for_tests()
+    if cpu.backend() != request.param:
+        mp.undo()
+        pytest.skip("C kernels unavailable (no compiler)")
+    yield request.param
+    mp.undo()
+    cpu._reset_for_tests()
+
+
+def make_weight(fmt: str, f: int, gen: torch.Generator, poison: torch.Tensor | None = None):
+    """(weight in its format, float64 reference [F, D]); rows in `poison` are NaN."""
+    d = D_FOR.get(fmt, D_FLOAT if fmt in FLOAT else D_QUANT)
+    w = torch.randn(f, d, generator=gen)
+    if fmt in FLOAT:
+        w = w.to(FLOAT[fmt])
+        ref = w.double()
+        if poison is not None:
+            w[poison] = float("nan")
+        return w, ref
+    if fmt == "q6_k":  # no Q6_K quantizer: random super-blocks with a moderate scale
+        raw = torch.randint(0, 256, (f, d // 256, 210), dtype=torch.uint8, generator=gen)
+        scale = (torch.rand(f, d // 256, 1, generator=gen) * 0.02).half()
+        raw[..., 208:] = scale.view(torch.uint8)
+        qt = QuantTensor(raw.reshape(f, -1), Q.Q6_K, (f, d))
+    else:
+        qt = QuantTensor.from_float(w, QTYPE[fmt])
+    ref = qt.dequantize().double()
+    if poison is not None:  # NaN scale in every block of a poisoned row
+        blocks = qt.data.view(f, -1, 210 if fmt == "q6_k" else qt.data.shape[1] // (d // 32))
+        off = 208 if fmt == "q6_k" else 0
+        blocks[poison, :, off : off + 2] = torch.from_numpy(NAN_F16)
+    return qt, ref
+
+
+def masks(t: int, f: int, gen: torch.Generator) -> dict[str, torch.Tensor | None]:
+    return {
+        "random": torch.rand(t, f, generator=gen) < 0.2,
+        "none-set": torch.zeros(t, f, dtype=torch.bool),
+        "all-set": torch.ones(t, f, dtype=torch.bool),
+        "dense": None,
+    }
+
+
+def ref_gather(w64: torch.Tensor, x: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w64.T
+    return out if m is None else torch.where(m, out, torch.zeros((), dtype=torch.float64))
+
+
+def ref_axpy(w64: torch.Tensor, a: torch.Tensor, m: torch.Tensor | None) -> torch.Tensor:
+    active = (a != 0) if m is None else (a != 0) & m
+    return torch.where(active, a.double(), torch.zeros((), dtype=torch.float64)) @ w64
+
+
+def assert_close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor):
+    """fp32 accumulation error is a small multiple of eps * sum |w * x| (`bound`); dropping or
+    adding a single term is far larger."""
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), ref, rtol=0, atol=1e-5 * bound.max().item() + 1e-30)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_gather_matvec(backend, fmt, t):
+    gen = torch.Generator().manual_seed(t)
+    for name, m in masks(t, F, gen).items():
+        poison = None if m is None else ~m.any(0)
+        w, w64 = make_weight(fmt, F, gen, poison)
+        x = torch.randn(t, w64.shape[1], generator=gen)
+        out = cpu.gather_matvec(w, x, m)
+        assert out.shape == (t, F), name
+        if m is not None:
+            assert (out[~m] == 0).all(), name  # exactly zero, never NaN from a poisoned row
+        assert_close(out, ref_gather(w64, x, m), ref_gather(w64.abs(), x.abs(), m))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("t", [1, 3, 17])
+def test_sparse_axpy(backend, fmt, t):
+    gen = torch.Generator().manual_seed(100 + t)
+    for name, m in masks(t, F, gen).items():
+        a = torch.relu(torch.randn(t, F, generator=gen))  # about half exactly 0, as after a ReLU
+        active = (a != 0) if m is None else (a != 0) & m
+        w, w64 = make_weight(fmt, F, gen, ~active.any(0))
+        out = cpu.sparse_axpy(w, a, m)
+        assert out.shape == (t, w64.shape[1]), name
+        assert_close(out, ref_axpy(w64, a, m), ref_axpy(w64.abs(), a.abs(), m))
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "f32", "q8_0", "q4_0", "q6_k"])
+def test_deterministic_across_threads_and_batching(backend, fmt):
+    """Bit-identical for 1, 2 and 4 threads, and a 17-token batch equals token by token."""
+    gen = torch.Generator().manual_seed(7)
+    w, w64 = make_weight(fmt, F, gen)
+    t = 17
+    x = torch.randn(t, w64.shape[1], generator=gen)
+    a = torch.relu(torch.randn(t, F, generator=gen))
+    m = torch.rand(t, F, generator=gen) < 0.3
+    g = {n: cpu.gather_matvec(w, x, m, threads=n) for n in (1, 2, 4)}
+    y = {n: cpu.sparse_axpy(w, a, m, threads=n) for n in (1, 2, 4)}
+    assert torch.equal(g[1], g[2]) and torch.equal(g[1], g[4])
+    assert torch.equal(y[1], y[2]) and torch.equal(y[1], y[4])
+    g_tok = torch.stack([cpu.gather_matvec(w, x[i], m[i], threads=2) for i in range(t)])
+    y_tok = torch.stack([cpu.sparse_axpy(w, a[i], m[i], threads=2) for i in range(t)])
+    if backend == "c":
+        assert torch.equal(g[1], g_tok) and torch.equal(y[1], y_tok)
+    else:  # torch's GEMM blocks differently for different T
+        torch.testing.assert_close(g[1], g_tok, rtol=1e-5, atol=1e-5 * g[1].abs().max().item())
+        torch.testing.assert_close(y[1], y_tok, rtol=1e-5, atol=1e-5 * y[1].abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0", "q6_k"])
+@pytest.mark.parametrize("t", [1, 50])  # 50: the blocked-GEMM path
+def test_matmul(backend, fmt, t):
+    gen = torch.Generator().manual_seed(3)
+    w, w64 = make_weight(fmt, 300, gen)
+    x = torch.randn(t, w64.shape[1], generator=gen)
+    bound = x.double().abs() @ w64.abs().T
+    assert_close(cpu.matmul(w, x), x.double() @ w64.T, bound)
+    assert_close(cpu.matmul(w, x[0]), (x[:1].double() @ w64.T)[0], bound)
+
+
+def test_dequantize_rows(backend):
+    gen = torch.Generator().manual_seed(4)
+    for fmt in FORMATS:
+        w, w64 = make_weight(fmt, 50, gen)
+        assert torch.equal(cpu.dequantize_rows(w, 5, 20).double(), w64[5:20])
+
+
+def test_strided_and_shared_mask_inputs(backend):
+    """Row views of a larger matrix (row stride > D) and a [F] mask shared by all tokens."""
+    gen = torch.Generator().manual_seed(5)
+    big = torch.randn(F, 160, generator=gen).half()
+    w = big[:, :D_FLOAT]
+    x = torch.randn(3, D_FLOAT, generator=gen)
+    m = torch.rand(F, generator=gen) < 0.5
+    ref = ref_gather(w.double(), x, m.expand(3, -1))
+    assert_close(cpu.gather_matvec(w, x, m), ref, ref_gather(w.double().abs(), x.abs(), m.expand(3, -1)))
+    a = torch.randn(3, F, generator=gen)
+    mm = m.expand(3, -1)
+    assert_close(
+        cpu.sparse_axpy(w, a, m), ref_axpy(w.double(), a, mm), ref_axpy(w.double().abs(), a.abs(), mm)
+    )
+
+
+def test_bad_inputs(backend):
+    w = torch.randn(64, 32)
+    x = torch.randn(2, 32)
+    with pytest.raises(ValueError, match=r"x has shape \(2, 31\), expected \[T, 32\]"):
+        cpu.gather_matvec(w, torch.randn(2, 31), None)
+    with pytest.raises(ValueError, match=r"rows mask has shape \(2, 63\), expected \[2, 64\]"):
+        cpu.gather_matvec(w, x, torch.ones(2, 63, dtype=torch.bool))
+    with pytest.raises(ValueError, match="rows must be a bool mask"):
+        cpu.sparse_axpy(w, torch.randn(2, 64), torch.ones(2, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="weight rows must be contiguous"):
+        cpu.gather_matvec(torch.randn(32, 64).T, x, None)
+    with pytest.raises(ValueError, match="2-D float32/float16/bfloat16"):
+        cpu.gather_matvec(torch.randn(64, 32).double(), x, None)
+    with pytest.raises(TypeError, match="torch.Tensor or a QuantTensor"):
+        cpu.gather_matvec(np.zeros((64, 32), np.float32), x, None)
+
+
+def test_fallback_without_compiler(monkeypatch, caplog):
+    """A broken compiler means the torch kernels and one warning, never an error."""
+    monkeypatch.delenv("HOTCOLD_NO_CEXT", raising=False)
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    cpu._reset_for_tests()
+    try:
+        with caplog.at_level("WARNING", logger="hotcold.kernels.cpu"):
+            assert cpu.backend() == "torch"
+            w = torch.randn(64, 32)
+            x = torch.randn(1, 32)
+            torch.testing.assert_close(cpu.gather_matvec(w, x, None), x @ w.T)
+            assert cpu.backend() == "torch"
+        assert sum("torch" in r.message for r in caplog.records) == 1
+    finally:
+        monkeypatch.undo()
+        cpu._reset_for_tests()
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOTCOLD_CACHE_DIR", str(tmp_path / "c"))
+    assert cpu._cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("HOTCOLD_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cpu._cache_dir() == tmp_path / "hotcold"
+
+
+def test_unwritable_cache_dir_falls_back(monkeypatch, tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("HOTCOLD_CACHE_DIR", str(blocked / "sub"))
+    monkeypatch.setattr(cpu.tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    d = cpu._writable_cache_dir()
+    assert d is not None and d.parent == tmp_path / "tmp"

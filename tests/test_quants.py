@@ -1,0 +1,144 @@
+"""quants.py against gguf's numpy port of ggml (the reference), bit for bit."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from hotcold import quants
+from hotcold.kernels import cpu
+from hotcold.quants import QuantTensor
+
+BLOCK_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K]
+
+
+@pytest.fixture(params=["c", "numpy"])
+def deq_backend(request, monkeypatch):
+    """quants.dequantize on the CPU uses the C kernels, or gguf's numpy code without them."""
+    if request.param == "numpy":
+        monkeypatch.setenv("HOTCOLD_NO_CEXT", "1")
+    else:
+        monkeypatch.delenv("HOTCOLD_NO_CEXT", raising=False)
+    cpu._reset_for_tests()
+    if request.param == "c" and cpu.backend() != "c":
+        pytest.skip("C kernels unavailable")
+    yield request.param
+    cpu._reset_for_tests()
+
+
+def random_blocks(qtype: Q, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Random block bytes with scales spanning fp16: tiny (subnormal), huge, zero, -0, and zero blocks."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    scales = (rng.standard_normal(n) * 10.0 ** rng.integers(-7, 5, n)).astype(np.float16)
+    scales[:4] = np.array([0.0, -0.0, 65504.0, 6e-8], dtype=np.float16)  # zero, -0, max, subnormal
+    d_off = 208 if qtype == Q.Q6_K else 0
+    raw[:, d_off : d_off + 2] = scales.view(np.uint8).reshape(n, 2)
+    raw[4] = 0  # an all-zero block
+    return raw
+
+
+@pytest.mark.parametrize("qtype", BLOCK_TYPES)
+def test_dequantize_bit_exact(qtype, deq_backend):
+    rng = np.random.default_rng(int(qtype))
+    raw = random_blocks(qtype, 1024, rng)
+    bs = GGML_QUANT_SIZES[qtype][0]
+    ref = gguf.quants.dequantize(raw, qtype).reshape(-1)
+    for shape in [(1024 * bs,), (16, 64 * bs)]:
+        got = quants.dequantize(raw, qtype, shape)
+        assert got.dtype == torch.float32 and tuple(got.shape) == shape
+        np.testing.assert_array_equal(got.numpy().reshape(-1).view(np.uint32), ref.view(np.uint32))
+    # the torch path (used for tensors on other devices)
+    got = quants.dequantize_torch(torch.from_numpy(raw.reshape(16, -1)), qtype)
+    np.testing.assert_array_equal(got.numpy().reshape(-1).view(np.uint32), ref.view(np.uint32))
+
+
+@pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16])
+def test_dequantize_float_types(qtype, deq_backend):
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal((8, 96)) * 100).astype(np.float32)
+    raw = quants.quantize(x, qtype)
+    assert raw.dtype == np.uint8 and raw.shape == (8, quants.row_bytes(qtype, 96))
+    ref = gguf.quants.dequantize(gguf.quants.quantize(x, qtype), qtype).reshape(8, 96)
+    got = quants.dequantize(raw, qtype, (8, 96))
+    np.testing.assert_array_equal(got.numpy(), ref)
+    # typed arrays as the gguf reader hands them out are accepted too
+    if qtype == Q.F16:
+        np.testing.assert_array_equal(quants.dequantize(x.astype(np.float16), qtype, (8, 96)).numpy(), ref)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.BF16, Q.F16])
+def test_quantize_matches_ggml(qtype):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((64, 256)) * rng.standard_normal((64, 1)) * 5).astype(np.float32)
+    x[0] = 0.0  # zero row: d = 0
+    x[1, :32] = 1e-30  # tiny: scale underflows fp16
+    x[2, 5] = 3.0e4  # one large value per block
+    x[3, :32] = -2.0  # ties on the max magnitude
+    ref = gguf.quants.quantize(x, qtype)
+    got = quants.quantize(torch.from_numpy(x), qtype)
+    np.testing.assert_array_equal(got, np.ascontiguousarray(ref).view(np.uint8).reshape(got.shape))
+
+
+@pytest.mark.parametrize(("qtype", "levels"), [(Q.Q8_0, 127), (Q.Q4_0, 8), (Q.Q5_0, 16)])
+def test_quantize_roundtrip_error_bound(qtype, levels):
+    torch.manual_seed(0)
+    x = torch.randn(128, 512) * torch.rand(128, 1) * 10
+    back = quants.dequantize(quants.quantize(x, qtype), qtype, x.shape)
+    err = (back - x).abs().reshape(-1, 32)
+    amax = x.abs().reshape(-1, 32).amax(1, keepdim=True)
+    # half a step for in-range values; Q4_0/Q5_0 clip the most negative code to one full step
+    step = amax / levels
+    bound = (step / 2 if qtype == Q.Q8_0 else step) + amax * 2.0**-10  # + fp16 rounding of d
+    assert (err <= bound * 1.0001).all()
+
+
+def test_row_bytes_and_is_quantized():
+    assert quants.row_bytes(Q.Q4_0, 4096) == 4096 // 32 * 18
+    assert quants.row_bytes(Q.Q6_K, 512) == 2 * 210
+    assert quants.row_bytes(Q.F16, 7) == 14
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quants.row_bytes(Q.Q8_0, 100)
+    assert quants.is_quantized(Q.Q8_0) and quants.is_quantized(Q.Q6_K)
+    assert not any(quants.is_quantized(t) for t in (Q.F32, Q.F16, Q.BF16))
+
+
+def test_unsupported_types_are_rejected():
+    with pytest.raises(ValueError, match="Q2_K is not supported"):
+        quants.dequantize(np.zeros(84, np.uint8), Q.Q2_K, (256,))
+    with pytest.raises(ValueError, match="cannot quantize to Q6_K"):
+        quants.quantize(np.zeros((1, 256), np.float32), Q.Q6_K)
+    with pytest.raises(ValueError, match="holds 10 bytes, expected 34"):
+        quants.dequantize(np.zeros(10, np.uint8), Q.Q8_0, (32,))
+
+
+def test_quant_tensor(deq_backend):
+    torch.manual_seed(0)
+    w = torch.randn(50, 96)
+    qt = QuantTensor.from_float(w, Q.Q4_0)
+    assert qt.shape == (50, 96) and qt.data.shape == (50, 54) and qt.nbytes == 50 * 54
+    full = qt.dequantize()
+    assert torch.allclose(full, w, atol=w.abs().max().item() / 8)
+    rows = torch.tensor([3, 0, 49, 3])
+    assert torch.equal(qt.dequantize(rows), full[rows])
+    mask = torch.zeros(50, dtype=torch.bool)
+    mask[[1, 7]] = True
+    assert torch.equal(qt.dequantize(mask), full[mask])
+    sub = qt.select_rows(rows)
+    assert sub.shape == (4, 96) and torch.equal(sub.dequantize(), full[rows])
+    # a view into a larger buffer (row stride > row bytes) as a memory map may give
+    big = torch.zeros(50, 64, dtype=torch.uint8)
+    big[:, :54] = qt.data
+    strided = QuantTensor(big[:, :54], Q.Q4_0, (50, 96))
+    assert torch.equal(strided.dequantize(), full)
+
+
+def test_quant_tensor_validation():
+    with pytest.raises(ValueError, match="needs uint8 data of shape"):
+        QuantTensor(torch.zeros(4, 30, dtype=torch.uint8), Q.Q8_0, (4, 32))
+    with pytest.raises(ValueError, match="needs uint8 data"):
+        QuantTensor(torch.zeros(4, 34), Q.Q8_0, (4, 32))
+    with pytest.raises(ValueError, match="2-D"):
+        QuantTensor(torch.zeros(4, 34, dtype=torch.uint8), Q.Q8_0, (4, 32, 1))
