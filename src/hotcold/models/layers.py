@@ -61,7 +61,9 @@ class KVCache:
     """Preallocated keys and values for one sequence: k[l], v[l] are [S, Hkv, Dh] on layer l's device;
     positions are explicit, so a decode step always has the same shapes."""
 
-    def __init__(self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, *, dtype=torch.float32, devices=None):
+    def __init__(
+        self, n_layer: int, n_ctx: int, n_head_kv: int, head_dim: int, *, dtype=torch.float32, devices=None
+    ):
         self.n_ctx = n_ctx
         devices = devices or ["cpu"] * n_layer
         self.k = [torch.zeros(n_ctx, n_head_kv, head_dim, dtype=dtype, device=d) for d in devices]
@@ -70,6 +72,31 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.k + self.v)
+
+    @classmethod
+    def for_layers(cls, config, layers, n_ctx: int) -> KVCache:
+        """One cache slice per layer, on that layer's device: fp16 when a GPU is involved (the budget counts
+        2 bytes), fp32 on the CPU (the exact reference)."""
+        devices = [layer.device for layer in layers]
+        dtype = torch.float16 if any(d.type == "cuda" for d in devices) else torch.float32
+        return cls(config.n_layer, n_ctx, config.n_head_kv, config.head_dim, dtype=dtype, devices=devices)
+
+
+class RopeTables:
+    """cos/sin tables per device, grown on demand past the training context."""
+
+    def __init__(self, config):
+        self.config = config
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def __call__(self, pos: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        cos, sin = self._tables.get(device, (None, None))
+        if cos is None or pos + T > cos.shape[0]:
+            n = max(pos + T, c.n_ctx_train)
+            cos, sin = (t.to(device) for t in rope_tables(n, c.rope_dim, c.rope_base, c.rope_scale))
+            self._tables[device] = (cos, sin)
+        return cos[pos : pos + T], sin[pos : pos + T]
 
 
 def attention(

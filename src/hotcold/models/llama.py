@@ -12,7 +12,15 @@ import torch
 
 from hotcold.config import ModelConfig
 from hotcold.gguf_io import ModelFile
-from hotcold.models.layers import KVCache, Weight, apply_rope, attention, linear, rms_norm, rope_tables
+from hotcold.models.layers import (
+    KVCache,
+    RopeTables,
+    Weight,
+    apply_rope,
+    attention,
+    linear,
+    rms_norm,
+)
 from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn import FFNFactory, FFNWeights
 from hotcold.sparse.predictor import Predictor, load_predictor
@@ -42,23 +50,10 @@ class Llama:
         self.output_norm = output_norm
         self.output = output
         self.output_device = torch.device("cpu")
-        self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def rope(self, pos: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        cos, sin = self._rope.get(device, (None, None))
-        if cos is None or pos + T > cos.shape[0]:
-            n = max(pos + T, c.n_ctx_train)
-            cos, sin = (t.to(device) for t in rope_tables(n, c.rope_dim, c.rope_base, c.rope_scale))
-            self._rope[device] = (cos, sin)
-        return cos[pos : pos + T], sin[pos : pos + T]
+        self.rope = RopeTables(config)
 
     def new_cache(self, n_ctx: int) -> KVCache:
-        c = self.config
-        devices = [layer.device for layer in self.layers]
-        # fp16 keys/values on a GPU (the budget counts 2 bytes), fp32 on the CPU (exact reference)
-        dtype = torch.float16 if any(d.type == "cuda" for d in devices) else torch.float32
-        return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, dtype=dtype, devices=devices)
+        return KVCache.for_layers(self.config, self.layers, n_ctx)
 
     def forward(
         self, tokens: torch.Tensor, pos: int, cache: KVCache, *, last_only: bool = False

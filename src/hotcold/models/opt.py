@@ -72,10 +72,7 @@ class OPT:
         return self.position_embd.shape[0] - POSITION_OFFSET
 
     def new_cache(self, n_ctx: int) -> KVCache:
-        c = self.config
-        devices = [layer.device for layer in self.layers]
-        dtype = torch.float16 if any(d.type == "cuda" for d in devices) else torch.float32
-        return KVCache(c.n_layer, n_ctx, c.n_head_kv, c.head_dim, dtype=dtype, devices=devices)
+        return KVCache.for_layers(self.config, self.layers, n_ctx)
 
     def forward(
         self, tokens: torch.Tensor, pos: int, cache: KVCache, *, last_only: bool = False
