@@ -14,7 +14,12 @@ from hotcold.gguf_io import POWERINFER_I32, GGUFError, ModelFile, TensorSpec, me
 
 
 def spec(name, array, qtype):
-    return TensorSpec(name, tuple(array.shape) if qtype != Q.BF16 else (array.shape[0], array.shape[1] // 2), qtype, lambda: array)
+    return TensorSpec(
+        name,
+        tuple(array.shape) if qtype != Q.BF16 else (array.shape[0], array.shape[1] // 2),
+        qtype,
+        lambda: array,
+    )
 
 
 def sample_file(path, *, sparse=False):

@@ -72,5 +72,7 @@ def test_prefill_batch_equals_token_by_token():
     x = torch.randn(12, D)
     mask = torch.rand(12, F, generator=torch.Generator().manual_seed(2)) < 0.15
     batch = SparseFFN(w, lambda p: mask)(x, x)
-    single = torch.cat([SparseFFN(w, lambda p, t=t: mask[t : t + 1])(x[t : t + 1], x[t : t + 1]) for t in range(12)])
+    single = torch.cat(
+        [SparseFFN(w, lambda p, t=t: mask[t : t + 1])(x[t : t + 1], x[t : t + 1]) for t in range(12)]
+    )
     assert (batch - single).abs().max() <= 1e-6 * batch.abs().max()
