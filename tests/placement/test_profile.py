@@ -1,0 +1,104 @@
+"""hotcold profile: activation counts equal an independent count from the Hugging Face model's hooks."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+import hotcold
+from hotcold.cli import main
+from hotcold.placement.profile import corpus_tokens, profile_activations, token_windows
+from tests.fixtures import training_text
+
+CTX = 64
+
+
+def hf_counts(hf_dir, windows: list[list[int]]) -> list[torch.Tensor]:
+    """Per layer, tokens where each neuron's input to down_proj (act(gate) * up) is nonzero, from transformers."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    counts = [torch.zeros(model.config.intermediate_size, dtype=torch.int64) for _ in model.model.layers]
+
+    def counter(i):
+        def hook(_module, inputs):  # a pre-hook that returns nothing leaves the input alone
+            counts[i].add_((inputs[0][0] != 0).sum(0))
+
+        return hook
+
+    hooks = [
+        layer.mlp.down_proj.register_forward_pre_hook(counter(i))
+        for i, layer in enumerate(model.model.layers)
+    ]
+    with torch.no_grad():
+        for w in windows:
+            model(torch.tensor([w]))
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+def test_counts_equal_transformers_hooks(tiny_dense_gguf):
+    llm = hotcold.load(tiny_dense_gguf, dense=True)
+    ids = corpus_tokens(llm.tokenizer, training_text(), max_tokens=1000)
+    counts = profile_activations(llm, ids, ctx=CTX)
+    windows = token_windows(ids, CTX, llm.tokenizer.bos_id)
+    assert sum(len(w) for w in windows) == len(ids) + len(windows)  # every token once, plus a BOS per window
+    assert windows[0][0] == llm.tokenizer.bos_id and len(windows[0]) == CTX
+    expected = hf_counts(tiny_dense_gguf.parent / "hf", windows)
+    assert len(counts) == len(expected) == 2
+    for got, want in zip(counts, expected):
+        assert got.dtype == torch.int64 and got.shape == (1280,)
+        # fp32 on both sides: a pre-activation within rounding of 0 may flip; allow a handful in ~2.6 M
+        assert (got - want).abs().sum() <= 5, (got - want).abs().sum()
+        assert 0 < got.sum() < got.numel() * sum(len(w) for w in windows)
+
+
+def test_cli_writes_activation_files_next_to_the_model(tiny_dense_gguf, tmp_path, capsys):
+    model = tmp_path / "tiny.gguf"
+    shutil.copy(tiny_dense_gguf, model)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(training_text())
+    code = main(["profile", "-m", str(model), "-f", str(corpus), "-c", str(CTX), "--max-tokens", "300"])
+    assert code == 0
+    files = sorted(p.name for p in (tmp_path / "activation").iterdir())
+    assert files == ["activation_0.pt", "activation_1.pt"]  # no temporary files left behind
+    llm = hotcold.load(model, dense=True)
+    ids = corpus_tokens(llm.tokenizer, training_text(), max_tokens=300, spread=True)
+    direct = profile_activations(llm, ids, ctx=CTX)  # the CLI samples with spread=True
+    for i, want in enumerate(direct):
+        got = torch.load(tmp_path / "activation" / f"activation_{i}.pt")
+        assert torch.equal(got, want)
+    assert "profiled 300 tokens" in capsys.readouterr().err
+
+    out = tmp_path / "elsewhere"
+    assert main(["profile", "-m", str(model), "-f", str(corpus), "-o", str(out), "--max-tokens", "50"]) == 0
+    assert (out / "activation_1.pt").exists()
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [(None, "no such file"), ("", "the corpus is empty"), ("  \n\n", "the corpus is empty")],
+)
+def test_bad_corpus(tiny_dense_gguf, tmp_path, capsys, content, message):
+    corpus = tmp_path / "corpus.txt"
+    if content is not None:
+        corpus.write_text(content)
+    code = main(["profile", "-m", str(tiny_dense_gguf), "-f", str(corpus), "-o", str(tmp_path / "act")])
+    err = capsys.readouterr().err
+    assert code == 1 and message in err and "corpus.txt" in err and "Traceback" not in err
+    assert not (tmp_path / "act").exists()
+
+
+def test_silu_model_is_refused(tmp_path, spm_model_file, capsys):
+    from hotcold.convert import convert
+    from tests.fixtures import make_llama
+
+    make_llama(tmp_path / "hf", spm_model_file, hidden_act="silu", num_hidden_layers=1)
+    model = convert(tmp_path / "hf", None, tmp_path / "silu.gguf", outtype="f32")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("In the beginning")
+    assert main(["profile", "-m", str(model), "-f", str(corpus)]) == 1
+    assert "not ReLU" in capsys.readouterr().err
