@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 DATA = REPO / "src" / "hotcold" / "data"
 MODEL_NAME = "demo.powerinfer.gguf"  # hotcold.loader.DEMO_MODEL_NAME
+MODEL_TITLE = "hotcold demo (ReLU-LLaMA 12M, Bible text)"
 MAX_BYTES = 25_000_000
 # The token embedding is a lookup table (one row read per token): Q8_0 costs it nothing measurable and
 # saves 2 MB, which keeps F16 weights + predictors + statistics under MAX_BYTES. Everything else stays F16.
@@ -42,7 +43,8 @@ def hotcold(*args: str, threads: int | None) -> None:
 
 
 def requantize_embedding(src: Path, dst: Path) -> None:
-    """Copy a GGUF file with token_embd.weight stored as EMBEDDING_TYPE (every other tensor and key as is)."""
+    """Copy a GGUF file with token_embd.weight stored as EMBEDDING_TYPE and general.name set to MODEL_TITLE
+    (every other tensor and key as is)."""
     from gguf import GGMLQuantizationType
 
     from hotcold import quants
@@ -57,7 +59,8 @@ def requantize_embedding(src: Path, dst: Path) -> None:
             specs.append(TensorSpec(e.name, e.shape, qtype, lambda v=values: quants.quantize(v, qtype)))
         else:
             specs.append(TensorSpec(e.name, e.shape, e.qtype, lambda e=e: e.data))
-    write_model_file(dst, mf.architecture, metadata_items(mf), specs, sparse=mf.is_sparse)
+    meta = [(k, MODEL_TITLE if k == "general.name" else v, *rest) for k, v, *rest in metadata_items(mf)]
+    write_model_file(dst, mf.architecture, meta, specs, sparse=mf.is_sparse)
 
 
 def forget_stale_predictors(hf: Path, pred: Path) -> None:
@@ -103,10 +106,11 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=200_000, help="training tokens for predictors and profile")
     ap.add_argument("--ranks", default="64,96,128", help="predictor rank ladder")
     ap.add_argument("--recall", type=float, default=0.99, help="per-layer recall target on held-out tokens")
-    ap.add_argument("--max-selection", type=float, default=1.5)
+    ap.add_argument("--max-selection", type=float, default=1.4, help="per-layer bound on selected / firing")
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-install", action="store_true", help="build in --work only")
+    ap.add_argument("--retrain", action="store_true", help="train every predictor again (default: resume)")
     args = ap.parse_args()
 
     train, heldout = args.corpus / "train.txt", args.corpus / "heldout.txt"
@@ -114,6 +118,8 @@ def main() -> int:
     work.mkdir(parents=True, exist_ok=True)
     pred, f16, model, act = work / "predictors", work / "f16.gguf", work / MODEL_NAME, work / "activation"
     timings = {}
+    if args.retrain and pred.exists():
+        shutil.rmtree(pred)
     forget_stale_predictors(args.hf, pred)
 
     start = time.perf_counter()

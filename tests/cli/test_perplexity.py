@@ -126,3 +126,33 @@ def test_bad_text(tiny_dense_gguf, tmp_path, capsys, content, message):
     code = main(["perplexity", "-m", str(tiny_dense_gguf), "-f", str(path)])
     err = capsys.readouterr().err
     assert code == 1 and message in err and "Traceback" not in err
+
+
+BIBLE = """And it came to pass in the days when the judges ruled, that there was a famine in the land.
+And a certain man went to sojourn in the country of Moab, he, and his wife, and his two sons.
+Then the LORD answered out of the whirlwind, and said, Who is this that darkeneth counsel by words
+without knowledge? Gird up now thy loins like a man; for I will demand of thee, and answer thou me.
+Blessed are the poor in spirit: for theirs is the kingdom of heaven. Blessed are they that mourn:
+for they shall be comforted. Blessed are the meek: for they shall inherit the earth.
+"""
+
+
+def test_bundled_demo_model(tmp_path, capsys):
+    """The shipped model: sparse with activation statistics beside it, and its predictors good enough that
+    sparse perplexity stays within 2% of dense on a short Bible text."""
+    from hotcold.loader import demo_model_path
+
+    path = demo_model_path()
+    if not path.exists():
+        pytest.skip("the demo model is not built (scripts/demo_model/build_sparse.py)")
+    llm = hotcold.load()
+    assert llm.config.sparse and llm.config.n_ff == 1024
+    for i in range(llm.config.n_layer):
+        stats = torch.load(path.parent / "activation" / f"activation_{i}.pt")
+        assert stats.shape == (1024,) and stats.dtype == torch.int64 and stats.sum() > 0
+    text = tmp_path / "bible.txt"
+    text.write_text(BIBLE * 3)
+    result = run_json(capsys, ["perplexity", "-f", str(text), "-c", "128", "--json"])
+    assert result["mode"] == "sparse"
+    assert abs(result["perplexity_increase"]) < 0.02
+    assert result["recall_mean"] > 0.95 and result["selection_ratio"] < 1.6

