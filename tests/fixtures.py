@@ -81,3 +81,32 @@ def write_predictors(
     if threshold is not None:
         (pred_dir / "config.json").write_text(json.dumps({"sparse_threshold": threshold}))
     return pred_dir
+
+
+def hf_logits(model, ids: list[int]) -> torch.Tensor:
+    """transformers' fp32 logits of every position."""
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+def random_ids(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(3, TOKENIZER_VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def assert_logits_match(llm, hf, ids: list[int], rel: float = 1e-4) -> None:
+    """hotcold's logits equal transformers' within rel of the logit scale (which must be non-trivial)."""
+    ours, ref = llm.logits(ids), hf_logits(hf, ids)
+    scale = ref.abs().max()
+    assert scale > 1.0, "test model too tame to be a meaningful comparison"
+    assert (ours - ref).abs().max() <= rel * scale
+
+
+def assert_greedy_matches(llm, hf, prompt_text: str = "Line 3: the quick brown fox", n: int = 32) -> None:
+    """n greedy tokens from the KV-cached engine equal transformers' generate."""
+    from hotcold.sampling import SamplingParams
+
+    prompt = llm.tokenize(prompt_text)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
+    steps = llm.engine.generate_step(prompt, SamplingParams())
+    assert [next(steps) for _ in range(n)] == ref[0, len(prompt) :].tolist()

@@ -12,8 +12,15 @@ from hotcold.cli.info import describe
 from hotcold.convert import convert
 from hotcold.convert.falcon import jploski
 from hotcold.gguf_io import ModelFile
-from hotcold.sampling import SamplingParams
-from tests.fixtures import TOKENIZER_VOCAB, write_predictors, write_tokenizer
+from tests.fixtures import (
+    TOKENIZER_VOCAB,
+    assert_greedy_matches,
+    assert_logits_match,
+    hf_logits,
+    random_ids,
+    write_predictors,
+    write_tokenizer,
+)
 
 # hidden 64 with ffn_hidden_size 1280 (PowerInfer's kernels want n_ff > 1000, a multiple of 256); the file stores
 # the real ffn_hidden_size as feed_forward_length.
@@ -58,15 +65,6 @@ def make_falcon(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
     return model
 
 
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def random_ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(3, TOKENIZER_VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def converted(request, tmp_path_factory, spm_model_file):
     folder = tmp_path_factory.mktemp(request.param)
@@ -78,20 +76,13 @@ def test_logits_match_transformers(converted):
     hf, path = converted
     llm = hotcold.load(path, device="cpu")
     ids = random_ids(40)
-    ours, ref = llm.logits(ids), hf_logits(hf, ids)
-    scale = ref.abs().max()
-    assert scale > 1.0, "test model too tame to be a meaningful comparison"
-    assert (ours - ref).abs().max() <= 1e-4 * scale
+    assert_logits_match(llm, hf, ids)
 
 
 def test_greedy_tokens_match_transformers(converted):
     hf, path = converted
     llm = hotcold.load(path, device="cpu")
-    prompt = llm.tokenize("Line 3: the quick brown fox")
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
-    steps = llm.engine.generate_step(prompt, SamplingParams())
-    assert [next(steps) for _ in range(32)] == ref[0, len(prompt) :].tolist()
+    assert_greedy_matches(llm, hf)
 
 
 def test_info_reports_falcon(converted):

@@ -12,8 +12,14 @@ import hotcold
 from hotcold.cli.info import describe
 from hotcold.convert import convert
 from hotcold.gguf_io import ModelFile
-from hotcold.sampling import SamplingParams
-from tests.fixtures import TOKENIZER_VOCAB, write_predictors, write_tokenizer
+from tests.fixtures import (
+    TOKENIZER_VOCAB,
+    assert_greedy_matches,
+    hf_logits,
+    random_ids,
+    write_predictors,
+    write_tokenizer,
+)
 
 N_EXPERT, N_USED = 4, 2
 CASES = {
@@ -84,15 +90,6 @@ def make_mixtral(
     return model
 
 
-def hf_logits(model, ids: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return model(torch.tensor([ids])).logits[0].float()
-
-
-def random_ids(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(3, TOKENIZER_VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def converted(request, tmp_path_factory, spm_model_file):
     folder = tmp_path_factory.mktemp(request.param)
@@ -124,11 +121,7 @@ def test_greedy_tokens_match_transformers(converted):
     if hf.config.hidden_act == "silu":
         pytest.skip("the dense SiLU case is covered by the logits test; transformers' MoE decode is slow")
     llm = hotcold.load(path, device="cpu")
-    prompt = llm.tokenize("Line 3: the quick brown fox")
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32)
-    steps = llm.engine.generate_step(prompt, SamplingParams())
-    assert [next(steps) for _ in range(32)] == ref[0, len(prompt) :].tolist()
+    assert_greedy_matches(llm, hf)
 
 
 def test_file_layout_follows_upstream(converted):
