@@ -57,7 +57,14 @@ def test_seeded_sampling_reproducible_and_distribution_sane():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(temperature=float("nan")), dict(temperature=-1.0), dict(top_p=0.0), dict(min_p=2.0), dict(top_k=-1)]
+    "kwargs",
+    [
+        dict(temperature=float("nan")),
+        dict(temperature=-1.0),
+        dict(top_p=0.0),
+        dict(min_p=2.0),
+        dict(top_k=-1),
+    ],
 )
 def test_bad_parameters_rejected(kwargs):
     with pytest.raises(ValueError):

@@ -126,8 +126,12 @@ def test_info(capsys, tiny_sparse_gguf):
 def test_prompt_file_not_utf8_named(capsys, tmp_path, tiny_dense_gguf):
     bad = tmp_path / "prompt.txt"
     bad.write_bytes(b"\xff\xfe bad")
-    assert "prompt.txt: not UTF-8 text" in run_error(capsys, ["generate", "-m", str(tiny_dense_gguf), "-f", str(bad)])
+    assert "prompt.txt: not UTF-8 text" in run_error(
+        capsys, ["generate", "-m", str(tiny_dense_gguf), "-f", str(bad)]
+    )
 
 
 def test_prompt_file_missing(capsys, tmp_path, tiny_dense_gguf):
-    assert "nope.txt" in run_error(capsys, ["generate", "-m", str(tiny_dense_gguf), "-f", str(tmp_path / "nope.txt")])
+    assert "nope.txt" in run_error(
+        capsys, ["generate", "-m", str(tiny_dense_gguf), "-f", str(tmp_path / "nope.txt")]
+    )

@@ -148,4 +148,9 @@ def test_corrupt_activation_file_named(model_with_stats):
     bad = model_with_stats.parent / "activation" / "activation_1.pt"
     bad.write_bytes(b"not a tensor")
     with pytest.raises(ValueError, match="activation_1.pt: not a readable activation tensor"):
-        load_model(model_with_stats, device="cpu", fast_device="cpu", vram_budget=budget_gib(model_with_stats, 800_000))
+        load_model(
+            model_with_stats,
+            device="cpu",
+            fast_device="cpu",
+            vram_budget=budget_gib(model_with_stats, 800_000),
+        )

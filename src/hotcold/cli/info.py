@@ -89,4 +89,6 @@ def _placement(gpuidx: Path) -> str | None:
         p = read_gpuidx(gpuidx)
     except GGUFError as exc:
         return f"{gpuidx} (unreadable: {exc})"
-    return f"{gpuidx.name}: {100 * p.hot_fraction():.1f}% of FFN neurons hot, {p.vram_capacity / 2**20:.0f} MiB"
+    return (
+        f"{gpuidx.name}: {100 * p.hot_fraction():.1f}% of FFN neurons hot, {p.vram_capacity / 2**20:.0f} MiB"
+    )

@@ -9,9 +9,13 @@ from pathlib import Path
 
 
 def add_args(p) -> None:
-    p.add_argument("-m", "--model", default=None, help="PowerInfer model file; omitted: the bundled demo model")
+    p.add_argument(
+        "-m", "--model", default=None, help="PowerInfer model file; omitted: the bundled demo model"
+    )
     p.add_argument("--vram-budget", type=float, default=None, help="GiB (default: all free VRAM of the GPU)")
-    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size the KV cache is budgeted for")
+    p.add_argument(
+        "-c", "--ctx-size", type=int, default=None, help="context size the KV cache is budgeted for"
+    )
     p.add_argument("--json", action="store_true")
 
 
@@ -27,7 +31,9 @@ def run(args) -> int:
     mf = ModelFile(path)
     config = config_from_file(mf)
     if not config.sparse:
-        raise ValueError(f"{path}: a dense GGUF file has no predictors; placement needs a PowerInfer (PWRI) file")
+        raise ValueError(
+            f"{path}: a dense GGUF file has no predictors; placement needs a PowerInfer (PWRI) file"
+        )
     if args.vram_budget is None:
         if not torch.cuda.is_available():
             raise ValueError("no CUDA GPU to read free memory from: give --vram-budget GIB")

@@ -28,7 +28,9 @@ def _source_floats(entry: TensorEntry) -> torch.Tensor:
     return value.float()
 
 
-def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], outtype: str, *, progress: bool = False) -> Path:
+def quantize_file(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], outtype: str, *, progress: bool = False
+) -> Path:
     outtype = outtype.lower()
     if outtype not in OUTTYPES:
         raise ValueError(f"quantize: type {outtype!r} is not one of {', '.join(OUTTYPES)}")
@@ -46,8 +48,14 @@ def quantize_file(src: str | os.PathLike[str], dst: str | os.PathLike[str], outt
         if qtype == entry.qtype:  # already in the target type: copy the bytes
             specs.append(TensorSpec(entry.name, entry.shape, qtype, lambda e=entry: np.asarray(e.data)))
         else:
-            specs.append(TensorSpec(entry.name, entry.shape, qtype, lambda e=entry, q=qtype: encode(_source_floats(e), q)))
-    meta = [m for m in metadata_items(mf) if m[0] not in ("general.file_type", "general.quantization_version")]
+            specs.append(
+                TensorSpec(
+                    entry.name, entry.shape, qtype, lambda e=entry, q=qtype: encode(_source_floats(e), q)
+                )
+            )
+    meta = [
+        m for m in metadata_items(mf) if m[0] not in ("general.file_type", "general.quantization_version")
+    ]
     meta.append(("general.file_type", FILE_TYPES[outtype], V.UINT32))
     if outtype in ("q8_0", "q4_0"):
         meta.append(("general.quantization_version", 2, V.UINT32))
