@@ -50,14 +50,24 @@ def make_llama(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
     settings.update(overrides)
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**settings)).eval()
-    with torch.no_grad():  # random init is too tame: scale weights so logits and activations are non-trivial
+    scale_matrices(model)
+    save_checkpoint(model, hf_dir, spm_model)
+    return model
+
+
+def scale_matrices(model, factor: float = 2.0) -> None:
+    """Random init is too tame: scaled weight matrices make logits and activations non-trivial."""
+    with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 2:
-                p.mul_(2.0)
+                p.mul_(factor)
+
+
+def save_checkpoint(model, hf_dir: Path, spm_model: Path) -> None:
+    """A Hugging Face checkpoint folder: safetensors weights, config.json and the test tokenizer."""
     hf_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(hf_dir, safe_serialization=True)
     write_tokenizer(hf_dir, spm_model)
-    return model
 
 
 def write_predictors(

@@ -147,7 +147,6 @@ class ModelFile:
                 )
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             self.tensors[t.name] = TensorEntry(t.name, shape, t.tensor_type, t.data, int(t.n_bytes))
-        self._reader = reader
 
     @property
     def is_sparse(self) -> bool:
@@ -173,10 +172,6 @@ class ModelFile:
         """Zero-copy view of a tensor: a torch tensor for float/int types, a QuantTensor for block formats."""
         entry = self.entry(name, shape)
         return as_torch(entry, self.path)
-
-    def close(self) -> None:
-        # np.memmap closes when the last view goes away; dropping our references is all we can do
-        self._reader = None
 
 
 def as_torch(entry: TensorEntry, path: Path | str = "model") -> torch.Tensor | QuantTensor:
@@ -209,10 +204,6 @@ def _plain_value(field) -> Any:
         return bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
     value = field.parts[field.data[0]][0]
     return value.item() if hasattr(value, "item") else value
-
-
-def read_model_file(path: str | os.PathLike[str]) -> ModelFile:
-    return ModelFile(path)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -21,8 +21,9 @@ from tests.fixtures import (
     hf_logits,
     make_llama,
     random_ids,
+    save_checkpoint,
+    scale_matrices,
     write_predictors,
-    write_tokenizer,
 )
 
 
@@ -60,13 +61,8 @@ def make_mistral(hf_dir: Path, spm_model: Path, *, seed: int = 0, drelu: bool = 
     settings.update(overrides)
     torch.manual_seed(seed)
     model = MistralForCausalLM(MistralConfig(**settings)).eval()
-    with torch.no_grad():  # random init is too tame: make logits and activations non-trivial
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.mul_(2.0)
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(hf_dir, safe_serialization=True)
-    write_tokenizer(hf_dir, spm_model)
+    scale_matrices(model)
+    save_checkpoint(model, hf_dir, spm_model)
     if drelu:  # TurboSparse: config.json says relu, custom code does dReLU; the flag tells the converter
         edit_config(hf_dir, hotcold_ffn_kind="gated_both")
         use_drelu(model)

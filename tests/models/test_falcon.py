@@ -18,8 +18,8 @@ from tests.fixtures import (
     assert_logits_match,
     hf_logits,
     random_ids,
+    save_checkpoint,
     write_predictors,
-    write_tokenizer,
 )
 
 # hidden 64 with ffn_hidden_size 1280 (PowerInfer's kernels want n_ff > 1000, a multiple of 256); the file stores
@@ -59,9 +59,7 @@ def make_falcon(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
                 p.mul_(2.0)
             elif "ln" in name or "layernorm" in name:
                 p.add_(0.1 * torch.randn_like(p))  # non-trivial LayerNorm weights and biases
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(hf_dir, safe_serialization=True)
-    write_tokenizer(hf_dir, spm_model)
+    save_checkpoint(model, hf_dir, spm_model)
     return model
 
 

@@ -17,8 +17,8 @@ from tests.fixtures import (
     assert_greedy_matches,
     hf_logits,
     random_ids,
+    save_checkpoint,
     write_predictors,
-    write_tokenizer,
 )
 
 N_EXPERT, N_USED = 4, 2
@@ -78,9 +78,7 @@ def make_mixtral(
                 p.mul_(2.0)
         for layer in model.model.layers:
             layer.mlp.gate.weight.mul_(10.0)
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(hf_dir, safe_serialization=True)
-    write_tokenizer(hf_dir, spm_model)
+    save_checkpoint(model, hf_dir, spm_model)
     if hotcold_ffn_kind:
         config = json.loads((hf_dir / "config.json").read_text())
         config["hotcold_ffn_kind"] = hotcold_ffn_kind

@@ -18,8 +18,8 @@ from tests.fixtures import (
     assert_logits_match,
     hf_logits,
     random_ids,
+    save_checkpoint,
     write_predictors,
-    write_tokenizer,
 )
 
 
@@ -49,9 +49,7 @@ def make_opt(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
                 p.mul_(2.0)
             else:
                 p.add_(0.2 * torch.randn_like(p))
-    hf_dir.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(hf_dir, safe_serialization=True)
-    write_tokenizer(hf_dir, spm_model)
+    save_checkpoint(model, hf_dir, spm_model)
     return model
 
 

@@ -4,6 +4,7 @@ dense measured in the same run (interleaved), with effective GB/s of weights rea
 from __future__ import annotations
 
 import json
+import math
 import statistics
 import sys
 import time
@@ -109,7 +110,7 @@ def run_bench(
     mf = first.loaded.file
     sizes = weight_bytes(mf)
     file_size = mf.path.stat().st_size
-    n_params = sum(_numel(e.shape) for e in mf.tensors.values())
+    n_params = sum(math.prod(e.shape) for e in mf.tensors.values())
     tests = [("pp", n_prompt)] if n_prompt > 0 else []
     tests += [("tg", n_gen)] if n_gen > 0 else []
     samples = {(m, t): [] for m in modes for t, _ in tests}
@@ -155,13 +156,6 @@ def run_bench(
                 }
             )
     return rows
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def run(args) -> int:

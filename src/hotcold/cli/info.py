@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def describe(path: str | None) -> dict:
     c = config_from_file(mf)
     types = Counter(e.qtype.name for e in mf.tensors.values())
     n_params = sum(
-        _n_elements(e.shape) for e in mf.tensors.values() if ".fc1." not in e.name and ".fc2." not in e.name
+        math.prod(e.shape) for e in mf.tensors.values() if ".fc1." not in e.name and ".fc2." not in e.name
     )
     ranks = [
         mf.tensors[f"blk.{i}.fc1.weight"].shape[0]
@@ -56,13 +57,6 @@ def describe(path: str | None) -> dict:
         "placement_cache": _placement(gpuidx),
         "n_expert": c.n_expert or None,
     }
-
-
-def _n_elements(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def run(args) -> int:

@@ -90,8 +90,6 @@ class Falcon:
         if last_only:
             x = x[-1:]
         x = x.to(self.output_device)
-        if self.output_norm_b.device != self.output_norm.device:  # the loader places output_norm only
-            self.output_norm_b = self.output_norm_b.to(self.output_norm.device)
         out = linear(layer_norm(x, self.output_norm, self.output_norm_b, c.norm_eps), self.output)
         return out.float().cpu()
 

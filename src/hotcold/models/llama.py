@@ -93,7 +93,6 @@ def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -
         return mixtral.build(model_file, config, ffn_factory)
     c = config
     D, F, V = c.n_embd, c.n_ff, c.n_vocab
-    qd, kvd = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     t = model_file.tensor
     kind = (
         "gated_both"
@@ -115,12 +114,7 @@ def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -
         predictor = load_predictor(model_file, i, D, F, c.sparse_threshold) if c.sparse else None
         layers.append(
             LlamaLayer(
-                attn_norm=t(p + "attn_norm.weight", (D,)).float(),
-                wq=t(p + "attn_q.weight", (qd, D)),
-                wk=t(p + "attn_k.weight", (kvd, D)),
-                wv=t(p + "attn_v.weight", (kvd, D)),
-                wo=t(p + "attn_output.weight", (D, qd)),
-                ffn_norm=t(p + "ffn_norm.weight", (D,)).float(),
+                **attention_tensors(model_file, i, c),
                 ffn_weights=weights,
                 predictor=predictor,
                 ffn=ffn_factory(i, weights, predictor),
@@ -129,3 +123,17 @@ def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -
     token_embd = t("token_embd.weight", (V, D))
     output = t("output.weight", (V, D)) if "output.weight" in model_file.tensors else token_embd
     return Llama(c, token_embd, layers, t("output_norm.weight", (D,)).float(), output)
+
+
+def attention_tensors(model_file: ModelFile, layer: int, config: ModelConfig) -> dict:
+    """Layer `layer`'s norms and attention matrices, shape-checked (shared with the MoE family)."""
+    c, t, p = config, model_file.tensor, f"blk.{layer}."
+    D, qd, kvd = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    return dict(
+        attn_norm=t(p + "attn_norm.weight", (D,)).float(),
+        wq=t(p + "attn_q.weight", (qd, D)),
+        wk=t(p + "attn_k.weight", (kvd, D)),
+        wv=t(p + "attn_v.weight", (kvd, D)),
+        wo=t(p + "attn_output.weight", (D, qd)),
+        ffn_norm=t(p + "ffn_norm.weight", (D,)).float(),
+    )

@@ -23,7 +23,7 @@ import torch
 from hotcold.config import ModelConfig
 from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.models.layers import Weight, linear
-from hotcold.models.llama import Llama
+from hotcold.models.llama import Llama, attention_tensors
 from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn import FFNFactory, FFNStats, FFNWeights
 from hotcold.sparse.predictor import Predictor
@@ -141,7 +141,6 @@ def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -
         raise GGUFError(
             f"{model_file.path}: expert_count {E} / expert_used_count {c.n_expert_used}: need 1 <= used <= count"
         )
-    qd, kvd = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
     t = model_file.tensor
     gated_both = c.arch == "bamboo" or model_file.metadata.get("hotcold.ffn_kind") == "gated_both"
     kind = "gated_both" if gated_both else "gated"
@@ -155,12 +154,7 @@ def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -
         ffns = [ffn_factory(i, w, pred) for w, pred in zip(experts, predictors)]
         layers.append(
             MixtralLayer(
-                attn_norm=t(p + "attn_norm.weight", (D,)).float(),
-                wq=t(p + "attn_q.weight", (qd, D)),
-                wk=t(p + "attn_k.weight", (kvd, D)),
-                wv=t(p + "attn_v.weight", (kvd, D)),
-                wo=t(p + "attn_output.weight", (D, qd)),
-                ffn_norm=t(p + "ffn_norm.weight", (D,)).float(),
+                **attention_tensors(model_file, i, c),
                 router=router,
                 experts=experts,
                 predictors=predictors,

@@ -61,11 +61,6 @@ class HybridFFN:
         )
         self.down_bias = weights.down_bias
 
-    @property
-    def hot_bytes(self) -> int:
-        w = self.hot_weights
-        return sum(_nbytes(m) for m in (w.up, w.gate, w.down_t) if m is not None)
-
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         out_device = x.device
         mask = self.predictor(pred_input)  # [T, F] bool, on the predictor's device
@@ -105,10 +100,6 @@ class HybridFFN:
         gate = cpu.gather_matvec(w.gate, x, mask, threads=self.threads) if w.gate is not None else None
         a = torch.where(mask, w.combine(up, gate), 0.0)
         return cpu.sparse_axpy(w.down_t, a, mask, threads=self.threads)
-
-
-def _nbytes(w) -> int:
-    return w.nbytes if isinstance(w, QuantTensor) else w.numel() * w.element_size()
 
 
 def _triton_args(w):
