@@ -112,8 +112,7 @@ def load_model(
             config,
             budget,
             ctx_size=ctx,
-            kv_dtype_bytes=2 if on_gpu else 4,
-            dequantize_blocks=on_gpu,
+            on_gpu=on_gpu,
         )
         notes.append(plan.describe())
         hot = (

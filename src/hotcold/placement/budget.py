@@ -99,14 +99,15 @@ def plan_budget(
     budget_bytes: int,
     *,
     ctx_size: int,
-    kv_dtype_bytes: int = 2,
-    dequantize_blocks: bool = True,
+    on_gpu: bool = True,
 ) -> BudgetPlan:
     if budget_bytes < 0:
         raise ValueError(f"VRAM budget must be >= 0, got {budget_bytes} bytes")
     L = config.n_layer
     dense, pred, ffn = layer_tensor_groups(model_file, L)
-    size = placed_sizes(model_file, dequantize_blocks)
+    # what the loader does on a GPU: fp16 KV cache and fp16 copies of block-quantized matrices;
+    # a CPU stand-in keeps fp32 KV and the file's blocks
+    size = placed_sizes(model_file, dequantize_blocks=on_gpu)
     file_bytes = {name: e.n_bytes for name, e in model_file.tensors.items()}  # hot rows stay in their format
     left = budget_bytes
     scratch = scratch_bytes(config)
@@ -115,7 +116,7 @@ def plan_budget(
         left = 0
     else:
         left -= scratch
-    kv = kv_bytes_per_layer(config, ctx_size, kv_dtype_bytes)
+    kv = kv_bytes_per_layer(config, ctx_size, 2 if on_gpu else 4)
     layer_on_gpu = []
     for i in range(L):
         need = sum(size[n] for n in dense[i]) + kv
