@@ -139,6 +139,25 @@ def test_deterministic_across_threads_and_batching(backend, fmt):
         torch.testing.assert_close(y[1], y_tok, rtol=1e-5, atol=1e-5 * y[1].abs().max().item())
 
 
+def test_axpy_blocks_and_wide_rows(backend):
+    """Many 32-row blocks, several 256-column ranges of the ordered block sum, a column tail, three
+    threads: still the float64 answer, and bit-identical by threads and batching (C backend)."""
+    gen = torch.Generator().manual_seed(11)
+    w = torch.randn(700, 600, generator=gen).half()  # 600 = 2 * 256 + 88: ranges and a tail of 24
+    a = torch.relu(torch.randn(5, 700, generator=gen))
+    m = torch.rand(5, 700, generator=gen) < 0.6  # ~210 active rows a token: 7 blocks
+    ref = ref_axpy(w.double(), a, m)
+    bound = ref_axpy(w.double().abs(), a.abs(), m)
+    y = {n: cpu.sparse_axpy(w, a, m, threads=n) for n in (1, 2, 3)}
+    for n in (1, 2, 3):
+        assert_close(y[n], ref, bound)
+    if backend == "c":
+        assert torch.equal(y[1], y[2]) and torch.equal(y[1], y[3])
+        for i in range(5):
+            for n in (1, 3):
+                assert torch.equal(cpu.sparse_axpy(w, a[i], m[i], threads=n), y[1][i])
+
+
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0", "q6_k"])
 @pytest.mark.parametrize("t", [1, 50])  # 50: the blocked-GEMM path
 def test_matmul(backend, fmt, t):

@@ -13,8 +13,10 @@
  * which other tokens share the call:
  *   - gather_matvec: rows of the (union) index list are split among threads; a dot product's
  *     accumulator layout is fixed (NACC vector accumulators, fixed reduction tree).
- *   - axpy: the output columns D are split among threads; each element accumulates the active rows
- *     in ascending row order with one fused multiply-add per row.
+ *   - axpy: a token's active rows (ascending) are cut into blocks of HC_AXB rows; a block's sum is a
+ *     chain of fused multiply-adds in row order starting from zero, and the output is the sum of the
+ *     block sums in block order. Blocks are a property of the token's own rows, so threads can take
+ *     whole blocks (whole rows, read as in the gather) and a batch reproduces each token exactly.
  * So results are bit-identical for any thread count, and a prefill batch equals token by token.
  */
 #include <math.h>
@@ -28,7 +30,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 3
+#define HC_ABI_VERSION 4
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -40,6 +42,9 @@
 #endif
 #ifndef HC_AG
 #define HC_AG 4 /* rows accumulated together in a one-token axpy */
+#endif
+#ifndef HC_AXB
+#define HC_AXB 32 /* active rows per block of an axpy sum (part of the arithmetic: fixed, never tuned per call) */
 #endif
 #if HC_G < 1 || HC_G > 4
 #error "HC_G must be 1..4"
@@ -472,11 +477,24 @@ typedef struct {
     int64_t n;         /* number of rows to visit */
 } hc_args;
 
-/* gather_matvec over index list entries [k0, k1). */
-HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k1) {
+/* Position p of the index list, or -1: positions past k1 continue at kn (the start of the next
+ * work item this thread has claimed, or -1), so prefetching runs on across item boundaries. */
+HC_INLINE int64_t next_pos(int64_t p, int64_t k1, int64_t kn, int64_t n) {
+    if (p < k1) return p;
+    if (kn < 0) return -1;
+    p = kn + (p - k1);
+    return p < n ? p : -1;
+}
+
+/* gather_matvec over index list entries [k0, k1); kn: see next_pos. */
+HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k1, int64_t kn) {
     const int64_t F = A->F, D = A->D, T = A->T;
     const int32_t *idx = A->idx;
 #define ROW_OF(k) (idx ? (int64_t)idx[k] : (int64_t)(k))
+    if (idx) { /* this item owns outputs [lo, hi): zero them here, not in another thread's cache */
+        const int64_t lo = k0 == 0 ? 0 : idx[k0], hi = k1 == A->n ? F : idx[k1];
+        for (int64_t t = 0; t < T; t++) memset(A->out + t * F + lo, 0, sizeof(float) * (size_t)(hi - lo));
+    }
     if (T == 1) {
         int64_t k = k0;
         for (; k + HC_G <= k1; k += HC_G) {
@@ -484,7 +502,8 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
             float res[4];
             for (int r = 0; r < HC_G; r++) {
                 rows[r] = A->W + ROW_OF(k + r) * A->stride;
-                if (k + HC_G + r < k1) pf[r] = A->W + ROW_OF(k + HC_G + r) * A->stride;
+                const int64_t q = next_pos(k + HC_G + r, k1, kn, A->n);
+                if (q >= 0) pf[r] = A->W + ROW_OF(q) * A->stride;
             }
             dot_rows1(wt, HC_G, rows, A->x, D, res, pf);
             for (int r = 0; r < HC_G; r++) A->out[ROW_OF(k + r)] = res[r];
@@ -498,7 +517,8 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
     for (int64_t k = k0; k < k1; k++) {
         const int64_t i = ROW_OF(k);
         const uint8_t *row = A->W + i * A->stride;
-        const uint8_t *pf = (k + 1 < k1) ? A->W + ROW_OF(k + 1) * A->stride : NULL;
+        const int64_t q = next_pos(k + 1, k1, kn, A->n);
+        const uint8_t *pf = q >= 0 ? A->W + ROW_OF(q) * A->stride : NULL;
         const float *xs[NTMAX];
         int64_t ts[NTMAX];
         float res[NTMAX];
@@ -533,8 +553,8 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
 #undef ROW_OF
 }
 
-/* axpy, one token, rows of the index list in groups of NR, columns chunks [c0, c1). acc is the
- * output row; each element gets one fma per row, in ascending row order. */
+/* acc[j] += a_r * row_r[j] for NR rows in order (one fma per row and element), columns chunks
+ * [c0, c1); pf: rows whose lines are prefetched meanwhile. */
 HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows, const float *coef, float *acc,
                          int64_t c0, int64_t c1, const uint8_t *const *pf) {
     vf va[HC_AG];
@@ -562,67 +582,80 @@ HC_INLINE void axpy_tail(const int wt, const uint8_t *row, float a, float *acc, 
     for (int64_t j = j0; j < D; j++) acc[j] = fmaf(a, wscalar(wt, row, j), acc[j]);
 }
 
-/* axpy over column chunks [c0, c1) (+ the scalar tail columns if tail). */
-HC_INLINE void axpy_part(const int wt, const hc_args *A, int64_t c0, int64_t c1, int tail) {
+/* One token: acc (zeroed, D floats) = the fma chain over index list entries [k0, k1), all columns;
+ * kn: see next_pos. */
+HC_INLINE void axpy_block(const int wt, const hc_args *A, int64_t k0, int64_t k1, int64_t kn,
+                          float *acc) {
+    const int64_t D = A->D, nchunk = D / 32, jt = nchunk * 32;
+    const int tail = jt != D;
+    int64_t k = k0;
+    for (; k + HC_AG <= k1; k += HC_AG) {
+        const uint8_t *rows[HC_AG], *pf[HC_AG];
+        for (int r = 0; r < HC_AG; r++) {
+            rows[r] = A->W + (int64_t)A->idx[k + r] * A->stride;
+            const int64_t q = next_pos(k + HC_AG + r, k1, kn, A->n);
+            pf[r] = q >= 0 ? A->W + (int64_t)A->idx[q] * A->stride : NULL;
+        }
+        axpy_rows(wt, HC_AG, rows, A->coef + k, acc, 0, nchunk, pf);
+        if (tail)
+            for (int r = 0; r < HC_AG; r++) axpy_tail(wt, rows[r], A->coef[k + r], acc, jt, D);
+    }
+    for (; k < k1; k++) { /* the last rows one at a time: the same fma per row and element */
+        const uint8_t *rows[1] = {A->W + (int64_t)A->idx[k] * A->stride};
+        axpy_rows(wt, 1, rows, A->coef + k, acc, 0, nchunk, NULL);
+        if (tail) axpy_tail(wt, rows[0], A->coef[k], acc, jt, D);
+    }
+}
+
+/* out[j0, j1) += part[j0, j1) (the ordered sum of block sums). */
+HC_INLINE void add_into(float *out, const float *part, int64_t j0, int64_t j1) {
+    int64_t j = j0;
+    for (; j + VL <= j1; j += VL) vstoreu(out + j, vadd(vloadu(out + j), vloadu(part + j)));
+    for (; j < j1; j++) out[j] = out[j] + part[j];
+}
+
+/* Several tokens, column chunks [c0, c1) (+ the scalar tail columns if tail): each union row is read
+ * once and applied to every token that needs it; part ([T, width] floats, zeroed) and cnt ([T],
+ * zeroed) hold each token's open block, flushed into out every HC_AXB of its rows. */
+HC_INLINE void axpy_batch(const int wt, const hc_args *A, int64_t c0, int64_t c1, int tail, float *part,
+                          int64_t *cnt, int64_t *ts, float *as) {
     const int64_t F = A->F, D = A->D, T = A->T, n = A->n;
-    const int64_t jt = (D / 32) * 32;
-    if (T == 1) {
-        float *out = A->out;
-        int64_t k = 0;
-        for (; k + HC_AG <= n; k += HC_AG) {
-            const uint8_t *rows[HC_AG], *pf[HC_AG];
-            for (int r = 0; r < HC_AG; r++) {
-                rows[r] = A->W + (int64_t)A->idx[k + r] * A->stride;
-                pf[r] = (k + HC_AG + r < n) ? A->W + (int64_t)A->idx[k + HC_AG + r] * A->stride : NULL;
-            }
-            axpy_rows(wt, HC_AG, rows, A->coef + k, out, c0, c1, pf);
-            if (tail)
-                for (int r = 0; r < HC_AG; r++) axpy_tail(wt, rows[r], A->coef[k + r], out, jt, D);
-        }
-        /* the last rows one at a time (a row's contribution is the same whichever group it is in) */
-        const int rem = (int)(n - k);
-        for (int r = 0; r < rem; r++) {
-            const uint8_t *rows[1] = {A->W + (int64_t)A->idx[k + r] * A->stride};
-            axpy_rows(wt, 1, rows, A->coef + k + r, out, c0, c1, NULL);
-            if (tail) axpy_tail(wt, rows[0], A->coef[k + r], out, jt, D);
-        }
-        return;
-    }
-    /* T > 1: each union row is read once; its chunks are applied to every token that needs it. */
-    int64_t *ts = (int64_t *)malloc(sizeof(int64_t) * (size_t)T);
-    float *as = (float *)malloc(sizeof(float) * (size_t)T);
-    if (!ts || !as) {
-        free(ts);
-        free(as);
-        return;
-    }
+    const int64_t j0 = c0 * 32, j1 = tail ? D : c1 * 32, width = j1 - j0, jt = (D / 32) * 32;
     for (int64_t k = 0; k < n; k++) {
         const int64_t i = A->idx[k];
         const uint8_t *row = A->W + i * A->stride;
-        const uint8_t *pf[HC_AG] = {(k + 1 < n) ? A->W + (int64_t)A->idx[k + 1] * A->stride : NULL};
-        int64_t cnt = 0;
+        const uint8_t *pf = (k + 1 < n) ? A->W + (int64_t)A->idx[k + 1] * A->stride : NULL;
+        int64_t m = 0;
         for (int64_t t = 0; t < T; t++) {
             const float a = A->x[t * F + i];
             if ((A->mask && !A->mask[t * F + i]) || a == 0.0f) continue;
-            ts[cnt] = t;
-            as[cnt++] = a;
+            ts[m] = t;
+            as[m++] = a;
         }
         for (int64_t c = c0; c < c1; c++) {
             vf w[NV];
             load32(wt, row, c, w);
-            for (int64_t j = 0; j < cnt; j++) {
-                float *acc = A->out + ts[j] * D + c * 32;
-                const vf va = vset1(as[j]);
+            for (int64_t q = 0; q < m; q++) {
+                float *acc = part + ts[q] * width + (c - c0) * 32;
+                const vf va = vset1(as[q]);
                 for (int v = 0; v < NV; v++) vstoreu(acc + v * VL, vfma(va, w[v], vloadu(acc + v * VL)));
             }
-            if (HC_PF && pf[0])
-                for (int64_t o = chunk_off(wt, c) & ~(int64_t)63; o < chunk_off(wt, c + 1); o += 64) vprefetch(pf[0] + o);
+            if (HC_PF && pf)
+                for (int64_t o = chunk_off(wt, c) & ~(int64_t)63; o < chunk_off(wt, c + 1); o += 64) vprefetch(pf + o);
         }
-        if (tail)
-            for (int64_t j = 0; j < cnt; j++) axpy_tail(wt, row, as[j], A->out + ts[j] * D, jt, D);
+        for (int64_t q = 0; q < m; q++) {
+            float *acc = part + ts[q] * width;
+            if (tail)
+                for (int64_t j = jt; j < D; j++) acc[j - j0] = fmaf(as[q], wscalar(wt, row, j), acc[j - j0]);
+            if (++cnt[ts[q]] == HC_AXB) { /* the token's block is complete */
+                add_into(A->out + ts[q] * D + j0, acc, 0, width);
+                memset(acc, 0, sizeof(float) * (size_t)width);
+                cnt[ts[q]] = 0;
+            }
+        }
     }
-    free(ts);
-    free(as);
+    for (int64_t t = 0; t < T; t++)
+        if (cnt[t]) add_into(A->out + t * D + j0, part + t * width, 0, width);
 }
 
 /* Dispatch on the weight type so every kernel body is specialised with a constant wt. */
@@ -637,14 +670,22 @@ HC_INLINE void axpy_part(const int wt, const hc_args *A, int64_t c0, int64_t c1,
     default: CALL(WT_Q6_K); break;                                                                           \
     }
 
-static void gather_range(int wt, const hc_args *A, int64_t k0, int64_t k1) {
-#define CALL(W) gather_part(W, A, k0, k1)
+static void gather_range(int wt, const hc_args *A, int64_t k0, int64_t k1, int64_t kn) {
+#define CALL(W) gather_part(W, A, k0, k1, kn)
     HC_DISPATCH(wt, CALL)
 #undef CALL
 }
 
-static void axpy_range(int wt, const hc_args *A, int64_t c0, int64_t c1, int tail) {
-#define CALL(W) axpy_part(W, A, c0, c1, tail)
+static void axpy_block_range(int wt, const hc_args *A, int64_t k0, int64_t k1, int64_t kn,
+                             float *acc) {
+#define CALL(W) axpy_block(W, A, k0, k1, kn, acc)
+    HC_DISPATCH(wt, CALL)
+#undef CALL
+}
+
+static void axpy_batch_range(int wt, const hc_args *A, int64_t c0, int64_t c1, int tail, float *part,
+                             int64_t *cnt, int64_t *ts, float *as) {
+#define CALL(W) axpy_batch(W, A, c0, c1, tail, part, cnt, ts, as)
     HC_DISPATCH(wt, CALL)
 #undef CALL
 }
@@ -682,6 +723,11 @@ HC_INLINE int clamp_threads(int nth, int64_t work) {
     return nth;
 }
 
+/* Work items handed out dynamically, one claimed ahead: a thread that the OS (or a GPU driver
+ * thread) preempts does not hold the others up, and a thread knows its next item early enough to
+ * prefetch its first rows. Which thread computes an item never changes a result. */
+HC_INLINE int64_t claim(int64_t *next) { return __atomic_fetch_add(next, 1, __ATOMIC_RELAXED); }
+
 int hc_abi_version(void) { return HC_ABI_VERSION; }
 
 const char *hc_simd(void) { return HC_SIMD; }
@@ -692,8 +738,7 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
                      const uint8_t *mask, float *out, int nth) {
     hc_args A = {W, stride, F, D, T, x, mask, out, NULL, NULL, F};
     int32_t *idx = NULL;
-    if (mask) {
-        memset(out, 0, sizeof(float) * (size_t)(T * F));
+    if (mask) { /* outputs are zeroed by the work items that own them (gather_part) */
         idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
         if (!idx) return -1;
         if (T == 1) {
@@ -712,31 +757,36 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
             free(u);
         }
         A.idx = idx;
+        if (A.n == 0) memset(out, 0, sizeof(float) * (size_t)(T * F));
     }
     nth = clamp_threads(nth, A.n);
     if (nth == 1) {
-        gather_range(wt, &A, 0, A.n);
+        gather_range(wt, &A, 0, A.n, -1);
     } else {
-        /* Work items of whole rows handed out dynamically: a thread that the OS (or the GPU
-         * driver thread) preempts does not hold the others up. Results do not depend on who
-         * computes a row. */
-        int64_t ch = A.n / (4 * (int64_t)nth);
-        ch = ch < 8 ? 8 : ch > 256 ? 256 : ch;
+        /* Items of a few rows (about 64 KB of F16): short enough that the last ones even out. */
+        int64_t ch = (A.n / (16 * (int64_t)nth)) & ~(int64_t)(HC_G - 1);
+        ch = ch < 8 ? 8 : ch > 64 ? 64 : ch;
         const int64_t items = (A.n + ch - 1) / ch;
+        int64_t next = 0;
 #ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+#pragma omp parallel num_threads(nth)
 #endif
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t k0 = it * ch, k1 = k0 + ch < A.n ? k0 + ch : A.n;
-            gather_range(wt, &A, k0, k1);
+        {
+            int64_t it = claim(&next);
+            while (it < items) {
+                const int64_t nx = claim(&next);
+                const int64_t k0 = it * ch, k1 = k0 + ch < A.n ? k0 + ch : A.n;
+                gather_range(wt, &A, k0, k1, nx < items ? nx * ch : -1);
+                it = nx;
+            }
         }
     }
     free(idx);
     return 0;
 }
 
-/* out[t] = sum over rows i (ascending) with (mask NULL or mask[t, i]) and a[t, i] != 0 of a[t, i] * W[i].
- * Returns 0, or -1 if memory ran out. */
+/* out[t] = sum over rows i (ascending) with (mask NULL or mask[t, i]) and a[t, i] != 0 of a[t, i] * W[i],
+ * summed in blocks of HC_AXB rows (see the top of this file). Returns 0, or -1 if memory ran out. */
 int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *a, int64_t T,
                    const uint8_t *mask, float *out, int nth) {
     hc_args A = {W, stride, F, D, T, a, mask, out, NULL, NULL, 0};
@@ -760,32 +810,97 @@ int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t 
     }
     A.n = mask_to_idx(u, F, idx);
     free(u);
-
     for (int64_t k = 0; k < A.n; k++) coef[k] = a[idx[k]]; /* used when T == 1 */
     A.idx = idx;
     A.coef = coef;
-    const int64_t nchunk = D / 32;
-    const int tail = (D % 32) != 0;
-    nth = clamp_threads(nth, A.n > 0 ? nchunk : 0);
-    if (nth == 1) {
-        axpy_range(wt, &A, 0, nchunk, tail);
-    } else {
-        /* Column blocks handed out dynamically (about two per thread); each output element is
-         * still a chain of fmas in ascending row order, whoever computes it. */
-        int64_t cb = nchunk / (2 * (int64_t)nth);
-        cb = cb < 2 ? 2 : cb;
-        const int64_t items = (nchunk + cb - 1) / cb;
+    int rc = 0;
+    const int64_t n = A.n, nblk = (n + HC_AXB - 1) / HC_AXB, nchunk = D / 32;
+
+    if (T == 1 && nblk <= 1) {
+        axpy_block_range(wt, &A, 0, n, -1, out); /* one block: its chain is the result */
+    } else if (T == 1) {
+        /* Blocks are computed side by side into their own partial sums, then added in block order
+         * (columns split among the threads). One thread reuses a single partial buffer. */
+        nth = clamp_threads(nth, nblk);
+        float *part = (float *)malloc(sizeof(float) * (size_t)(D * (nth == 1 ? 1 : nblk)));
+        if (!part) {
+            rc = -1;
+        } else if (nth == 1) {
+            for (int64_t b = 0; b < nblk; b++) {
+                const int64_t k0 = b * HC_AXB, k1 = k0 + HC_AXB < n ? k0 + HC_AXB : n;
+                memset(part, 0, sizeof(float) * (size_t)D);
+                axpy_block_range(wt, &A, k0, k1, k1 < n ? k1 : -1, part);
+                add_into(out, part, 0, D);
+            }
+        } else {
+            int64_t next = 0;
+            const int64_t ncol = (D + 255) / 256; /* reduction items of 256 columns */
 #ifdef _OPENMP
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth)
+#pragma omp parallel num_threads(nth)
 #endif
-        for (int64_t it = 0; it < items; it++) {
-            const int64_t c0 = it * cb, c1 = c0 + cb < nchunk ? c0 + cb : nchunk;
-            axpy_range(wt, &A, c0, c1, tail && it == items - 1);
+            {
+                int64_t b = claim(&next);
+                while (b < nblk) {
+                    const int64_t nx = claim(&next);
+                    const int64_t k0 = b * HC_AXB, k1 = k0 + HC_AXB < n ? k0 + HC_AXB : n;
+                    float *acc = part + b * D;
+                    memset(acc, 0, sizeof(float) * (size_t)D);
+                    axpy_block_range(wt, &A, k0, k1, nx < nblk ? nx * HC_AXB : -1, acc);
+                    b = nx;
+                }
+#ifdef _OPENMP
+#pragma omp barrier
+#pragma omp for schedule(static)
+#endif
+                for (int64_t cb = 0; cb < ncol; cb++) {
+                    const int64_t j0 = cb * 256, j1 = j0 + 256 < D ? j0 + 256 : D;
+                    for (int64_t q = 0; q < nblk; q++) add_into(out, part + q * D, j0, j1);
+                }
+            }
         }
+        free(part);
+    } else if (n > 0) {
+        /* Columns split among the threads; each item keeps every token's open block for its columns
+         * (at most ~256 KB of partial sums per thread). */
+        int64_t cb = (256 * 1024 / 4) / (32 * T);
+        const int64_t cb_even = nchunk / (2 * (int64_t)(nth > 1 ? nth : 1));
+        cb = cb > cb_even ? cb_even : cb;
+        cb = cb < 1 ? 1 : cb;
+        const int64_t items = nchunk > 0 ? (nchunk + cb - 1) / cb : 1;
+        const int tail = (D % 32) != 0;
+        const int64_t wmax = cb * 32 + (tail ? D % 32 : 0);
+        nth = clamp_threads(nth, items);
+        int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth) reduction(| : failed)
+#endif
+        {
+            float *part = (float *)malloc(sizeof(float) * (size_t)(T * wmax));
+            int64_t *cnt = (int64_t *)malloc(sizeof(int64_t) * (size_t)T);
+            int64_t *ts = (int64_t *)malloc(sizeof(int64_t) * (size_t)T);
+            float *as = (float *)malloc(sizeof(float) * (size_t)T);
+            failed = !part || !cnt || !ts || !as;
+#ifdef _OPENMP
+#pragma omp for schedule(dynamic, 1)
+#endif
+            for (int64_t it = 0; it < items; it++) {
+                if (failed) continue;
+                const int64_t c0 = it * cb, c1 = c0 + cb < nchunk ? c0 + cb : nchunk;
+                const int last = it == items - 1;
+                memset(part, 0, sizeof(float) * (size_t)(T * wmax));
+                memset(cnt, 0, sizeof(int64_t) * (size_t)T);
+                axpy_batch_range(wt, &A, c0, c1, tail && last, part, cnt, ts, as);
+            }
+            free(part);
+            free(cnt);
+            free(ts);
+            free(as);
+        }
+        rc = failed ? -1 : 0;
     }
     free(idx);
     free(coef);
-    return 0;
+    return rc;
 }
 
 /* out[k, :] = dequantized row rows[k] (rows NULL: row k), k < n; exact as ggml. */
