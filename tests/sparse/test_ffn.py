@@ -76,3 +76,34 @@ def test_prefill_batch_equals_token_by_token():
         [SparseFFN(w, lambda p, t=t: mask[t : t + 1])(x[t : t + 1], x[t : t + 1]) for t in range(12)]
     )
     assert (batch - single).abs().max() <= 1e-6 * batch.abs().max()
+
+
+@pytest.mark.parametrize("kind, bias", CASES + [("gated", True)])
+@pytest.mark.parametrize("t", [1, 5])
+def test_fused_step_equals_separate_kernels(kind, bias, t):
+    """With a real predictor the CPU step runs as one C call; it must give the very bits of the
+    kernel-by-kernel path (the same predictor behind a plain callable takes that path)."""
+    from hotcold.kernels import cpu
+    from hotcold.sparse.predictor import Predictor
+
+    if cpu.backend() != "c":
+        pytest.skip("C kernels unavailable")
+    w = weights(kind, torch.float16, seed=3, bias=bias)
+    g = torch.Generator().manual_seed(4)
+    pred = Predictor(
+        (torch.randn(32, D, generator=g) / 4).half(), (torch.randn(F, 32, generator=g) / 4).half(), 0.5
+    )
+    x, p = torch.randn(t, D, generator=g), torch.randn(t, D, generator=g)
+    fused_ffn, plain_ffn = SparseFFN(w, pred, threads=2), SparseFFN(w, lambda q: pred(q), threads=3)
+    fused, plain = fused_ffn(x, p), plain_ffn(x, p)
+    assert torch.equal(fused, plain)
+    assert fused_ffn.stats == plain_ffn.stats
+    assert 0.05 < fused_ffn.stats.rate < 0.95  # a real mix of firing and silent neurons
+    calls = []
+    real = cpu.sparse_ffn
+    try:
+        cpu.sparse_ffn = lambda *a, **k: calls.append(1) or real(*a, **k)
+        fused_ffn(x, p)
+    finally:
+        cpu.sparse_ffn = real
+    assert calls  # the fused path really ran

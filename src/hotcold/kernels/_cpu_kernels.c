@@ -30,7 +30,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 4
+#define HC_ABI_VERSION 5
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -943,4 +943,66 @@ int hc_dequantize(int wt, const uint8_t *W, int64_t stride, const int32_t *rows,
     dequant_range(wt, W, stride, rows, D, out, 0, n);
 #endif
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * One sparse FFN step of a ReLU model, for a few tokens: the predictor, the row gathers, the
+ * activation and the axpy in one call, so no interpreter work (and no cache-cold glue) runs in
+ * between. It is built from the kernels above, so its results equal theirs bit for bit.
+ * ---------------------------------------------------------------------------------------------- */
+typedef struct {
+    int wt;
+    const uint8_t *data; /* row i at data + i * stride */
+    int64_t stride, rows, cols;
+} hc_weight;
+
+enum { KIND_GATED = 0, KIND_GATED_BOTH = 1, KIND_PLAIN = 2 };
+
+HC_INLINE float relu1(float v) { return v < 0.0f ? 0.0f : v; } /* NaN stays NaN, as torch.relu */
+
+/* mask [T, F] (bytes 0/1): computed by the predictor when fc1 is not NULL (fire iff
+ * (fc2 @ relu(fc1 @ p))[i] >= thr), else given. With v = up (+ up_bias), a = relu(gate) * v (gated),
+ * relu(gate) * relu(v) (gated_both) or relu(v) (plain) on the firing rows, 0 elsewhere; out [T, D] = the axpy of
+ * a over down_t. gate may be NULL for plain. Returns the number of firing (token, neuron) pairs, or
+ * -1 if memory ran out. */
+int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, const float *p, const hc_weight *up,
+                      const hc_weight *gate, const hc_weight *down_t, const float *up_bias, int kind, int64_t T,
+                      const float *x, uint8_t *mask, float *out, int nth) {
+    const int64_t F = up->rows, D = up->cols;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(T * F * (gate ? 2 : 1)));
+    if (!buf) return -1;
+    float *u = buf, *g = gate ? buf + T * F : NULL;
+    if (fc1) {
+        const int64_t R = fc1->rows;
+        float *h = (float *)malloc(sizeof(float) * (size_t)(T * R));
+        int rc = h ? hc_gather_matvec(fc1->wt, fc1->data, fc1->stride, R, D, p, T, NULL, h, nth) : -1;
+        if (rc == 0) {
+            for (int64_t j = 0; j < T * R; j++) h[j] = relu1(h[j]);
+            rc = hc_gather_matvec(fc2->wt, fc2->data, fc2->stride, F, R, h, T, NULL, u, nth); /* logits */
+        }
+        free(h);
+        if (rc != 0) {
+            free(buf);
+            return -1;
+        }
+        for (int64_t j = 0; j < T * F; j++) mask[j] = u[j] >= thr;
+    }
+    int64_t fired = 0;
+    for (int64_t j = 0; j < T * F; j++) fired += mask[j] != 0;
+    int rc = hc_gather_matvec(up->wt, up->data, up->stride, F, D, x, T, mask, u, nth);
+    if (rc == 0 && gate) rc = hc_gather_matvec(gate->wt, gate->data, gate->stride, F, D, x, T, mask, g, nth);
+    if (rc == 0) {
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < F; i++) {
+                const int64_t j = t * F + i;
+                if (!mask[j]) continue; /* u[j] is already exactly 0 */
+                const float v = up_bias ? u[j] + up_bias[i] : u[j];
+                if (kind == KIND_GATED) u[j] = relu1(g[j]) * v;
+                else if (kind == KIND_GATED_BOTH) u[j] = relu1(g[j]) * relu1(v);
+                else u[j] = relu1(v);
+            }
+        rc = hc_sparse_axpy(down_t->wt, down_t->data, down_t->stride, F, D, u, T, mask, out, nth);
+    }
+    free(buf);
+    return rc == 0 ? fired : -1;
 }

@@ -40,6 +40,7 @@ __all__ = [
     "simd",
     "dequantize_rows",
     "dequantize_bytes",
+    "sparse_ffn",
 ]
 
 log = logging.getLogger(__name__)
@@ -48,13 +49,13 @@ Weight = torch.Tensor | QuantTensor
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-_ABI_VERSION = 4
+_ABI_VERSION = 5
 _WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 _TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _BASE_FLAGS = ["-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
 # T at or above which matmul dequantizes blocks of rows and hands them to torch's GEMM.
-_GEMM_MIN_TOKENS = 48
+GEMM_MIN_TOKENS = 48
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -134,6 +135,21 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hc_dequantize.argtypes = [c_int, p, i64, p, i64, i64, p, c_int]
     lib.hc_dequantize.restype = c_int
     lib.hc_simd.restype = ctypes.c_char_p
+    w = ctypes.POINTER(_HCWeight)
+    lib.hc_sparse_ffn.argtypes = [w, w, ctypes.c_float, p, w, w, w, p, c_int, i64, p, p, p, c_int]
+    lib.hc_sparse_ffn.restype = i64
+
+
+class _HCWeight(ctypes.Structure):
+    """hc_weight in _cpu_kernels.c."""
+
+    _fields_ = [
+        ("wt", ctypes.c_int),
+        ("data", ctypes.c_void_p),
+        ("stride", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+    ]
 
 
 def _build_and_load() -> ctypes.CDLL | None:
@@ -388,7 +404,7 @@ def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> to
     qtype, data, stride, f, d = _weight_view(weight)
     x2, one = _tokens(x, d, "x")
     t = x2.shape[0]
-    if t < _GEMM_MIN_TOKENS or _get_lib() is None:
+    if t < GEMM_MIN_TOKENS or _get_lib() is None:
         out = gather_matvec(weight, x2, None, threads=threads)
     elif isinstance(weight, torch.Tensor) and qtype == Q.F32:
         out = x2 @ weight.T
@@ -401,6 +417,92 @@ def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> to
             w = dequantize_rows(weight, r0, r1, out=buf[: r1 - r0], threads=threads)
             torch.matmul(x2, w.T, out=out[:, r0:r1])
     return out[0] if one else out
+
+
+_FFN_KINDS = {"gated": 0, "gated_both": 1, "plain": 2}
+
+
+def _hc_weight(weight: Weight | None) -> _HCWeight | None:
+    if weight is None:
+        return None
+    qtype, data, stride, f, d = _weight_view(weight)
+    if qtype not in _WT:
+        raise ValueError(f"no CPU kernel for weight type {qtype.name}")
+    return _HCWeight(_WT[qtype], data.data_ptr(), stride, f, d)
+
+
+def sparse_ffn(
+    up: Weight,
+    gate: Weight | None,
+    down_t: Weight,
+    x: torch.Tensor,
+    *,
+    kind: str = "gated",
+    up_bias: torch.Tensor | None = None,
+    fc1: Weight | None = None,
+    fc2: Weight | None = None,
+    threshold: float = 0.0,
+    pred_input: torch.Tensor | None = None,
+    rows: torch.Tensor | None = None,
+    threads: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """One ReLU sparse FFN step in a single C call: the predictor (fc1/fc2 on pred_input, firing iff the
+    logit >= threshold) or a given bool mask `rows` [T, F], the row gathers, the activation (with
+    v = up + up_bias: relu(gate) * v, relu(gate) * relu(v), or relu(v) for "plain") and the axpy over down_t.
+
+    Equal bit for bit to gather_matvec / matmul / sparse_axpy called one by one (it runs the same C
+    code), without the interpreter and tensor glue in between. x, pred_input [T, D] float32.
+    Returns (out [T, D], mask [T, F] bool, firing count), or None without the C kernels.
+    """
+    lib = _get_lib()
+    if lib is None:
+        return None
+    if (fc1 is None) == (rows is None) or (fc1 is None) != (fc2 is None):
+        raise ValueError("sparse_ffn needs either fc1, fc2 and pred_input, or a rows mask")
+    w_up, w_down = _hc_weight(up), _hc_weight(down_t)
+    f, d = w_up.rows, w_up.cols
+    x2, _ = _tokens(x, d, "x")
+    t = x2.shape[0]
+    if rows is not None:
+        mask = _mask(rows, t, f).clone()
+        p2 = None
+    else:
+        mask = torch.empty(t, f, dtype=torch.bool)
+        p2, _ = _tokens(pred_input, d, "pred_input")
+        if p2.shape[0] != t:
+            raise ValueError(f"pred_input has {p2.shape[0]} tokens, x has {t}")
+    bias = None
+    if up_bias is not None:
+        bias = up_bias.to(torch.float32).contiguous()
+        if bias.shape != (f,):
+            raise ValueError(f"up_bias has shape {tuple(bias.shape)}, expected [{f}]")
+    w_fc1, w_fc2, w_gate = _hc_weight(fc1), _hc_weight(fc2), _hc_weight(gate)
+    for name, w, shape in (("gate", w_gate, (f, d)), ("down_t", w_down, (f, d))) + (
+        (("fc1", w_fc1, (w_fc1.rows, d)), ("fc2", w_fc2, (f, w_fc1.rows))) if w_fc1 is not None else ()
+    ):
+        if w is not None and (w.rows, w.cols) != shape:
+            raise ValueError(f"{name} has shape {(w.rows, w.cols)}, expected {shape}")
+    out = torch.empty(t, d, dtype=torch.float32)
+    ptr = ctypes.byref
+    fired = lib.hc_sparse_ffn(
+        None if w_fc1 is None else ptr(w_fc1),
+        None if w_fc2 is None else ptr(w_fc2),
+        threshold,
+        None if p2 is None else p2.data_ptr(),
+        ptr(w_up),
+        None if w_gate is None else ptr(w_gate),
+        ptr(w_down),
+        None if bias is None else bias.data_ptr(),
+        _FFN_KINDS[kind],
+        t,
+        x2.data_ptr(),
+        mask.data_ptr(),
+        out.data_ptr(),
+        _threads(threads),
+    )
+    if fired < 0:
+        raise MemoryError("hc_sparse_ffn: out of memory")
+    return out, mask, int(fired)
 
 
 def dequantize_rows(

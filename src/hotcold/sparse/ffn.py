@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hotcold.models.layers import Weight, linear
+from hotcold.sparse.predictor import Predictor
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu,
@@ -125,6 +126,13 @@ class SparseFFN:
         w = self.weights
         # the CPU kernels run on the CPU even when this layer's attention was placed on a GPU
         out_device, x = x.device, x.to("cpu")
+        fused = self._fused(x, pred_input)
+        if fused is not None:
+            out, fired = fused
+            self.stats.computed += fired
+            self.stats.total += x.shape[0] * w.n_ff
+            out = out + w.down_bias if w.down_bias is not None else out
+            return out.to(out_device)
         mask = self.predictor(pred_input).to("cpu")  # [T, F] bool
         up = cpu.gather_matvec(w.up, x, mask, threads=self.threads)
         gate = cpu.gather_matvec(w.gate, x, mask, threads=self.threads) if w.gate is not None else None
@@ -135,6 +143,42 @@ class SparseFFN:
         self.stats.total += mask.numel()
         out = out + w.down_bias if w.down_bias is not None else out
         return out.to(out_device)
+
+    def _fused(self, x: torch.Tensor, pred_input: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+        """The whole step in one C call (same results bit for bit), where it applies: ReLU, a CPU predictor
+        whose matmuls also run in the C kernels (not float32 tensors, which torch multiplies), and few
+        tokens (a prefill batch's matmuls go to torch's GEMM instead)."""
+        from hotcold.kernels import cpu
+
+        w, pred = self.weights, self.predictor
+        if (
+            w.activation != "relu"
+            or not isinstance(pred, Predictor)
+            or x.shape[0] >= cpu.GEMM_MIN_TOKENS
+            or not all(_in_c_kernels(m) for m in (pred.fc1, pred.fc2))
+        ):
+            return None
+        res = cpu.sparse_ffn(
+            w.up,
+            w.gate,
+            w.down_t,
+            x,
+            kind=w.kind,
+            up_bias=w.up_bias,
+            fc1=pred.fc1,
+            fc2=pred.fc2,
+            threshold=pred.threshold,
+            pred_input=pred_input.to("cpu"),
+            threads=self.threads,
+        )
+        return None if res is None else (res[0], res[2])
+
+
+def _in_c_kernels(weight: Weight) -> bool:
+    """Whether `linear` multiplies by this weight with the C kernels (CPU, not float32)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.device.type == "cpu" and weight.dtype != torch.float32
+    return weight.data.device.type == "cpu"
 
 
 def down_projection(down_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
