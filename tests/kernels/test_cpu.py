@@ -169,6 +169,24 @@ def test_matmul(backend, fmt, t):
     assert_close(cpu.matmul(w, x[0]), (x[:1].double() @ w64.T)[0], bound)
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_matmul_multi_equals_separate_calls(backend, t):
+    """q, k, v-like matrices of different row counts and types in one call: the very bits of matmul."""
+    gen = torch.Generator().manual_seed(12)
+    d = D_QUANT
+    ws = [
+        torch.randn(200, d, generator=gen).half(),
+        QuantTensor.from_float(torch.randn(37, d, generator=gen), Q.Q8_0),
+        torch.randn(64, d, generator=gen).bfloat16(),
+    ]
+    x = torch.randn(t, d, generator=gen)
+    for threads in (1, 2, 3):
+        got = cpu.matmul_multi(ws, x, threads=threads)
+        for g, w in zip(got, ws, strict=True):
+            assert torch.equal(g, cpu.matmul(w, x, threads=1))
+    assert [g.shape for g in cpu.matmul_multi(ws, x[0])] == [(200,), (37,), (64,)]
+
+
 def test_dequantize_rows(backend):
     gen = torch.Generator().manual_seed(4)
     for fmt in FORMATS:

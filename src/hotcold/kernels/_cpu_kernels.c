@@ -30,7 +30,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 5
+#define HC_ABI_VERSION 6
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -782,6 +782,46 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
         }
     }
     free(idx);
+    return 0;
+}
+
+/* Several dense matrices that multiply the same x (a layer's q, k and v): out_m [T, F_m] = x @ W_m.T,
+ * rows of all of them in one parallel region. Each row's arithmetic is hc_gather_matvec's, so the
+ * results equal separate calls bit for bit. At most 8 matrices; all have D columns. */
+int hc_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ws, const int64_t *strides, const int64_t *Fs,
+                    int64_t D, const float *x, int64_t T, float *const *outs, int nth) {
+    if (nmat < 1 || nmat > 8) return -1;
+    hc_args A[8];
+    int64_t first[9]; /* first work item of each matrix */
+    int64_t total_rows = 0;
+    for (int m = 0; m < nmat; m++) {
+        const hc_args a = {Ws[m], strides[m], Fs[m], D, T, x, NULL, outs[m], NULL, NULL, Fs[m]};
+        A[m] = a;
+        total_rows += Fs[m];
+    }
+    nth = clamp_threads(nth, total_rows);
+    int64_t ch = (total_rows / (16 * (int64_t)nth)) & ~(int64_t)(HC_G - 1);
+    ch = ch < 8 ? 8 : ch > 64 ? 64 : ch;
+    first[0] = 0;
+    for (int m = 0; m < nmat; m++) first[m + 1] = first[m] + (Fs[m] + ch - 1) / ch;
+    const int64_t items = first[nmat];
+    int64_t next = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth)
+#endif
+    {
+        int64_t it = claim(&next);
+        while (it < items) {
+            const int64_t nx = claim(&next);
+            int m = 0;
+            while (it >= first[m + 1]) m++;
+            const int64_t k0 = (it - first[m]) * ch, k1 = k0 + ch < Fs[m] ? k0 + ch : Fs[m];
+            /* prefetch into the next item only when it is in the same matrix */
+            const int64_t kn = nx < first[m + 1] ? (nx - first[m]) * ch : -1;
+            gather_range(wts[m], &A[m], k0, k1, kn);
+            it = nx;
+        }
+    }
     return 0;
 }
 

@@ -36,6 +36,7 @@ __all__ = [
     "gather_matvec",
     "sparse_axpy",
     "matmul",
+    "matmul_multi",
     "backend",
     "simd",
     "dequantize_rows",
@@ -49,7 +50,7 @@ Weight = torch.Tensor | QuantTensor
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-_ABI_VERSION = 5
+_ABI_VERSION = 6
 _WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 _TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _BASE_FLAGS = ["-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
@@ -138,6 +139,8 @@ def _bind(lib: ctypes.CDLL) -> None:
     w = ctypes.POINTER(_HCWeight)
     lib.hc_sparse_ffn.argtypes = [w, w, ctypes.c_float, p, w, w, w, p, c_int, i64, p, p, p, c_int]
     lib.hc_sparse_ffn.restype = i64
+    lib.hc_matvec_multi.argtypes = [c_int, p, p, p, p, i64, p, i64, p, c_int]
+    lib.hc_matvec_multi.restype = c_int
 
 
 class _HCWeight(ctypes.Structure):
@@ -503,6 +506,38 @@ def sparse_ffn(
     if fired < 0:
         raise MemoryError("hc_sparse_ffn: out of memory")
     return out, mask, int(fired)
+
+
+def matmul_multi(weights: list[Weight], x: torch.Tensor, *, threads: int | None = None) -> list[torch.Tensor]:
+    """[matmul(w, x) for w in weights] for matrices with the same number of columns (a layer's q, k, v):
+    one C call for few tokens, so the rows of all of them share one pass of the threads. Same bits as
+    separate calls."""
+    lib = _get_lib()
+    views = [_weight_view(w) for w in weights]
+    if lib is None or len(weights) > 8 or len({v[4] for v in views}) != 1:
+        return [matmul(w, x, threads=threads) for w in weights]
+    d = views[0][4]
+    x2, one = _tokens(x, d, "x")
+    t = x2.shape[0]
+    if t >= GEMM_MIN_TOKENS or any(v[0] not in _WT for v in views):
+        return [matmul(w, x, threads=threads) for w in weights]
+    n = len(weights)
+    outs = [torch.empty(t, v[3], dtype=torch.float32) for v in views]
+    rc = lib.hc_matvec_multi(
+        n,
+        (ctypes.c_int * n)(*[_WT[v[0]] for v in views]),
+        (ctypes.c_void_p * n)(*[v[1].data_ptr() for v in views]),
+        (ctypes.c_int64 * n)(*[v[2] for v in views]),
+        (ctypes.c_int64 * n)(*[v[3] for v in views]),
+        d,
+        x2.data_ptr(),
+        t,
+        (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]),
+        _threads(threads),
+    )
+    if rc != 0:
+        raise MemoryError("hc_matvec_multi failed")
+    return [o[0] for o in outs] if one else outs
 
 
 def dequantize_rows(

@@ -27,6 +27,23 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return out
 
 
+def linears(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]:
+    """[linear(x, w) for w in weights], the same bits; CPU weights that the C kernels multiply (not
+    float32) share one call, so their rows stream in one pass of the threads."""
+    if all(_in_c_kernels(w) for w in weights) and x.device.type == "cpu":
+        from hotcold.kernels import cpu
+
+        return cpu.matmul_multi(weights, x)
+    return [linear(x, w) for w in weights]
+
+
+def _in_c_kernels(weight: Weight) -> bool:
+    """Whether `linear` multiplies by this weight with the C kernels (CPU, not float32)."""
+    if isinstance(weight, torch.Tensor):
+        return weight.device.type == "cpu" and weight.dtype != torch.float32
+    return weight.data.device.type == "cpu"
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 

@@ -19,6 +19,7 @@ from hotcold.models.layers import (
     apply_rope,
     attention,
     linear,
+    linears,
     rms_norm,
 )
 from hotcold.quants import QuantTensor
@@ -66,9 +67,9 @@ class Llama:
             x = x.to(layer.device)
             cos, sin = self.rope(pos, T, layer.device)
             h = rms_norm(x, layer.attn_norm, c.norm_eps)
-            q = linear(h, layer.wq).view(T, c.n_head, c.head_dim)
-            k = linear(h, layer.wk).view(T, c.n_head_kv, c.head_dim)
-            v = linear(h, layer.wv).view(T, c.n_head_kv, c.head_dim)
+            q, k, v = linears(h, [layer.wq, layer.wk, layer.wv])
+            q = q.view(T, c.n_head, c.head_dim)
+            k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
             q, k = apply_rope(q, cos, sin, neox=False), apply_rope(k, cos, sin, neox=False)
             attn = attention(q, k, v, cache, i, pos, sliding_window=c.sliding_window)
             x = x + linear(attn, layer.wo)

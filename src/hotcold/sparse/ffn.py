@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hotcold.models.layers import Weight, linear
+from hotcold.models.layers import Weight, _in_c_kernels, linear
 from hotcold.sparse.predictor import Predictor
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -172,13 +172,6 @@ class SparseFFN:
             threads=self.threads,
         )
         return None if res is None else (res[0], res[2])
-
-
-def _in_c_kernels(weight: Weight) -> bool:
-    """Whether `linear` multiplies by this weight with the C kernels (CPU, not float32)."""
-    if isinstance(weight, torch.Tensor):
-        return weight.device.type == "cpu" and weight.dtype != torch.float32
-    return weight.data.device.type == "cpu"
 
 
 def down_projection(down_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
