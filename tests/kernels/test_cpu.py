@@ -261,3 +261,61 @@ def test_unwritable_cache_dir_falls_back(monkeypatch, tmp_path):
     (tmp_path / "tmp").mkdir()
     d = cpu._writable_cache_dir()
     assert d is not None and d.parent == tmp_path / "tmp"
+
+
+def test_rms_norm_matches_torch(backend):
+    gen = torch.Generator().manual_seed(13)
+    x, w = torch.randn(3, 300, generator=gen) * 5, torch.randn(300, generator=gen)
+    got = cpu.rms_norm(x, w, 1e-5)
+    if backend == "torch":
+        assert got is None  # no C kernels: the caller's torch path
+        return
+    ref = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()).float()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
+    assert cpu.rms_norm(x.half(), w, 1e-5) is None  # not float32: torch's job
+
+
+@pytest.mark.parametrize(
+    "neox, rope_dim, window, n_kv", [(False, 64, None, 2), (True, 32, None, 8), (False, 64, 5, 1)]
+)
+def test_attention_decode_matches_torch(backend, neox, rope_dim, window, n_kv):
+    """RoPE (normal and neox, partial rotary dims), GQA / MHA / MQA and a sliding window: the C decode step
+    against the torch rope + scaled_dot_product_attention path, over 12 positions of a shared cache."""
+    from hotcold.models.layers import KVCache, apply_rope, attention, rope_tables
+
+    gen = torch.Generator().manual_seed(14)
+    h, dh, steps = 8, 64, 12
+    cos_t, sin_t = rope_tables(32, rope_dim, 10000.0, 1.0)
+    caches = [KVCache(1, 32, n_kv, dh), KVCache(1, 32, n_kv, dh)]
+    for pos in range(steps):
+        q = torch.randn(1, h, dh, generator=gen)
+        k, v = torch.randn(1, n_kv, dh, generator=gen), torch.randn(1, n_kv, dh, generator=gen)
+        cos, sin = cos_t[pos : pos + 1], sin_t[pos : pos + 1]
+        ref = attention(
+            apply_rope(q, cos, sin, neox=neox),
+            apply_rope(k, cos, sin, neox=neox),
+            v,
+            caches[0],
+            0,
+            pos,
+            sliding_window=window,
+        )
+        c = caches[1]
+        got = cpu.attention_decode(
+            q.clone(),
+            k.clone(),
+            v,
+            c.k[0],
+            c.v[0],
+            pos,
+            cos,
+            sin,
+            neox=neox,
+            sliding_window=window,
+            threads=2,
+        )
+        if backend == "torch":
+            assert got is None
+            return
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(c.k[0][: pos + 1], caches[0].k[0][: pos + 1], rtol=1e-6, atol=1e-6)

@@ -30,7 +30,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 6
+#define HC_ABI_VERSION 7
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -1045,4 +1045,99 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
     }
     free(buf);
     return rc == 0 ? fired : -1;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Decode-step glue for one token on the CPU: RMS norm and attention (RoPE, KV cache write, GQA
+ * softmax attention). One call each instead of a dozen small tensor ops that run cache-cold after
+ * the weight streams.
+ * ---------------------------------------------------------------------------------------------- */
+
+/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w, for T rows of D (double accumulation). */
+void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * D;
+        double ss = 0.0;
+        for (int64_t j = 0; j < D; j++) ss += (double)xt[j] * xt[j];
+        const float r = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
+        for (int64_t j = 0; j < D; j++) out[t * D + j] = xt[j] * r * w[j];
+    }
+}
+
+HC_INLINE float dot_f32(const float *a, const float *b, int64_t n) {
+    vf acc0 = vzero(), acc1 = vzero();
+    int64_t e = 0;
+    for (; e + 2 * VL <= n; e += 2 * VL) {
+        acc0 = vfma(vloadu(a + e), vloadu(b + e), acc0);
+        acc1 = vfma(vloadu(a + e + VL), vloadu(b + e + VL), acc1);
+    }
+    for (; e + VL <= n; e += VL) acc0 = vfma(vloadu(a + e), vloadu(b + e), acc0);
+    float d = vhsum(vadd(acc0, acc1));
+    for (; e < n; e++) d = fmaf(a[e], b[e], d);
+    return d;
+}
+
+/* RoPE on one head vector of Dh floats: the first R dims rotate, the rest pass through. Normal mode
+ * rotates pairs (2j, 2j + 1) (GGUF llama, q/k permuted by the converter), neox pairs (j, j + R/2). */
+HC_INLINE void rope_head(float *h, int64_t R, const float *cos, const float *sin, int neox) {
+    for (int64_t j = 0; j < R / 2; j++) {
+        const int64_t a = neox ? j : 2 * j, b = neox ? j + R / 2 : 2 * j + 1;
+        const float x0 = h[a], x1 = h[b];
+        h[a] = x0 * cos[j] - x1 * sin[j];
+        h[b] = x0 * sin[j] + x1 * cos[j];
+    }
+}
+
+/* One token at position pos: rotates q [H, Dh] and k [Hkv, Dh] in place, stores k and v in row pos of
+ * the float32 caches [n_ctx, Hkv, Dh], and writes out [H, Dh] = softmax(q k^T / sqrt(Dh)) v over cache
+ * rows lo..pos (lo = pos - window + 1 with a sliding window, else 0); query head h reads kv head
+ * h / (H / Hkv). Heads are split among threads. Returns 0, or -1 if memory ran out. */
+int hc_attn_decode(float *q, float *k, const float *v, float *kc, float *vc, int64_t pos, int64_t H, int64_t Hkv,
+                   int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, int64_t window, float *out,
+                   int nth) {
+    for (int64_t h = 0; h < Hkv; h++) rope_head(k + h * Dh, R, cos, sin, neox);
+    memcpy(kc + pos * Hkv * Dh, k, sizeof(float) * (size_t)(Hkv * Dh));
+    memcpy(vc + pos * Hkv * Dh, v, sizeof(float) * (size_t)(Hkv * Dh));
+    const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0, S = pos + 1 - lo;
+    const int64_t group = H / Hkv;
+    const float scale = 1.0f / sqrtf((float)Dh);
+    nth = clamp_threads(nth, H);
+    if ((H * S * Dh) < (1 << 15)) nth = 1; /* not worth waking a thread */
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth) reduction(| : failed)
+#endif
+    {
+        float *s = (float *)malloc(sizeof(float) * (size_t)S);
+        failed = s == NULL;
+#ifdef _OPENMP
+#pragma omp for schedule(static)
+#endif
+        for (int64_t h = 0; h < H; h++) {
+            if (failed) continue;
+            float *qh = q + h * Dh, *oh = out + h * Dh;
+            const int64_t kvh = h / group;
+            rope_head(qh, R, cos, sin, neox);
+            float mx = -INFINITY;
+            for (int64_t j = 0; j < S; j++) {
+                const float *kr = kc + ((lo + j) * Hkv + kvh) * Dh;
+                s[j] = dot_f32(qh, kr, Dh) * scale;
+                mx = s[j] > mx ? s[j] : mx;
+            }
+            float sum = 0.0f;
+            for (int64_t j = 0; j < S; j++) {
+                s[j] = expf(s[j] - mx);
+                sum += s[j];
+            }
+            const float inv = 1.0f / sum;
+            for (int64_t e = 0; e < Dh; e++) oh[e] = 0.0f;
+            for (int64_t j = 0; j < S; j++) {
+                const float *vr = vc + ((lo + j) * Hkv + kvh) * Dh;
+                const float p = s[j] * inv;
+                for (int64_t e = 0; e < Dh; e++) oh[e] += p * vr[e];
+            }
+        }
+        free(s);
+    }
+    return failed ? -1 : 0;
 }

@@ -42,6 +42,8 @@ __all__ = [
     "dequantize_rows",
     "dequantize_bytes",
     "sparse_ffn",
+    "rms_norm",
+    "attention_decode",
 ]
 
 log = logging.getLogger(__name__)
@@ -50,7 +52,7 @@ Weight = torch.Tensor | QuantTensor
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-_ABI_VERSION = 6
+_ABI_VERSION = 7
 _WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 _TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _BASE_FLAGS = ["-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
@@ -141,6 +143,11 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hc_sparse_ffn.restype = i64
     lib.hc_matvec_multi.argtypes = [c_int, p, p, p, p, i64, p, i64, p, c_int]
     lib.hc_matvec_multi.restype = c_int
+    f32 = ctypes.c_float
+    lib.hc_rms_norm.argtypes = [p, p, f32, i64, i64, p]
+    lib.hc_rms_norm.restype = None
+    lib.hc_attn_decode.argtypes = [p, p, p, p, p, i64, i64, i64, i64, i64, p, p, c_int, i64, p, c_int]
+    lib.hc_attn_decode.restype = c_int
 
 
 class _HCWeight(ctypes.Structure):
@@ -538,6 +545,74 @@ def matmul_multi(weights: list[Weight], x: torch.Tensor, *, threads: int | None 
     if rc != 0:
         raise MemoryError("hc_matvec_multi failed")
     return [o[0] for o in outs] if one else outs
+
+
+def _f32_contiguous(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_cpu and t.is_contiguous()
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x [T, D] / sqrt(mean(x^2) + eps) * weight in one C call (float64 sum of squares), or None when the
+    C kernels or float32 contiguous CPU inputs are not there (the caller then uses torch)."""
+    lib = _get_lib()
+    if lib is None or x.dim() != 2 or not (_f32_contiguous(x) and _f32_contiguous(weight)):
+        return None
+    t, d = x.shape
+    if weight.shape != (d,):
+        return None
+    out = torch.empty_like(x)
+    lib.hc_rms_norm(x.data_ptr(), weight.data_ptr(), eps, t, d, out.data_ptr())
+    return out
+
+
+def attention_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    neox: bool,
+    sliding_window: int | None = None,
+    threads: int | None = None,
+) -> torch.Tensor | None:
+    """One token's attention in one C call: RoPE on q [1, H, Dh] and k [1, Hkv, Dh] (cos/sin [1, R/2]), k and
+    v stored at row pos of the float32 caches [S, Hkv, Dh], causal softmax attention over rows 0..pos (the
+    last `sliding_window` of them when given) -> [1, H*Dh]. None when it does not apply (no C kernels, not
+    float32 on the CPU, more than one token): the caller then uses torch. q and k are rotated in place."""
+    lib = _get_lib()
+    if lib is None or q.shape[0] != 1 or not all(_f32_contiguous(t) for t in (q, k, v, k_cache, v_cache)):
+        return None
+    _, h, dh = q.shape
+    hkv = k.shape[1]
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if not (_f32_contiguous(cos) and _f32_contiguous(sin)) or h % hkv or k_cache.shape[1:] != (hkv, dh):
+        return None
+    out = torch.empty(1, h * dh, dtype=torch.float32)
+    rc = lib.hc_attn_decode(
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        pos,
+        h,
+        hkv,
+        dh,
+        cos.shape[-1] * 2,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        int(neox),
+        sliding_window or 0,
+        out.data_ptr(),
+        _threads(threads),
+    )
+    if rc != 0:
+        raise MemoryError("hc_attn_decode: out of memory")
+    return out
 
 
 def dequantize_rows(

@@ -19,10 +19,9 @@ from hotcold.models.layers import (
     KVCache,
     RopeTables,
     Weight,
-    apply_rope,
-    attention,
     layer_norm,
     linear,
+    rope_attention,
 )
 from hotcold.models.llama import embed
 from hotcold.sparse.ffn import FFNFactory, FFNWeights
@@ -83,9 +82,8 @@ class Falcon:
                 attn_in = ffn_in
             qkv = linear(attn_in, layer.wqkv)  # [T, (H + 2*Hkv)*Dh]
             q, k, v = qkv.split((H * Dh, Hkv * Dh, Hkv * Dh), dim=-1)
-            q = apply_rope(q.reshape(T, H, Dh), cos, sin, neox=True)
-            k = apply_rope(k.reshape(T, Hkv, Dh), cos, sin, neox=True)
-            attn = linear(attention(q, k, v.reshape(T, Hkv, Dh), cache, i, pos), layer.wo)
+            q, k, v = q.reshape(T, H, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dh)
+            attn = linear(rope_attention(q, k, v, cache, i, pos, cos, sin, neox=True), layer.wo)
             x = x + attn + layer.ffn(ffn_in, x)  # parallel residual; the predictor sees the layer input
         if last_only:
             x = x[-1:]

@@ -45,6 +45,12 @@ def _in_c_kernels(weight: Weight) -> bool:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= 4:  # decode: one C call, not five ops
+        from hotcold.kernels import cpu
+
+        out = cpu.rms_norm(x, weight, eps)
+        if out is not None:
+            return out
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
@@ -114,6 +120,43 @@ class RopeTables:
             cos, sin = (t.to(device) for t in rope_tables(n, c.rope_dim, c.rope_base, c.rope_scale))
             self._tables[device] = (cos, sin)
         return cos[pos : pos + T], sin[pos : pos + T]
+
+
+def rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: KVCache,
+    layer: int,
+    pos: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    neox: bool,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """apply_rope on q and k, then attention(): one C call for a decode step on the CPU."""
+    if q.shape[0] == 1 and q.device.type == "cpu":
+        from hotcold.kernels import cpu
+
+        if pos + 1 > cache.n_ctx:
+            raise ValueError(f"context overflow: position {pos + 1} exceeds the context size {cache.n_ctx}")
+        out = cpu.attention_decode(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            cache.k[layer],
+            cache.v[layer],
+            pos,
+            cos,
+            sin,
+            neox=neox,
+            sliding_window=sliding_window,
+        )
+        if out is not None:
+            return out
+    q, k = apply_rope(q, cos, sin, neox=neox), apply_rope(k, cos, sin, neox=neox)
+    return attention(q, k, v, cache, layer, pos, sliding_window=sliding_window)
 
 
 def attention(

@@ -16,11 +16,10 @@ from hotcold.models.layers import (
     KVCache,
     RopeTables,
     Weight,
-    apply_rope,
-    attention,
     linear,
     linears,
     rms_norm,
+    rope_attention,
 )
 from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn import FFNFactory, FFNWeights
@@ -70,8 +69,9 @@ class Llama:
             q, k, v = linears(h, [layer.wq, layer.wk, layer.wv])
             q = q.view(T, c.n_head, c.head_dim)
             k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
-            q, k = apply_rope(q, cos, sin, neox=False), apply_rope(k, cos, sin, neox=False)
-            attn = attention(q, k, v, cache, i, pos, sliding_window=c.sliding_window)
+            attn = rope_attention(
+                q, k, v, cache, i, pos, cos, sin, neox=False, sliding_window=c.sliding_window
+            )
             x = x + linear(attn, layer.wo)
             ffn_in = rms_norm(x, layer.ffn_norm, c.norm_eps)
             x = x + layer.ffn(ffn_in, x)
