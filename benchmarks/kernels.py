@@ -1,11 +1,13 @@
 """CPU kernel bandwidth: sparse row-gather GEMV and sparse axpy per weight type, against the machine.
 
-Prints JSON and appends a dated section to benchmarks/RESULTS.md. Shapes are a 1B model's FFN
-(22 matrices of 5632 x 2048, one per layer, so nothing stays in cache between calls); rows are
-drawn at random for every call. Effective GB/s = bytes of the rows a call had to read / its time.
-Everything is measured side by side in one run, in interleaved rounds, and the median is reported.
+Prints JSON and appends a dated section to benchmarks/RESULTS.md. Shapes are FFN matrices of a 1B
+model (22 of 5632 x 2048, one per layer, so nothing stays in cache between calls) and of a 7B model
+(6 of 11008 x 4096: a call reads 4x the bytes, so fixed per-call costs weigh less); rows are drawn at
+random for every call. Effective GB/s = bytes of the rows a call had to read / its time. Everything
+is measured side by side in one run, in interleaved rounds, and the median is reported; "dense GEMV"
+is the gather kernel over all rows in order, the fastest dense matrix-vector product measured here.
 
-    python benchmarks/kernels.py [--quick] [--threads 1,2] [--no-results]
+    python benchmarks/kernels.py [--quick] [--threads 1,2] [--shapes 1b,7b] [--no-results]
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ from gguf import GGMLQuantizationType as Q
 from hotcold.kernels import cpu
 from hotcold.quants import QuantTensor, row_bytes
 
-F, D, LAYERS = 5632, 2048, 22
+SHAPES = {"1b": (5632, 2048, 22), "7b": (11008, 4096, 6)}  # rows, columns, matrices
+F, D, LAYERS = SHAPES["1b"]  # machine_bandwidth's torch mv reference
 FORMATS = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 DENSITIES = [0.05, 0.10, 0.25, 0.50, 1.00]
 
@@ -82,20 +85,21 @@ def machine_bandwidth(threads: list[int], rounds: int) -> dict:
     return res
 
 
-def make_weights(fmt: str) -> tuple[list, int]:
-    """LAYERS distinct matrices (copies of one random matrix) and the bytes of one row."""
-    base = torch.randn(F, D) * 0.02
+def make_weights(fmt: str, f: int, d: int, layers: int) -> tuple[list, int]:
+    """`layers` distinct matrices (copies of one random matrix) and the bytes of one row."""
+    base = torch.randn(f, d) * 0.02
     kind = FORMATS[fmt]
     if isinstance(kind, torch.dtype):
         w = base.to(kind)
-        return [w.clone() for _ in range(LAYERS)], D * w.element_size()
+        return [w.clone() for _ in range(layers)], d * w.element_size()
     qt = QuantTensor.from_float(base, kind)
-    return [QuantTensor(qt.data.clone(), kind, qt.shape) for _ in range(LAYERS)], row_bytes(kind, D)
+    return [QuantTensor(qt.data.clone(), kind, qt.shape) for _ in range(layers)], row_bytes(kind, d)
 
 
-def bench_format(fmt: str, threads: list[int], densities: list[float], rounds: int) -> dict:
+def bench_format(fmt: str, shape: str, threads: list[int], densities: list[float], rounds: int) -> dict:
     """{kernel: {threads: {density% or "dense": GB/s}}}, interleaving all cases in every round."""
-    weights, rb = make_weights(fmt)
+    F, D, LAYERS = SHAPES[shape]  # noqa: N806 (the module's names for the shape)
+    weights, rb = make_weights(fmt, F, D, LAYERS)
     x = torch.randn(1, D)
     a = [torch.randn(1, F).abs() + 0.1 for _ in range(LAYERS)]  # no exact zeros: density = mask density
     cases = [(k, th, dens) for k in ("gather", "axpy") for th in threads for dens in [*densities, None]]
@@ -143,8 +147,10 @@ def results_section(res: dict, cmd: str) -> str:
         f"\n## CPU kernels — {res['date']}\n",
         f"`{cmd}` · {m['cpu']}, {m['cores']} cores, SIMD {m['simd']}, backend {m['backend']}, "
         f"load average before/after {m['loadavg_before']} / {m['loadavg_after']}\n",
-        f"22 matrices of {F} x {D}, rows drawn at random per call, effective GB/s (bytes of the rows "
-        "read / time), median of interleaved rounds; `dense` = rows=None.\n",
+        "FFN matrices of a 1B model (22 of 5632 x 2048) and of a 7B model (6 of 11008 x 4096), rows drawn "
+        "at random per call, effective GB/s (bytes of the rows read / time), median of interleaved rounds; "
+        "`dense` = rows=None; the ratio is the 10% figure over the dense GEMV (the gather kernel's `dense`) "
+        "of the same shape, type and threads.\n",
         "| threads | copy (r+w) | torch mv f32 | torch mv f16 |",
         "| --- | --- | --- | --- |",
     ]
@@ -154,17 +160,19 @@ def results_section(res: dict, cmd: str) -> str:
             f"| {res['torch_mv_f16_gbps'][th]:.1f} |"
         )
     keys = [f"{round(d * 100)}%" for d in res["densities"]] + ["dense"]
-    lines += ["", "| kernel | type | threads | " + " | ".join(keys) + " | 10% / dense |"]
-    lines.append("| --- " * (4 + len(keys)) + "|")
+    lines += ["", "| shape | kernel | type | threads | " + " | ".join(keys) + " | 10% / dense GEMV |"]
+    lines.append("| --- " * (5 + len(keys)) + "|")
     for kernel in ("gather", "axpy", "gather_cpu_time", "axpy_cpu_time"):
-        for fmt, r in res["kernels"].items():
-            for th in res["threads"]:
-                if th not in r.get(kernel, {}):
-                    continue
-                row = r[kernel][th]
-                ratio = f"{row['10%'] / row['dense']:.2f}" if "10%" in row and row["dense"] else "-"
-                cells = " | ".join(f"{row[k]:.1f}" for k in keys)
-                lines.append(f"| {kernel} | {fmt} | {th} | {cells} | {ratio} |")
+        for shape, by_fmt in res["kernels"].items():
+            for fmt, r in by_fmt.items():
+                for th in res["threads"]:
+                    if th not in r.get(kernel, {}):
+                        continue
+                    row = r[kernel][th]
+                    gemv = r["gather_cpu_time" if kernel.endswith("cpu_time") else "gather"][th]["dense"]
+                    ratio = f"{row['10%'] / gemv:.2f}" if "10%" in row and gemv else "-"
+                    cells = " | ".join(f"{row[k]:.1f}" for k in keys)
+                    lines.append(f"| {shape} | {kernel} | {fmt} | {th} | {cells} | {ratio} |")
     if "torch_mv_f16_cpu_time_gbps" in res:
         lines.append(
             f"\ntorch mv by thread CPU time, 1 thread: f32 {res['torch_mv_f32_cpu_time_gbps']:.1f}, "
@@ -190,10 +198,14 @@ def main(argv: list[str] | None = None) -> dict:
     )
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
     ap.add_argument("--formats", default=None, help=f"comma-separated subset of {','.join(FORMATS)}")
+    ap.add_argument("--shapes", default="1b,7b", help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
+    shapes = args.shapes.split(",")
+    if unknown := [sh for sh in shapes if sh not in SHAPES]:
+        ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     formats = args.formats.split(",") if args.formats else (["f16", "q4_0"] if args.quick else list(FORMATS))
     densities = [0.10, 1.00] if args.quick else DENSITIES
     rounds = args.rounds or (3 if args.quick else 7)
@@ -209,13 +221,14 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "threads": threads,
         "densities": densities,
-        "shape": {"matrices": LAYERS, "rows": F, "cols": D},
+        "shapes": {k: {"rows": f, "cols": d, "matrices": n} for k, (f, d, n) in SHAPES.items()},
     }
     res.update(machine_bandwidth(threads, rounds))
     res["kernels"] = {}
-    for fmt in formats:
-        res["kernels"][fmt] = bench_format(fmt, threads, densities, rounds)
-        print(f"# {fmt} done", file=sys.stderr, flush=True)
+    for shape in shapes:
+        for fmt in formats:
+            res["kernels"].setdefault(shape, {})[fmt] = bench_format(fmt, shape, threads, densities, rounds)
+            print(f"# {shape} {fmt} done", file=sys.stderr, flush=True)
     res["machine"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     print(json.dumps(res, indent=1))
     if not args.no_results:
