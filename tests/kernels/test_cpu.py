@@ -140,12 +140,12 @@ def test_deterministic_across_threads_and_batching(backend, fmt):
 
 
 def test_axpy_blocks_and_wide_rows(backend):
-    """Many 32-row blocks, several 256-column ranges of the ordered block sum, a column tail, three
+    """Several 64-row blocks, several 256-column ranges of the ordered block sum, a column tail, three
     threads: still the float64 answer, and bit-identical by threads and batching (C backend)."""
     gen = torch.Generator().manual_seed(11)
-    w = torch.randn(700, 600, generator=gen).half()  # 600 = 2 * 256 + 88: ranges and a tail of 24
-    a = torch.relu(torch.randn(5, 700, generator=gen))
-    m = torch.rand(5, 700, generator=gen) < 0.6  # ~210 active rows a token: 7 blocks
+    w = torch.randn(1400, 600, generator=gen).half()  # 600 = 2 * 256 + 88: ranges and a tail of 24
+    a = torch.relu(torch.randn(5, 1400, generator=gen))
+    m = torch.rand(5, 1400, generator=gen) < 0.6  # ~420 active rows a token: 7 blocks
     ref = ref_axpy(w.double(), a, m)
     bound = ref_axpy(w.double().abs(), a.abs(), m)
     y = {n: cpu.sparse_axpy(w, a, m, threads=n) for n in (1, 2, 3)}

@@ -30,7 +30,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 7
+#define HC_ABI_VERSION 8
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -41,10 +41,10 @@
 #define HC_G 4 /* rows streamed side by side in a one-token gather */
 #endif
 #ifndef HC_AG
-#define HC_AG 4 /* rows accumulated together in a one-token axpy */
+#define HC_AG 8 /* rows accumulated together in a one-token axpy */
 #endif
 #ifndef HC_AXB
-#define HC_AXB 32 /* active rows per block of an axpy sum (part of the arithmetic: fixed, never tuned per call) */
+#define HC_AXB 64 /* active rows per block of an axpy sum (part of the arithmetic: fixed, never tuned per call) */
 #endif
 #if HC_G < 1 || HC_G > 4
 #error "HC_G must be 1..4"
@@ -1002,7 +1002,8 @@ HC_INLINE float relu1(float v) { return v < 0.0f ? 0.0f : v; } /* NaN stays NaN,
 
 /* mask [T, F] (bytes 0/1): computed by the predictor when fc1 is not NULL (fire iff
  * (fc2 @ relu(fc1 @ p))[i] >= thr), else given. With v = up (+ up_bias), a = relu(gate) * v (gated),
- * relu(gate) * relu(v) (gated_both) or relu(v) (plain) on the firing rows, 0 elsewhere; out [T, D] = the axpy of
+ * relu(gate) * relu(v) (gated_both) or relu(v) (plain) on the firing rows, 0 elsewhere (up is read
+ * only where relu(gate) != 0, as SparseFFN does); out [T, D] = the axpy of
  * a over down_t. gate may be NULL for plain. Returns the number of firing (token, neuron) pairs, or
  * -1 if memory ran out. */
 int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, const float *p, const hc_weight *up,
@@ -1029,20 +1030,30 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
     }
     int64_t fired = 0;
     for (int64_t j = 0; j < T * F; j++) fired += mask[j] != 0;
-    int rc = hc_gather_matvec(up->wt, up->data, up->stride, F, D, x, T, mask, u, nth);
-    if (rc == 0 && gate) rc = hc_gather_matvec(gate->wt, gate->data, gate->stride, F, D, x, T, mask, g, nth);
+    /* Gate first: where relu(gate) is 0 the activation is 0 whatever up is, so up is read only for
+     * the rows still alive (the predictor's false positives cost one row, not two). */
+    uint8_t *live = mask;
+    int rc = 0;
+    if (gate) {
+        live = (uint8_t *)malloc((size_t)(T * F > 0 ? T * F : 1));
+        rc = live ? hc_gather_matvec(gate->wt, gate->data, gate->stride, F, D, x, T, mask, g, nth) : -1;
+        if (rc == 0)
+            for (int64_t j = 0; j < T * F; j++) live[j] = mask[j] && relu1(g[j]) != 0.0f; /* NaN stays alive */
+    }
+    if (rc == 0) rc = hc_gather_matvec(up->wt, up->data, up->stride, F, D, x, T, live, u, nth);
     if (rc == 0) {
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < F; i++) {
                 const int64_t j = t * F + i;
-                if (!mask[j]) continue; /* u[j] is already exactly 0 */
+                if (!live[j]) continue; /* u[j] is already exactly 0 */
                 const float v = up_bias ? u[j] + up_bias[i] : u[j];
                 if (kind == KIND_GATED) u[j] = relu1(g[j]) * v;
                 else if (kind == KIND_GATED_BOTH) u[j] = relu1(g[j]) * relu1(v);
                 else u[j] = relu1(v);
             }
-        rc = hc_sparse_axpy(down_t->wt, down_t->data, down_t->stride, F, D, u, T, mask, out, nth);
+        rc = hc_sparse_axpy(down_t->wt, down_t->data, down_t->stride, F, D, u, T, live, out, nth);
     }
+    if (live && live != mask) free(live);
     free(buf);
     return rc == 0 ? fired : -1;
 }

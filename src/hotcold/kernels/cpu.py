@@ -52,7 +52,7 @@ Weight = torch.Tensor | QuantTensor
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-_ABI_VERSION = 7
+_ABI_VERSION = 8
 _WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 _TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _BASE_FLAGS = ["-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]

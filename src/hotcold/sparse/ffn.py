@@ -134,11 +134,16 @@ class SparseFFN:
             out = out + w.down_bias if w.down_bias is not None else out
             return out.to(out_device)
         mask = self.predictor(pred_input).to("cpu")  # [T, F] bool
-        up = cpu.gather_matvec(w.up, x, mask, threads=self.threads)
-        gate = cpu.gather_matvec(w.gate, x, mask, threads=self.threads) if w.gate is not None else None
+        live, gate = mask, None
+        if w.gate is not None:
+            # gate first: where relu(gate) is 0 (a predictor's false positive) up need not be read
+            gate = cpu.gather_matvec(w.gate, x, mask, threads=self.threads)
+            if w.activation == "relu":
+                live = mask & (torch.relu(gate) != 0)
+        up = cpu.gather_matvec(w.up, x, live, threads=self.threads)
         # inactive neurons contribute exactly 0, even where a bias would make act(b) nonzero (OPT)
-        a = torch.where(mask, w.combine(up, gate), 0.0)
-        out = cpu.sparse_axpy(w.down_t, a, mask, threads=self.threads)
+        a = torch.where(live, w.combine(up, gate), 0.0)
+        out = cpu.sparse_axpy(w.down_t, a, live, threads=self.threads)
         self.stats.computed += int(mask.sum())
         self.stats.total += mask.numel()
         out = out + w.down_bias if w.down_bias is not None else out
