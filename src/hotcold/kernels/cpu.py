@@ -41,7 +41,8 @@ __all__ = [
     "simd",
     "dequantize_rows",
     "dequantize_bytes",
-    "sparse_ffn",
+    "SparseFFNPlan",
+    "MatvecGroup",
     "rms_norm",
     "attention_decode",
 ]
@@ -414,7 +415,22 @@ def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> to
     qtype, data, stride, f, d = _weight_view(weight)
     x2, one = _tokens(x, d, "x")
     t = x2.shape[0]
-    if t < GEMM_MIN_TOKENS or _get_lib() is None:
+    lib = _get_lib()
+    if lib is not None and t < GEMM_MIN_TOKENS:  # gather_matvec over every row, without its checks again
+        out = torch.empty(t, f, dtype=torch.float32)
+        lib.hc_gather_matvec(
+            _WT[qtype],
+            data.data_ptr(),
+            stride,
+            f,
+            d,
+            x2.data_ptr(),
+            t,
+            None,
+            out.data_ptr(),
+            _threads(threads),
+        )
+    elif lib is None:
         out = gather_matvec(weight, x2, None, threads=threads)
     elif isinstance(weight, torch.Tensor) and qtype == Q.F32:
         out = x2 @ weight.T
@@ -441,110 +457,159 @@ def _hc_weight(weight: Weight | None) -> _HCWeight | None:
     return _HCWeight(_WT[qtype], data.data_ptr(), stride, f, d)
 
 
-def sparse_ffn(
-    up: Weight,
-    gate: Weight | None,
-    down_t: Weight,
-    x: torch.Tensor,
-    *,
-    kind: str = "gated",
-    up_bias: torch.Tensor | None = None,
-    fc1: Weight | None = None,
-    fc2: Weight | None = None,
-    threshold: float = 0.0,
-    pred_input: torch.Tensor | None = None,
-    rows: torch.Tensor | None = None,
-    threads: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+class SparseFFNPlan:
     """One ReLU sparse FFN step in a single C call: the predictor (fc1/fc2 on pred_input, firing iff the
-    logit >= threshold) or a given bool mask `rows` [T, F], the row gathers, the activation (with
-    v = up + up_bias: relu(gate) * v, relu(gate) * relu(v), or relu(v) for "plain") and the axpy over down_t.
+    logit >= threshold) or a given bool mask, the row gathers (gate first; up only where relu(gate) != 0),
+    the activation (with v = up + up_bias: relu(gate) * v, relu(gate) * relu(v), or relu(v) for "plain")
+    and the axpy over down_t.
 
     Equal bit for bit to gather_matvec / matmul / sparse_axpy called one by one (it runs the same C
-    code), without the interpreter and tensor glue in between. x, pred_input [T, D] float32.
-    Returns (out [T, D], mask [T, F] bool, firing count), or None without the C kernels.
+    code), without the interpreter and tensor glue in between. Shapes are checked and the C argument
+    structs built once; the plan keeps its weights alive.
     """
-    lib = _get_lib()
-    if lib is None:
-        return None
-    if (fc1 is None) == (rows is None) or (fc1 is None) != (fc2 is None):
-        raise ValueError("sparse_ffn needs either fc1, fc2 and pred_input, or a rows mask")
-    w_up, w_down = _hc_weight(up), _hc_weight(down_t)
-    f, d = w_up.rows, w_up.cols
-    x2, _ = _tokens(x, d, "x")
-    t = x2.shape[0]
-    if rows is not None:
-        mask = _mask(rows, t, f).clone()
-        p2 = None
-    else:
-        mask = torch.empty(t, f, dtype=torch.bool)
-        p2, _ = _tokens(pred_input, d, "pred_input")
-        if p2.shape[0] != t:
-            raise ValueError(f"pred_input has {p2.shape[0]} tokens, x has {t}")
-    bias = None
-    if up_bias is not None:
-        bias = up_bias.to(torch.float32).contiguous()
-        if bias.shape != (f,):
-            raise ValueError(f"up_bias has shape {tuple(bias.shape)}, expected [{f}]")
-    w_fc1, w_fc2, w_gate = _hc_weight(fc1), _hc_weight(fc2), _hc_weight(gate)
-    for name, w, shape in (("gate", w_gate, (f, d)), ("down_t", w_down, (f, d))) + (
-        (("fc1", w_fc1, (w_fc1.rows, d)), ("fc2", w_fc2, (f, w_fc1.rows))) if w_fc1 is not None else ()
+
+    def __init__(
+        self,
+        up: Weight,
+        gate: Weight | None,
+        down_t: Weight,
+        *,
+        kind: str = "gated",
+        up_bias: torch.Tensor | None = None,
+        fc1: Weight | None = None,
+        fc2: Weight | None = None,
+        threshold: float = 0.0,
     ):
-        if w is not None and (w.rows, w.cols) != shape:
-            raise ValueError(f"{name} has shape {(w.rows, w.cols)}, expected {shape}")
-    out = torch.empty(t, d, dtype=torch.float32)
-    ptr = ctypes.byref
-    fired = lib.hc_sparse_ffn(
-        None if w_fc1 is None else ptr(w_fc1),
-        None if w_fc2 is None else ptr(w_fc2),
-        threshold,
-        None if p2 is None else p2.data_ptr(),
-        ptr(w_up),
-        None if w_gate is None else ptr(w_gate),
-        ptr(w_down),
-        None if bias is None else bias.data_ptr(),
-        _FFN_KINDS[kind],
-        t,
-        x2.data_ptr(),
-        mask.data_ptr(),
-        out.data_ptr(),
-        _threads(threads),
-    )
-    if fired < 0:
-        raise MemoryError("hc_sparse_ffn: out of memory")
-    return out, mask, int(fired)
+        if (fc1 is None) != (fc2 is None):
+            raise ValueError("a predictor needs both fc1 and fc2")
+        if kind not in _FFN_KINDS:
+            raise ValueError(f"unknown FFN kind {kind!r}; expected one of {tuple(_FFN_KINDS)}")
+        self.weights = (up, gate, down_t, fc1, fc2)  # kept alive: the structs point into them
+        self.up, self.gate, self.down_t = _hc_weight(up), _hc_weight(gate), _hc_weight(down_t)
+        self.fc1, self.fc2 = _hc_weight(fc1), _hc_weight(fc2)
+        self.f, self.d = self.up.rows, self.up.cols
+        f, d = self.f, self.d
+        checks = [("gate", self.gate, (f, d)), ("down_t", self.down_t, (f, d))]
+        if self.fc1 is not None:
+            checks += [("fc1", self.fc1, (self.fc1.rows, d)), ("fc2", self.fc2, (f, self.fc1.rows))]
+        for name, w, shape in checks:
+            if w is not None and (w.rows, w.cols) != shape:
+                raise ValueError(f"{name} has shape {(w.rows, w.cols)}, expected {shape}")
+        self.bias = None
+        if up_bias is not None:
+            self.bias = up_bias.to(torch.float32).contiguous()
+            if self.bias.shape != (f,):
+                raise ValueError(f"up_bias has shape {tuple(self.bias.shape)}, expected [{f}]")
+        self.kind = _FFN_KINDS[kind]
+        self.threshold = threshold
+        ref = ctypes.byref
+        self._args = tuple(
+            None if w is None else ref(w) for w in (self.fc1, self.fc2, self.up, self.gate, self.down_t)
+        )
+
+    def __call__(
+        self,
+        x: torch.Tensor,
+        pred_input: torch.Tensor | None = None,
+        rows: torch.Tensor | None = None,
+        *,
+        threads: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """x, pred_input [T, D] float32 (or a mask `rows` [T, F] when the plan has no predictor) ->
+        (out [T, D], mask [T, F] bool, firing count), or None without the C kernels."""
+        lib = _get_lib()
+        if lib is None:
+            return None
+        x2, _ = _tokens(x, self.d, "x")
+        t = x2.shape[0]
+        if (self.fc1 is None) == (rows is None):
+            raise ValueError("give a rows mask exactly when the plan has no predictor")
+        if rows is not None:
+            mask, p_ptr = _mask(rows, t, self.f).clone(), None
+        else:
+            mask = torch.empty(t, self.f, dtype=torch.bool)
+            p2, _ = _tokens(pred_input, self.d, "pred_input")
+            if p2.shape[0] != t:
+                raise ValueError(f"pred_input has {p2.shape[0]} tokens, x has {t}")
+            p_ptr = p2.data_ptr()
+        out = torch.empty(t, self.d, dtype=torch.float32)
+        fc1, fc2, up, gate, down_t = self._args
+        fired = lib.hc_sparse_ffn(
+            fc1,
+            fc2,
+            self.threshold,
+            p_ptr,
+            up,
+            gate,
+            down_t,
+            None if self.bias is None else self.bias.data_ptr(),
+            self.kind,
+            t,
+            x2.data_ptr(),
+            mask.data_ptr(),
+            out.data_ptr(),
+            _threads(threads),
+        )
+        if fired < 0:
+            raise MemoryError("hc_sparse_ffn: out of memory")
+        return out, mask, int(fired)
+
+
+class MatvecGroup:
+    """[matmul(w, x) for w in weights] for few tokens, as one C call (a layer's q, k and v: the rows of
+    all of them share one pass of the threads), with the same bits as separate calls. Weights must be
+    CPU weights of the C kernels' types with the same number of columns; the group keeps them alive."""
+
+    def __init__(self, weights: list[Weight]):
+        views = [_weight_view(w) for w in weights]
+        if not 1 <= len(views) <= 8 or len({v[4] for v in views}) != 1:
+            raise ValueError("a matvec group is 1-8 matrices with the same number of columns")
+        if bad := [v[0].name for v in views if v[0] not in _WT]:
+            raise ValueError(f"no CPU kernel for weight type(s) {', '.join(bad)}")
+        n = len(views)
+        self.weights = list(weights)
+        self.d = views[0][4]
+        self.rows = [v[3] for v in views]
+        self._wts = (ctypes.c_int * n)(*[_WT[v[0]] for v in views])
+        self._ptrs = (ctypes.c_void_p * n)(*[v[1].data_ptr() for v in views])
+        self._strides = (ctypes.c_int64 * n)(*[v[2] for v in views])
+        self._fs = (ctypes.c_int64 * n)(*self.rows)
+        self._outs = (ctypes.c_void_p * n)()
+
+    def __call__(self, x: torch.Tensor, *, threads: int | None = None) -> list[torch.Tensor]:
+        lib = _get_lib()
+        x2, one = _tokens(x, self.d, "x")
+        t = x2.shape[0]
+        if lib is None or t >= GEMM_MIN_TOKENS:
+            return [matmul(w, x, threads=threads) for w in self.weights]
+        outs = [torch.empty(t, f, dtype=torch.float32) for f in self.rows]
+        for i, o in enumerate(outs):
+            self._outs[i] = o.data_ptr()
+        rc = lib.hc_matvec_multi(
+            len(outs),
+            self._wts,
+            self._ptrs,
+            self._strides,
+            self._fs,
+            self.d,
+            x2.data_ptr(),
+            t,
+            self._outs,
+            _threads(threads),
+        )
+        if rc != 0:
+            raise MemoryError("hc_matvec_multi failed")
+        return [o[0] for o in outs] if one else outs
 
 
 def matmul_multi(weights: list[Weight], x: torch.Tensor, *, threads: int | None = None) -> list[torch.Tensor]:
-    """[matmul(w, x) for w in weights] for matrices with the same number of columns (a layer's q, k, v):
-    one C call for few tokens, so the rows of all of them share one pass of the threads. Same bits as
-    separate calls."""
-    lib = _get_lib()
-    views = [_weight_view(w) for w in weights]
-    if lib is None or len(weights) > 8 or len({v[4] for v in views}) != 1:
+    """[matmul(w, x) for w in weights] for matrices with the same number of columns: one C call for few
+    tokens (see MatvecGroup, which a caller that repeats the call should keep). Same bits."""
+    try:
+        group = MatvecGroup(weights)
+    except ValueError:
         return [matmul(w, x, threads=threads) for w in weights]
-    d = views[0][4]
-    x2, one = _tokens(x, d, "x")
-    t = x2.shape[0]
-    if t >= GEMM_MIN_TOKENS or any(v[0] not in _WT for v in views):
-        return [matmul(w, x, threads=threads) for w in weights]
-    n = len(weights)
-    outs = [torch.empty(t, v[3], dtype=torch.float32) for v in views]
-    rc = lib.hc_matvec_multi(
-        n,
-        (ctypes.c_int * n)(*[_WT[v[0]] for v in views]),
-        (ctypes.c_void_p * n)(*[v[1].data_ptr() for v in views]),
-        (ctypes.c_int64 * n)(*[v[2] for v in views]),
-        (ctypes.c_int64 * n)(*[v[3] for v in views]),
-        d,
-        x2.data_ptr(),
-        t,
-        (ctypes.c_void_p * n)(*[o.data_ptr() for o in outs]),
-        _threads(threads),
-    )
-    if rc != 0:
-        raise MemoryError("hc_matvec_multi failed")
-    return [o[0] for o in outs] if one else outs
+    return group(x, threads=threads)
 
 
 def _f32_contiguous(t: torch.Tensor) -> bool:

@@ -27,14 +27,29 @@ def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) ->
     return out
 
 
-def linears(x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]:
-    """[linear(x, w) for w in weights], the same bits; CPU weights that the C kernels multiply (not
-    float32) share one call, so their rows stream in one pass of the threads."""
-    if all(_in_c_kernels(w) for w in weights) and x.device.type == "cpu":
-        from hotcold.kernels import cpu
+class LinearGroup:
+    """[linear(x, w) for w in weights] with the same bits, for weights that share x (a layer's q, k, v):
+    CPU weights that the C kernels multiply (not float32) go in one call, so their rows stream in one
+    pass of the threads. Keep one per layer: the C plan is built on first use (and again only if the
+    weights are replaced)."""
 
-        return cpu.matmul_multi(weights, x)
-    return [linear(x, w) for w in weights]
+    def __init__(self):
+        self._key: tuple | None = None
+        self._group = None
+
+    def __call__(self, x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]:
+        if self._key is None or any(a is not b for a, b in zip(weights, self._key, strict=True)):
+            from hotcold.kernels import cpu
+
+            self._key, self._group = tuple(weights), None
+            if all(_in_c_kernels(w) for w in weights) and cpu.backend() == "c":
+                try:
+                    self._group = cpu.MatvecGroup(weights)
+                except ValueError:  # different widths or types without a kernel: one call each
+                    pass
+        if self._group is not None and x.device.type == "cpu":
+            return self._group(x)
+        return [linear(x, w) for w in weights]
 
 
 def _in_c_kernels(weight: Weight) -> bool:

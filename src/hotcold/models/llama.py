@@ -6,7 +6,7 @@ rotates adjacent pairs. The FFN input is the normed residual; the predictor sees
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -14,10 +14,10 @@ from hotcold.config import ModelConfig
 from hotcold.gguf_io import ModelFile
 from hotcold.models.layers import (
     KVCache,
+    LinearGroup,
     RopeTables,
     Weight,
     linear,
-    linears,
     rms_norm,
     rope_attention,
 )
@@ -38,6 +38,7 @@ class LlamaLayer:
     predictor: Predictor | None
     ffn: object  # DenseFFN / SparseFFN / HybridFFN, chosen by the loader
     device: torch.device = torch.device("cpu")  # where the loader put this layer's attention
+    qkv: LinearGroup = field(default_factory=LinearGroup)  # q, k and v in one C call on the CPU
 
 
 class Llama:
@@ -66,7 +67,7 @@ class Llama:
             x = x.to(layer.device)
             cos, sin = self.rope(pos, T, layer.device)
             h = rms_norm(x, layer.attn_norm, c.norm_eps)
-            q, k, v = linears(h, [layer.wq, layer.wk, layer.wv])
+            q, k, v = layer.qkv(h, [layer.wq, layer.wk, layer.wv])
             q = q.view(T, c.n_head, c.head_dim)
             k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
             attn = rope_attention(

@@ -16,13 +16,13 @@ SiLU for dense files, ReLU for sparse or `hotcold.ffn_activation = relu` files, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hotcold.config import ModelConfig
 from hotcold.gguf_io import GGUFError, ModelFile
-from hotcold.models.layers import Weight, linear
+from hotcold.models.layers import LinearGroup, Weight, linear
 from hotcold.models.llama import Llama, attention_tensors
 from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn import FFNFactory, FFNStats, FFNWeights
@@ -42,6 +42,7 @@ class MixtralLayer:
     predictors: list[Predictor | None]
     ffn: MoEFFN
     device: torch.device = torch.device("cpu")  # where the loader put this layer's attention
+    qkv: LinearGroup = field(default_factory=LinearGroup)  # q, k and v in one C call on the CPU
     predictor: None = None  # per-expert predictors are in `predictors`; the per-layer placement skips them
 
 

@@ -119,6 +119,8 @@ class SparseFFN:
         self.predictor = predictor
         self.threads = threads
         self.stats = FFNStats()
+        self._plan_key: tuple | None = None
+        self._plan = None  # cpu.SparseFFNPlan for the one-call CPU step, when it applies
 
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
         from hotcold.kernels import cpu
@@ -155,27 +157,32 @@ class SparseFFN:
         tokens (a prefill batch's matmuls go to torch's GEMM instead)."""
         from hotcold.kernels import cpu
 
-        w, pred = self.weights, self.predictor
-        if (
-            w.activation != "relu"
-            or not isinstance(pred, Predictor)
-            or x.shape[0] >= cpu.GEMM_MIN_TOKENS
-            or not all(_in_c_kernels(m) for m in (pred.fc1, pred.fc2))
-        ):
+        if x.shape[0] >= cpu.GEMM_MIN_TOKENS:
             return None
-        res = cpu.sparse_ffn(
-            w.up,
-            w.gate,
-            w.down_t,
-            x,
-            kind=w.kind,
-            up_bias=w.up_bias,
-            fc1=pred.fc1,
-            fc2=pred.fc2,
-            threshold=pred.threshold,
-            pred_input=pred_input.to("cpu"),
-            threads=self.threads,
-        )
+        w, pred = self.weights, self.predictor
+        key = (w.up, w.gate, w.down_t, w.up_bias, w.kind, w.activation, pred)
+        if self._plan_key is None or any(a is not b for a, b in zip(key, self._plan_key, strict=True)):
+            self._plan_key, self._plan = key, None  # built once; rebuilt only if the weights are replaced
+            if (
+                w.activation == "relu"
+                and isinstance(pred, Predictor)
+                and all(_in_c_kernels(m) for m in (pred.fc1, pred.fc2, w.up, w.down_t))
+                and (w.gate is None or _in_c_kernels(w.gate))
+                and cpu.backend() == "c"
+            ):
+                self._plan = cpu.SparseFFNPlan(
+                    w.up,
+                    w.gate,
+                    w.down_t,
+                    kind=w.kind,
+                    up_bias=w.up_bias,
+                    fc1=pred.fc1,
+                    fc2=pred.fc2,
+                    threshold=pred.threshold,
+                )
+        if self._plan is None or self._plan.threshold != pred.threshold:
+            return None
+        res = self._plan(x, pred_input.to("cpu"), threads=self.threads)
         return None if res is None else (res[0], res[2])
 
 
