@@ -43,6 +43,9 @@
 #ifndef HC_AG
 #define HC_AG 8 /* rows accumulated together in a one-token axpy */
 #endif
+#ifndef HC_ITEM_ROWS
+#define HC_ITEM_ROWS 64 /* most rows in one work item of a gather */
+#endif
 #ifndef HC_AXB
 #define HC_AXB 64 /* active rows per block of an axpy sum (part of the arithmetic: fixed, never tuned per call) */
 #endif
@@ -765,7 +768,7 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
     } else {
         /* Items of a few rows (about 64 KB of F16): short enough that the last ones even out. */
         int64_t ch = (A.n / (16 * (int64_t)nth)) & ~(int64_t)(HC_G - 1);
-        ch = ch < 8 ? 8 : ch > 64 ? 64 : ch;
+        ch = ch < 8 ? 8 : ch > HC_ITEM_ROWS ? HC_ITEM_ROWS : ch;
         const int64_t items = (A.n + ch - 1) / ch;
         int64_t next = 0;
 #ifdef _OPENMP
@@ -801,7 +804,7 @@ int hc_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ws, const in
     }
     nth = clamp_threads(nth, total_rows);
     int64_t ch = (total_rows / (16 * (int64_t)nth)) & ~(int64_t)(HC_G - 1);
-    ch = ch < 8 ? 8 : ch > 64 ? 64 : ch;
+    ch = ch < 8 ? 8 : ch > HC_ITEM_ROWS ? HC_ITEM_ROWS : ch;
     first[0] = 0;
     for (int m = 0; m < nmat; m++) first[m + 1] = first[m] + (Fs[m] + ch - 1) / ch;
     const int64_t items = first[nmat];
