@@ -12,13 +12,13 @@ LayerNorm eps: PowerInfer's converter stores none (its runtime then uses 0); hot
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from hotcold.config import ModelConfig
 from hotcold.gguf_io import ModelFile
-from hotcold.models.layers import KVCache, Weight, attention, layer_norm, linear
+from hotcold.models.layers import KVCache, LinearGroup, Weight, attention, layer_norm, linear
 from hotcold.models.llama import embed
 from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn import FFNFactory, FFNWeights
@@ -45,6 +45,7 @@ class OPTLayer:
     predictor: Predictor | None
     ffn: object  # DenseFFN / SparseFFN / HybridFFN, chosen by the loader
     device: torch.device = torch.device("cpu")  # where the loader put this layer's attention
+    qkv: LinearGroup = field(default_factory=LinearGroup)  # q, k and v in one C call on the CPU
 
 
 class OPT:
@@ -92,9 +93,8 @@ class OPT:
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
             h = layer_norm(x, layer.attn_norm, layer.attn_norm_b, c.norm_eps)
-            q = linear(h, layer.wq, layer.bq).view(T, H, Dh)
-            k = linear(h, layer.wk, layer.bk).view(T, H, Dh)
-            v = linear(h, layer.wv, layer.bv).view(T, H, Dh)
+            q, k, v = layer.qkv(h, [layer.wq, layer.wk, layer.wv])
+            q, k, v = ((t + b).view(T, H, Dh) for t, b in ((q, layer.bq), (k, layer.bk), (v, layer.bv)))
             x = x + linear(attention(q, k, v, cache, i, pos), layer.wo, layer.bo)
             ffn_in = layer_norm(x, layer.ffn_norm, layer.ffn_norm_b, c.norm_eps)
             x = x + layer.ffn(ffn_in, x)
