@@ -6,6 +6,7 @@ model (22 of 5632 x 2048, one per layer, so nothing stays in cache between calls
 random for every call. Effective GB/s = bytes of the rows a call had to read / its time. Everything
 is measured side by side in one run, in interleaved rounds, and the median is reported; "dense GEMV"
 is the gather kernel over all rows in order, the fastest dense matrix-vector product measured here.
+`ffn_step` times the decode path's single C call for a whole sparse FFN (SparseFFNPlan with a mask).
 
     python benchmarks/kernels.py [--quick] [--threads 1,2] [--shapes 1b,7b] [--no-results]
 """
@@ -102,7 +103,14 @@ def bench_format(fmt: str, shape: str, threads: list[int], densities: list[float
     weights, rb = make_weights(fmt, F, D, LAYERS)
     x = torch.randn(1, D)
     a = [torch.randn(1, F).abs() + 0.1 for _ in range(LAYERS)]  # no exact zeros: density = mask density
-    cases = [(k, th, dens) for k in ("gather", "axpy") for th in threads for dens in [*densities, None]]
+    # ffn_step: the decode path's one C call (SparseFFNPlan with a given mask) over gate = matrix i, up = i+1,
+    # down_t = i+2: gate rows where the mask is set, up and down rows only where relu(gate) != 0
+    plans = [
+        cpu.SparseFFNPlan(weights[(i + 1) % LAYERS], weights[i], weights[(i + 2) % LAYERS])
+        for i in range(LAYERS)
+    ]
+    kernels = ("gather", "axpy", "ffn_step")
+    cases = [(k, th, dens) for k in kernels for th in threads for dens in [*densities, None]]
     times: dict = {c: [] for c in cases}
     cpu_times: dict = {c: [] for c in cases}  # thread CPU time: meaningful for 1 thread on a busy machine
     nbytes: dict = {c: [] for c in cases}
@@ -111,9 +119,21 @@ def bench_format(fmt: str, shape: str, threads: list[int], densities: list[float
         if kernel == "gather":
             for w, m in zip(weights, masks, strict=True):
                 cpu.gather_matvec(w, x, m, threads=th)
-        else:
+        elif kernel == "axpy":
             for w, aa, m in zip(weights, a, masks, strict=True):
                 cpu.sparse_axpy(w, aa, m, threads=th)
+        else:
+            for plan, m in zip(plans, masks, strict=True):
+                plan(x, rows=torch.ones(1, F, dtype=torch.bool) if m is None else m, threads=th)
+
+    def step_rows(masks) -> int:
+        """Rows the ffn_step reads: gate rows of the mask, up and down rows where relu(gate) != 0."""
+        total = 0
+        for i, m in enumerate(masks):
+            m = torch.ones(1, F, dtype=torch.bool) if m is None else m
+            g = cpu.gather_matvec(weights[i], x, m)
+            total += int(m.sum()) + 2 * int((m & (g > 0)).sum())
+        return total
 
     run("gather", threads[0], [None] * LAYERS)  # warm-up: page everything in
     run("axpy", threads[0], [None] * LAYERS)
@@ -121,7 +141,11 @@ def bench_format(fmt: str, shape: str, threads: list[int], densities: list[float
         for c in cases:
             kernel, th, dens = c
             masks = [None if dens is None else torch.rand(1, F) < dens for _ in range(LAYERS)]
-            rows = sum(F if m is None else int(m.sum()) for m in masks)
+            rows = (
+                step_rows(masks)
+                if kernel == "ffn_step"
+                else sum(F if m is None else int(m.sum()) for m in masks)
+            )
             c0, t0 = time.thread_time(), time.perf_counter()
             run(kernel, th, masks)
             times[c].append(time.perf_counter() - t0)
@@ -150,7 +174,9 @@ def results_section(res: dict, cmd: str) -> str:
         "FFN matrices of a 1B model (22 of 5632 x 2048) and of a 7B model (6 of 11008 x 4096), rows drawn "
         "at random per call, effective GB/s (bytes of the rows read / time), median of interleaved rounds; "
         "`dense` = rows=None; the ratio is the 10% figure over the dense GEMV (the gather kernel's `dense`) "
-        "of the same shape, type and threads.\n",
+        "of the same shape, type and threads. `ffn_step` is the decode path's single C call (gate, up and "
+        "down over the mask, up and down only where relu(gate) != 0; its `dense` column is an all-set "
+        "mask), timed with the bytes of the rows it reads.\n",
         "| threads | copy (r+w) | torch mv f32 | torch mv f16 |",
         "| --- | --- | --- | --- |",
     ]
@@ -162,7 +188,7 @@ def results_section(res: dict, cmd: str) -> str:
     keys = [f"{round(d * 100)}%" for d in res["densities"]] + ["dense"]
     lines += ["", "| shape | kernel | type | threads | " + " | ".join(keys) + " | 10% / dense GEMV |"]
     lines.append("| --- " * (5 + len(keys)) + "|")
-    for kernel in ("gather", "axpy", "gather_cpu_time", "axpy_cpu_time"):
+    for kernel in ("gather", "axpy", "ffn_step", "gather_cpu_time", "axpy_cpu_time", "ffn_step_cpu_time"):
         for shape, by_fmt in res["kernels"].items():
             for fmt, r in by_fmt.items():
                 for th in res["threads"]:
