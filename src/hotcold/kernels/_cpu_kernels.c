@@ -749,6 +749,40 @@ HC_INLINE int clamp_threads(int nth, int64_t work) {
  * prefetch its first rows. Which thread computes an item never changes a result. */
 HC_INLINE int64_t claim(int64_t *next) { return __atomic_fetch_add(next, 1, __ATOMIC_RELAXED); }
 
+/* The gathers of nmat index lists (A[m].n rows each; nmat > 1: a layer's q, k, v over all rows) with
+ * nth threads: items of a few rows (about 64 KB of F16, short enough that the last ones even out), a
+ * matrix's items in order; prefetching runs into the next item when it is in the same matrix. */
+static void gather_parallel(int nmat, const int *wts, const hc_args *A, int nth) {
+    int64_t first[9] = {0}; /* first work item of each matrix */
+    int64_t total = 0;
+    for (int m = 0; m < nmat; m++) total += A[m].n;
+    nth = clamp_threads(nth, total);
+    if (nth == 1) {
+        for (int m = 0; m < nmat; m++) gather_range(wts[m], &A[m], 0, A[m].n, -1);
+        return;
+    }
+    int64_t ch = (total / (16 * (int64_t)nth)) & ~(int64_t)(HC_G - 1);
+    ch = ch < 8 ? 8 : ch > HC_ITEM_ROWS ? HC_ITEM_ROWS : ch;
+    for (int m = 0; m < nmat; m++) first[m + 1] = first[m] + (A[m].n + ch - 1) / ch;
+    const int64_t items = first[nmat];
+    int64_t next = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth)
+#endif
+    {
+        int64_t it = claim(&next);
+        while (it < items) {
+            const int64_t nx = claim(&next);
+            int m = 0;
+            while (it >= first[m + 1]) m++;
+            const int64_t k0 = (it - first[m]) * ch, k1 = k0 + ch < A[m].n ? k0 + ch : A[m].n;
+            const int64_t kn = nx < first[m + 1] ? (nx - first[m]) * ch : -1;
+            gather_range(wts[m], &A[m], k0, k1, kn);
+            it = nx;
+        }
+    }
+}
+
 int hc_abi_version(void) { return HC_ABI_VERSION; }
 
 const char *hc_simd(void) { return HC_SIMD; }
@@ -780,28 +814,7 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
         A.idx = idx;
         if (A.n == 0) memset(out, 0, sizeof(float) * (size_t)(T * F));
     }
-    nth = clamp_threads(nth, A.n);
-    if (nth == 1) {
-        gather_range(wt, &A, 0, A.n, -1);
-    } else {
-        /* Items of a few rows (about 64 KB of F16): short enough that the last ones even out. */
-        int64_t ch = (A.n / (16 * (int64_t)nth)) & ~(int64_t)(HC_G - 1);
-        ch = ch < 8 ? 8 : ch > HC_ITEM_ROWS ? HC_ITEM_ROWS : ch;
-        const int64_t items = (A.n + ch - 1) / ch;
-        int64_t next = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nth)
-#endif
-        {
-            int64_t it = claim(&next);
-            while (it < items) {
-                const int64_t nx = claim(&next);
-                const int64_t k0 = it * ch, k1 = k0 + ch < A.n ? k0 + ch : A.n;
-                gather_range(wt, &A, k0, k1, nx < items ? nx * ch : -1);
-                it = nx;
-            }
-        }
-    }
+    gather_parallel(1, &wt, &A, nth);
     free(idx);
     return 0;
 }
@@ -813,36 +826,11 @@ int hc_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ws, const in
                     int64_t D, const float *x, int64_t T, float *const *outs, int nth) {
     if (nmat < 1 || nmat > 8) return -1;
     hc_args A[8];
-    int64_t first[9]; /* first work item of each matrix */
-    int64_t total_rows = 0;
     for (int m = 0; m < nmat; m++) {
         const hc_args a = {Ws[m], strides[m], Fs[m], D, T, x, NULL, outs[m], NULL, NULL, Fs[m]};
         A[m] = a;
-        total_rows += Fs[m];
     }
-    nth = clamp_threads(nth, total_rows);
-    int64_t ch = (total_rows / (16 * (int64_t)nth)) & ~(int64_t)(HC_G - 1);
-    ch = ch < 8 ? 8 : ch > HC_ITEM_ROWS ? HC_ITEM_ROWS : ch;
-    first[0] = 0;
-    for (int m = 0; m < nmat; m++) first[m + 1] = first[m] + (Fs[m] + ch - 1) / ch;
-    const int64_t items = first[nmat];
-    int64_t next = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nth)
-#endif
-    {
-        int64_t it = claim(&next);
-        while (it < items) {
-            const int64_t nx = claim(&next);
-            int m = 0;
-            while (it >= first[m + 1]) m++;
-            const int64_t k0 = (it - first[m]) * ch, k1 = k0 + ch < Fs[m] ? k0 + ch : Fs[m];
-            /* prefetch into the next item only when it is in the same matrix */
-            const int64_t kn = nx < first[m + 1] ? (nx - first[m]) * ch : -1;
-            gather_range(wts[m], &A[m], k0, k1, kn);
-            it = nx;
-        }
-    }
+    gather_parallel(nmat, wts, A, nth);
     return 0;
 }
 
