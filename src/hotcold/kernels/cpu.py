@@ -574,7 +574,7 @@ class MatvecGroup:
         self._ptrs = (ctypes.c_void_p * n)(*[v[1].data_ptr() for v in views])
         self._strides = (ctypes.c_int64 * n)(*[v[2] for v in views])
         self._fs = (ctypes.c_int64 * n)(*self.rows)
-        self._outs = (ctypes.c_void_p * n)()
+        self._out_ptrs = ctypes.c_void_p * n
 
     def __call__(self, x: torch.Tensor, *, threads: int | None = None) -> list[torch.Tensor]:
         lib = _get_lib()
@@ -583,8 +583,7 @@ class MatvecGroup:
         if lib is None or t >= GEMM_MIN_TOKENS:
             return [matmul(w, x, threads=threads) for w in self.weights]
         outs = [torch.empty(t, f, dtype=torch.float32) for f in self.rows]
-        for i, o in enumerate(outs):
-            self._outs[i] = o.data_ptr()
+        out_ptrs = self._out_ptrs(*[o.data_ptr() for o in outs])  # per call: two threads may share a model
         rc = lib.hc_matvec_multi(
             len(outs),
             self._wts,
@@ -594,7 +593,7 @@ class MatvecGroup:
             self.d,
             x2.data_ptr(),
             t,
-            self._outs,
+            out_ptrs,
             _threads(threads),
         )
         if rc != 0:
