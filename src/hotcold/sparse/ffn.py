@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hotcold.models.layers import Weight, _in_c_kernels, linear
+from hotcold.models.layers import LinearGroup, Weight, _in_c_kernels, linear
 from hotcold.sparse.predictor import Predictor
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -86,11 +86,14 @@ class DenseFFN:
         self.weights = weights
         self.stats = FFNStats()
         self.observer: Observer | None = None
+        self.up_gate = LinearGroup()  # up and gate in one C call on the CPU
 
     def __call__(self, x: torch.Tensor, pred_input: torch.Tensor | None = None) -> torch.Tensor:
         w = self.weights
-        up = linear(x, w.up)
-        gate = linear(x, w.gate) if w.gate is not None else None
+        if w.gate is not None:
+            up, gate = self.up_gate(x, [w.up, w.gate])
+        else:
+            up, gate = linear(x, w.up), None
         a = w.combine(up, gate)
         if self.observer is not None:
             self.observer(x, pred_input, a)
