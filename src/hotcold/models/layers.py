@@ -42,7 +42,7 @@ class LinearGroup:
             from hotcold.kernels import cpu
 
             self._key, self._group = tuple(weights), None
-            if all(_in_c_kernels(w) for w in weights) and cpu.backend() == "c":
+            if all(uses_c_kernels(w) for w in weights) and cpu.backend() == "c":
                 try:
                     self._group = cpu.MatvecGroup(weights)
                 except ValueError:  # different widths or types without a kernel: one call each
@@ -52,7 +52,7 @@ class LinearGroup:
         return [linear(x, w) for w in weights]
 
 
-def _in_c_kernels(weight: Weight) -> bool:
+def uses_c_kernels(weight: Weight) -> bool:
     """Whether `linear` multiplies by this weight with the C kernels (CPU, not float32)."""
     if isinstance(weight, torch.Tensor):
         return weight.device.type == "cpu" and weight.dtype != torch.float32

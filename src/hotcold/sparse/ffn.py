@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hotcold.models.layers import LinearGroup, Weight, _in_c_kernels, linear
+from hotcold.models.layers import LinearGroup, Weight, linear, uses_c_kernels
 from hotcold.sparse.predictor import Predictor
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -169,8 +169,8 @@ class SparseFFN:
             if (
                 w.activation == "relu"
                 and isinstance(pred, Predictor)
-                and all(_in_c_kernels(m) for m in (pred.fc1, pred.fc2, w.up, w.down_t))
-                and (w.gate is None or _in_c_kernels(w.gate))
+                and all(uses_c_kernels(m) for m in (pred.fc1, pred.fc2, w.up, w.down_t))
+                and (w.gate is None or uses_c_kernels(w.gate))
                 and cpu.backend() == "c"
             ):
                 self._plan = cpu.SparseFFNPlan(
