@@ -653,7 +653,13 @@ def attention_decode(
     _, h, dh = q.shape
     hkv = k.shape[1]
     cos, sin = cos.contiguous(), sin.contiguous()
-    if not (_f32_contiguous(cos) and _f32_contiguous(sin)) or h % hkv or k_cache.shape[1:] != (hkv, dh):
+    if (
+        not (_f32_contiguous(cos) and _f32_contiguous(sin))
+        or h % hkv
+        or k_cache.shape[1:] != (hkv, dh)
+        or cos.shape[-1] * 2 > dh
+        or not 0 <= pos < k_cache.shape[0]
+    ):
         return None
     out = torch.empty(1, h * dh, dtype=torch.float32)
     rc = lib.hc_attn_decode(
