@@ -101,3 +101,22 @@ def test_fused_step_equals_separate_kernels(kind, bias, t):
     assert 0.05 < fused_ffn.stats.rate < 0.95  # a real mix of firing and silent neurons
     assert isinstance(fused_ffn._plan, cpu.SparseFFNPlan)  # the fused path really ran
     assert plain_ffn._plan is None
+
+
+@pytest.mark.parametrize("t", [1, 3, 6])  # the norm inside the C call (t <= 4) and before it
+def test_ffn_norm_inside_the_call_equals_norm_first(t):
+    from hotcold.models.layers import rms_norm
+    from hotcold.sparse.predictor import Predictor
+
+    w = weights("gated", torch.float16, seed=5)
+    g = torch.Generator().manual_seed(6)
+    pred = Predictor(
+        (torch.randn(32, D, generator=g) / 4).half(), (torch.randn(F, 32, generator=g) / 4).half(), 0.3
+    )
+    x = torch.randn(t, D, generator=g) * 2
+    norm_w = torch.randn(D, generator=g)
+    with_norm = SparseFFN(w, pred)(x, x, norm=(norm_w, 1e-5))
+    norm_first = SparseFFN(w, pred)(rms_norm(x, norm_w, 1e-5), x)
+    assert torch.equal(with_norm, norm_first)
+    unfused = SparseFFN(w, lambda q: pred(q))(x, x, norm=(norm_w, 1e-5))  # kernel by kernel, torch glue
+    assert torch.equal(with_norm, unfused)

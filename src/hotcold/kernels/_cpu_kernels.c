@@ -30,7 +30,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 8
+#define HC_ABI_VERSION 9
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -818,18 +818,30 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
     return 0;
 }
 
+void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D, float *out);
+
 /* Several dense matrices that multiply the same x (a layer's q, k and v): out_m [T, F_m] = x @ W_m.T,
  * rows of all of them in one parallel region. Each row's arithmetic is hc_gather_matvec's, so the
- * results equal separate calls bit for bit. At most 8 matrices; all have D columns. */
+ * results equal separate calls bit for bit. At most 8 matrices; all have D columns. With norm_w, x is
+ * first replaced by hc_rms_norm(x, norm_w, eps) (the layer's attention norm, saving a call). */
 int hc_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ws, const int64_t *strides, const int64_t *Fs,
-                    int64_t D, const float *x, int64_t T, float *const *outs, int nth) {
+                    int64_t D, const float *x, int64_t T, const float *norm_w, float eps, float *const *outs,
+                    int nth) {
     if (nmat < 1 || nmat > 8) return -1;
+    float *xn = NULL;
+    if (norm_w) {
+        xn = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
+        if (!xn) return -1;
+        hc_rms_norm(x, norm_w, eps, T, D, xn);
+        x = xn;
+    }
     hc_args A[8];
     for (int m = 0; m < nmat; m++) {
         const hc_args a = {Ws[m], strides[m], Fs[m], D, T, x, NULL, outs[m], NULL, NULL, Fs[m]};
         A[m] = a;
     }
     gather_parallel(nmat, wts, A, nth);
+    free(xn);
     return 0;
 }
 
@@ -1024,16 +1036,21 @@ HC_INLINE float relu1(float v) { return v < 0.0f ? 0.0f : v; } /* NaN stays NaN,
 /* mask [T, F] (bytes 0/1): computed by the predictor when fc1 is not NULL (fire iff
  * (fc2 @ relu(fc1 @ p))[i] >= thr), else given. With v = up (+ up_bias), a = relu(gate) * v (gated),
  * relu(gate) * relu(v) (gated_both) or relu(v) (plain) on the firing rows, 0 elsewhere (up is read
- * only where relu(gate) != 0, as SparseFFN does); out [T, D] = the axpy of
+ * only where relu(gate) != 0, as SparseFFN does); with norm_w the FFN input is hc_rms_norm(x); out [T, D] = the axpy of
  * a over down_t. gate may be NULL for plain. Returns the number of firing (token, neuron) pairs, or
  * -1 if memory ran out. */
 int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, const float *p, const hc_weight *up,
                       const hc_weight *gate, const hc_weight *down_t, const float *up_bias, int kind, int64_t T,
-                      const float *x, uint8_t *mask, float *out, int nth) {
+                      const float *x, const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {
     const int64_t F = up->rows, D = up->cols;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(T * F * (gate ? 2 : 1)));
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(T * F * (gate ? 2 : 1) + (norm_w ? T * D : 0)));
     if (!buf) return -1;
     float *u = buf, *g = gate ? buf + T * F : NULL;
+    if (norm_w) { /* the FFN input is the normed x (the llama family's FFN norm, saving a call) */
+        float *xn = buf + T * F * (gate ? 2 : 1);
+        hc_rms_norm(x, norm_w, eps, T, D, xn);
+        x = xn;
+    }
     if (fc1) {
         const int64_t R = fc1->rows;
         float *h = (float *)malloc(sizeof(float) * (size_t)(T * R));

@@ -53,7 +53,7 @@ Weight = torch.Tensor | QuantTensor
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-_ABI_VERSION = 8
+_ABI_VERSION = 9
 _WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 _TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 _BASE_FLAGS = ["-shared", "-fPIC", "-std=gnu11", "-Wno-psabi"]
@@ -140,9 +140,26 @@ def _bind(lib: ctypes.CDLL) -> None:
     lib.hc_dequantize.restype = c_int
     lib.hc_simd.restype = ctypes.c_char_p
     w = ctypes.POINTER(_HCWeight)
-    lib.hc_sparse_ffn.argtypes = [w, w, ctypes.c_float, p, w, w, w, p, c_int, i64, p, p, p, c_int]
+    lib.hc_sparse_ffn.argtypes = [
+        w,
+        w,
+        ctypes.c_float,
+        p,
+        w,
+        w,
+        w,
+        p,
+        c_int,
+        i64,
+        p,
+        p,
+        ctypes.c_float,
+        p,
+        p,
+        c_int,
+    ]
     lib.hc_sparse_ffn.restype = i64
-    lib.hc_matvec_multi.argtypes = [c_int, p, p, p, p, i64, p, i64, p, c_int]
+    lib.hc_matvec_multi.argtypes = [c_int, p, p, p, p, i64, p, i64, p, ctypes.c_float, p, c_int]
     lib.hc_matvec_multi.restype = c_int
     f32 = ctypes.c_float
     lib.hc_rms_norm.argtypes = [p, p, f32, i64, i64, p]
@@ -457,6 +474,19 @@ def _hc_weight(weight: Weight | None) -> _HCWeight | None:
     return _HCWeight(_WT[qtype], data.data_ptr(), stride, f, d)
 
 
+def _norm_weight(norm: tuple[torch.Tensor, float] | None, d: int) -> tuple[torch.Tensor | None, float]:
+    """(weight, eps) of an RMS norm applied inside a C call -> (float32 contiguous weight or None, eps)."""
+    if norm is None:
+        return None, 0.0
+    weight, eps = norm
+    weight = weight.to(torch.float32).contiguous()
+    if weight.shape != (d,) or not weight.is_cpu:
+        raise ValueError(
+            f"norm weight has shape {tuple(weight.shape)} on {weight.device}, expected [{d}] on the CPU"
+        )
+    return weight, float(eps)
+
+
 class SparseFFNPlan:
     """One ReLU sparse FFN step in a single C call: the predictor (fc1/fc2 on pred_input, firing iff the
     logit >= threshold) or a given bool mask, the row gathers (gate first; up only where relu(gate) != 0),
@@ -513,10 +543,12 @@ class SparseFFNPlan:
         pred_input: torch.Tensor | None = None,
         rows: torch.Tensor | None = None,
         *,
+        norm: tuple[torch.Tensor, float] | None = None,
         threads: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """x, pred_input [T, D] float32 (or a mask `rows` [T, F] when the plan has no predictor) ->
-        (out [T, D], mask [T, F] bool, firing count), or None without the C kernels."""
+        (out [T, D], mask [T, F] bool, firing count), or None without the C kernels. With norm = (weight,
+        eps) the FFN input is rms_norm(x) (as `rms_norm` computes it for a few tokens), pred_input as given."""
         lib = _get_lib()
         if lib is None:
             return None
@@ -532,6 +564,7 @@ class SparseFFNPlan:
             if p2.shape[0] != t:
                 raise ValueError(f"pred_input has {p2.shape[0]} tokens, x has {t}")
             p_ptr = p2.data_ptr()
+        norm_w, eps = _norm_weight(norm, self.d)
         out = torch.empty(t, self.d, dtype=torch.float32)
         fc1, fc2, up, gate, down_t = self._args
         fired = lib.hc_sparse_ffn(
@@ -546,6 +579,8 @@ class SparseFFNPlan:
             self.kind,
             t,
             x2.data_ptr(),
+            None if norm_w is None else norm_w.data_ptr(),
+            eps,
             mask.data_ptr(),
             out.data_ptr(),
             _threads(threads),
@@ -576,11 +611,18 @@ class MatvecGroup:
         self._fs = (ctypes.c_int64 * n)(*self.rows)
         self._out_ptrs = ctypes.c_void_p * n
 
-    def __call__(self, x: torch.Tensor, *, threads: int | None = None) -> list[torch.Tensor]:
+    def __call__(
+        self, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None, threads: int | None = None
+    ) -> list[torch.Tensor]:
+        """With norm = (weight, eps), the matrices multiply rms_norm(x) (computed in the same C call)."""
         lib = _get_lib()
         x2, one = _tokens(x, self.d, "x")
         t = x2.shape[0]
+        norm_w, eps = _norm_weight(norm, self.d)
         if lib is None or t >= GEMM_MIN_TOKENS:
+            if norm_w is not None:  # many tokens: torch's norm, as layers.rms_norm computes it there
+                x = _torch_rms_norm(x2, norm_w, eps)
+                x = x[0] if one else x
             return [matmul(w, x, threads=threads) for w in self.weights]
         outs = [torch.empty(t, f, dtype=torch.float32) for f in self.rows]
         out_ptrs = self._out_ptrs(*[o.data_ptr() for o in outs])  # per call: two threads may share a model
@@ -593,6 +635,8 @@ class MatvecGroup:
             self.d,
             x2.data_ptr(),
             t,
+            None if norm_w is None else norm_w.data_ptr(),
+            eps,
             out_ptrs,
             _threads(threads),
         )
@@ -609,6 +653,10 @@ def matmul_multi(weights: list[Weight], x: torch.Tensor, *, threads: int | None 
     except ValueError:
         return [matmul(w, x, threads=threads) for w in weights]
     return group(x, threads=threads)
+
+
+def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def _f32_contiguous(t: torch.Tensor) -> bool:

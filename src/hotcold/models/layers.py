@@ -37,7 +37,11 @@ class LinearGroup:
         self._key: tuple | None = None
         self._group = None
 
-    def __call__(self, x: torch.Tensor, weights: list[Weight]) -> list[torch.Tensor]:
+    def __call__(
+        self, x: torch.Tensor, weights: list[Weight], *, norm: tuple[torch.Tensor, float] | None = None
+    ) -> list[torch.Tensor]:
+        """With norm = (weight, eps) the weights multiply rms_norm(x, weight, eps); for a few tokens the
+        norm runs inside the same C call."""
         if self._key is None or any(a is not b for a, b in zip(weights, self._key, strict=True)):
             from hotcold.kernels import cpu
 
@@ -48,8 +52,11 @@ class LinearGroup:
                 except ValueError:  # different widths or types without a kernel: one call each
                     pass
         if self._group is not None and x.device.type == "cpu":
-            return self._group(x)
-        return [linear(x, w) for w in weights]
+            if norm is not None and x.shape[0] <= C_NORM_MAX_TOKENS:
+                return self._group(x, norm=norm)
+            return self._group(rms_norm(x, *norm) if norm is not None else x)
+        h = rms_norm(x, *norm) if norm is not None else x
+        return [linear(h, w) for w in weights]
 
 
 def uses_c_kernels(weight: Weight) -> bool:
@@ -59,8 +66,11 @@ def uses_c_kernels(weight: Weight) -> bool:
     return weight.data.device.type == "cpu"
 
 
+C_NORM_MAX_TOKENS = 4  # up to this many tokens the RMS norm runs in C (one call, not five ops)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= 4:  # decode: one C call, not five ops
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= C_NORM_MAX_TOKENS:
         from hotcold.kernels import cpu
 
         out = cpu.rms_norm(x, weight, eps)

@@ -22,7 +22,7 @@ from hotcold.models.layers import (
     rope_attention,
 )
 from hotcold.quants import QuantTensor
-from hotcold.sparse.ffn import FFNFactory, FFNWeights
+from hotcold.sparse.ffn import FFNFactory, FFNWeights, SparseFFN
 from hotcold.sparse.predictor import Predictor, load_predictor
 
 
@@ -66,16 +66,17 @@ class Llama:
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
             cos, sin = self.rope(pos, T, layer.device)
-            h = rms_norm(x, layer.attn_norm, c.norm_eps)
-            q, k, v = layer.qkv(h, [layer.wq, layer.wk, layer.wv])
+            q, k, v = layer.qkv(x, [layer.wq, layer.wk, layer.wv], norm=(layer.attn_norm, c.norm_eps))
             q = q.view(T, c.n_head, c.head_dim)
             k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
             attn = rope_attention(
                 q, k, v, cache, i, pos, cos, sin, neox=False, sliding_window=c.sliding_window
             )
             x = x + linear(attn, layer.wo)
-            ffn_in = rms_norm(x, layer.ffn_norm, c.norm_eps)
-            x = x + layer.ffn(ffn_in, x)
+            if isinstance(layer.ffn, SparseFFN):  # the FFN norm inside its one C call
+                x = x + layer.ffn(x, x, norm=(layer.ffn_norm, c.norm_eps))
+            else:
+                x = x + layer.ffn(rms_norm(x, layer.ffn_norm, c.norm_eps), x)
         if last_only:
             x = x[-1:]
         x = x.to(self.output_device)

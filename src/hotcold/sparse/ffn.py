@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hotcold.models.layers import LinearGroup, Weight, linear, uses_c_kernels
+from hotcold.models.layers import C_NORM_MAX_TOKENS, LinearGroup, Weight, linear, rms_norm, uses_c_kernels
 from hotcold.sparse.predictor import Predictor
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -125,19 +125,25 @@ class SparseFFN:
         self._plan_key: tuple | None = None
         self._plan = None  # cpu.SparseFFNPlan for the one-call CPU step, when it applies
 
-    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, pred_input: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None
+    ) -> torch.Tensor:
+        """x: the FFN input, or with norm = (weight, eps) the residual that rms_norm turns into it (for a few
+        tokens the norm then runs inside the one C call)."""
         from hotcold.kernels import cpu
 
         w = self.weights
         # the CPU kernels run on the CPU even when this layer's attention was placed on a GPU
         out_device, x = x.device, x.to("cpu")
-        fused = self._fused(x, pred_input)
+        fused = self._fused(x, pred_input, norm)
         if fused is not None:
             out, fired = fused
             self.stats.computed += fired
             self.stats.total += x.shape[0] * w.n_ff
             out = out + w.down_bias if w.down_bias is not None else out
             return out.to(out_device)
+        if norm is not None:
+            x = rms_norm(x, *norm)
         mask = self.predictor(pred_input).to("cpu")  # [T, F] bool
         live, gate = mask, None
         if w.gate is not None:
@@ -154,7 +160,9 @@ class SparseFFN:
         out = out + w.down_bias if w.down_bias is not None else out
         return out.to(out_device)
 
-    def _fused(self, x: torch.Tensor, pred_input: torch.Tensor) -> tuple[torch.Tensor, int] | None:
+    def _fused(
+        self, x: torch.Tensor, pred_input: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
+    ) -> tuple[torch.Tensor, int] | None:
         """The whole step in one C call (same results bit for bit), where it applies: ReLU, a CPU predictor
         whose matmuls also run in the C kernels (not float32 tensors, which torch multiplies), and few
         tokens (a prefill batch's matmuls go to torch's GEMM instead)."""
@@ -185,7 +193,9 @@ class SparseFFN:
                 )
         if self._plan is None or self._plan.threshold != pred.threshold:
             return None
-        res = self._plan(x, pred_input.to("cpu"), threads=self.threads)
+        if norm is not None and x.shape[0] > C_NORM_MAX_TOKENS:  # the norm as rms_norm computes it there
+            x, norm = rms_norm(x, *norm), None
+        res = self._plan(x, pred_input.to("cpu"), norm=norm, threads=self.threads)
         return None if res is None else (res[0], res[2])
 
 
