@@ -132,6 +132,9 @@ def load_model(
         if hot is not None:
             factory.make_hybrid = _hybrid_factory(hot, fast, threads)
     model = module.build(model_file, config, factory)
+    from hotcold.kernels import cpu
+
+    cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
     if plan is not None:
         _place(model, plan, fast)
     elif fast is not None and (n_gpu_layers or fast.type == "cuda"):
