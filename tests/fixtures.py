@@ -120,3 +120,35 @@ def assert_greedy_matches(llm, hf, prompt_text: str = "Line 3: the quick brown f
         ref = hf.generate(torch.tensor([prompt]), max_new_tokens=n, do_sample=False, min_new_tokens=n)
     steps = llm.engine.generate_step(prompt, SamplingParams())
     assert [next(steps) for _ in range(n)] == ref[0, len(prompt) :].tolist()
+
+
+def record_masks(llm) -> list[dict]:
+    """Wrap every layer's predictor: remember what it was given and the mask it returned."""
+    records = []
+    for layer in llm.loaded.model.layers:
+        record, predictor = {}, layer.ffn.predictor
+
+        def wrapped(p, record=record, predictor=predictor):
+            record["input"], record["mask"] = p.clone(), predictor(p)
+            return record["mask"]
+
+        layer.ffn.predictor = wrapped
+        records.append(record)
+    return records
+
+
+def ffn_weights(f: int, d: int, kind="gated", dtype=torch.float32, *, seed=0, bias=False, scale=6.0):
+    """Random FFN weights of one layer: up, gate (not for "plain"), down_t ~ N(0, 1/scale^2) in `dtype`,
+    and float32 biases on request."""
+    from hotcold.sparse.ffn import FFNWeights
+
+    g = torch.Generator().manual_seed(seed)
+    w = lambda *s: (torch.randn(*s, generator=g) / scale).to(dtype)  # noqa: E731
+    return FFNWeights(
+        up=w(f, d),
+        gate=None if kind == "plain" else w(f, d),
+        down_t=w(f, d),
+        up_bias=torch.randn(f, generator=g) if bias else None,
+        down_bias=torch.randn(d, generator=g) if bias else None,
+        kind=kind,
+    )

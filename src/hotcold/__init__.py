@@ -4,8 +4,9 @@ import os
 
 # OpenMP workers wait between parallel regions. libgomp's default (spin ~300k rounds, then sleep) once
 # stalled every region ~8 ms on a busy 2-core VM; fully passive waiting (sleep at once) costs a futex
-# wake-up of ~15 us per region, and a decode step has hundreds of regions. A bounded spin (10k rounds,
-# about half a millisecond) bridges the gap between one kernel and the next: measured on 2 cores, the
+# wake-up of ~15-20 us per region, and a decode step has hundreds of regions. A bounded spin (10k rounds:
+# a worker still answers in ~1 us after 100 us idle, ~19 us after 400 us, measured on the 2-core VM)
+# bridges the gap between one kernel and the next: measured on 2 cores, the
 # 1B synthetic decodes 21.4 tok/s passive, 23.4 with 1k rounds and a further ~3% with 10k; 4 threads
 # on 2 cores lose nothing (libgomp throttles spinning when oversubscribed). Set before torch loads
 # libgomp; a user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT wins, and importing torch before hotcold

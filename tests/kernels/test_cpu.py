@@ -170,7 +170,7 @@ def test_matmul(backend, fmt, t):
 
 
 @pytest.mark.parametrize("t", [1, 3])
-def test_matmul_multi_equals_separate_calls(backend, t):
+def test_matvec_group_equals_separate_calls(backend, t):
     """q, k, v-like matrices of different row counts and types in one call: the very bits of matmul."""
     gen = torch.Generator().manual_seed(12)
     d = D_QUANT
@@ -181,10 +181,10 @@ def test_matmul_multi_equals_separate_calls(backend, t):
     ]
     x = torch.randn(t, d, generator=gen)
     for threads in (1, 2, 3):
-        got = cpu.matmul_multi(ws, x, threads=threads)
+        got = cpu.MatvecGroup(ws)(x, threads=threads)
         for g, w in zip(got, ws, strict=True):
             assert torch.equal(g, cpu.matmul(w, x, threads=1))
-    assert [g.shape for g in cpu.matmul_multi(ws, x[0])] == [(200,), (37,), (64,)]
+    assert [g.shape for g in cpu.MatvecGroup(ws)(x[0])] == [(200,), (37,), (64,)]
 
 
 def test_dequantize_rows(backend):

@@ -21,6 +21,7 @@ from tests.fixtures import (
     hf_logits,
     make_llama,
     random_ids,
+    record_masks,
     save_checkpoint,
     scale_matrices,
     write_predictors,
@@ -150,16 +151,7 @@ def test_prosparse_threshold_from_predictor_config(tmp_path, spm_model_file, mon
     assert (
         llm.config.sparse_threshold == pytest.approx(0.25) and describe(str(path))["sparse_threshold"] == 0.25
     )
-    records = []
-    for layer in llm.loaded.model.layers:
-        record, predictor = {}, layer.ffn.predictor
-
-        def wrapped(p, record=record, predictor=predictor):
-            record["input"], record["mask"] = p.clone(), predictor(p)
-            return record["mask"]
-
-        layer.ffn.predictor = wrapped
-        records.append(record)
+    records = record_masks(llm)
     ids = random_ids(40, seed=4)
     ours = llm.logits(ids)
 

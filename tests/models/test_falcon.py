@@ -18,6 +18,7 @@ from tests.fixtures import (
     assert_logits_match,
     hf_logits,
     random_ids,
+    record_masks,
     save_checkpoint,
     write_predictors,
 )
@@ -114,21 +115,6 @@ def test_sparse_all_firing_equals_transformers(tmp_path, spm_model_file, case):
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
     info = describe(str(path))
     assert info["predictors"] == {"layers": 2, "ranks": [16]} and info["ffn_activation"] == "relu"
-
-
-def record_masks(llm) -> list[dict]:
-    """Wrap every layer's predictor: remember what it was given and the mask it returned."""
-    records = []
-    for layer in llm.loaded.model.layers:
-        record, predictor = {}, layer.ffn.predictor
-
-        def wrapped(p, record=record, predictor=predictor):
-            record["input"], record["mask"] = p.clone(), predictor(p)
-            return record["mask"]
-
-        layer.ffn.predictor = wrapped
-        records.append(record)
-    return records
 
 
 def test_sparse_predictor_sees_the_layer_input(tmp_path, spm_model_file):

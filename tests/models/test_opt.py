@@ -18,6 +18,7 @@ from tests.fixtures import (
     assert_logits_match,
     hf_logits,
     random_ids,
+    record_masks,
     save_checkpoint,
     write_predictors,
 )
@@ -116,21 +117,6 @@ def test_sparse_all_firing_equals_transformers(tmp_path, spm_model_file):
     ids = random_ids(40, seed=3)
     ours, ref = llm.logits(ids), hf_logits(hf, ids)
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
-
-
-def record_masks(llm) -> list[dict]:
-    """Wrap every layer's predictor: remember what it was given and the mask it returned."""
-    records = []
-    for layer in llm.loaded.model.layers:
-        record, predictor = {}, layer.ffn.predictor
-
-        def wrapped(p, record=record, predictor=predictor):
-            record["input"], record["mask"] = p.clone(), predictor(p)
-            return record["mask"]
-
-        layer.ffn.predictor = wrapped
-        records.append(record)
-    return records
 
 
 def test_sparse_random_predictor_equals_masked_reference(tmp_path, spm_model_file):

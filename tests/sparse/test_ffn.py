@@ -5,22 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hotcold.sparse.ffn import DenseFFN, FFNWeights, SparseFFN
+from hotcold.sparse.ffn import DenseFFN, SparseFFN
+from tests.fixtures import ffn_weights
 
 F, D = 1280, 96
 
 
 def weights(kind="gated", dtype=torch.float32, seed=0, bias=False):
-    g = torch.Generator().manual_seed(seed)
-    w = lambda *s: (torch.randn(*s, generator=g) / 6).to(dtype)  # noqa: E731
-    return FFNWeights(
-        up=w(F, D),
-        gate=None if kind == "plain" else w(F, D),
-        down_t=w(F, D),
-        up_bias=torch.randn(F, generator=g) if bias else None,
-        down_bias=torch.randn(D, generator=g) if bias else None,
-        kind=kind,
-    )
+    return ffn_weights(F, D, kind, dtype, seed=seed, bias=bias, scale=6)
 
 
 CASES = [("gated", False), ("gated_both", False), ("plain", True)]

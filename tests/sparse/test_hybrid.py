@@ -10,23 +10,15 @@ import torch
 import hotcold
 from hotcold.loader import load_model
 from hotcold.placement.gpuidx import gpuidx_path, read_gpuidx
-from hotcold.sparse.ffn import FFNWeights, SparseFFN
+from hotcold.sparse.ffn import SparseFFN
 from hotcold.sparse.hybrid import HybridFFN
+from tests.fixtures import ffn_weights
 
 F, D = 1280, 64
 
 
 def make_weights(kind: str, dtype=torch.float32, bias=False, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    w = lambda *s: (torch.randn(*s, generator=g) / 8).to(dtype)  # noqa: E731
-    return FFNWeights(
-        up=w(F, D),
-        gate=None if kind == "plain" else w(F, D),
-        down_t=w(F, D),
-        up_bias=torch.randn(F, generator=g) if bias else None,
-        down_bias=torch.randn(D, generator=g) if bias else None,
-        kind=kind,
-    )
+    return ffn_weights(F, D, kind, dtype, seed=seed, bias=bias, scale=8)
 
 
 def random_predictor(rate: float, seed: int):

@@ -36,7 +36,6 @@ __all__ = [
     "gather_matvec",
     "sparse_axpy",
     "matmul",
-    "matmul_multi",
     "backend",
     "simd",
     "dequantize_rows",
@@ -332,6 +331,24 @@ def _dense_rows(weight: Weight, idx: torch.Tensor | None) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
+def _run_row_kernel(fn, qtype: Q, data, stride: int, f: int, d: int, inp, mask, out, threads) -> None:
+    """hc_gather_matvec / hc_sparse_axpy on checked arguments (inp: x [T, D] or a [T, F] float32)."""
+    rc = fn(
+        _WT[qtype],
+        data.data_ptr(),
+        stride,
+        f,
+        d,
+        inp.data_ptr(),
+        inp.shape[0],
+        None if mask is None else mask.data_ptr(),
+        out.data_ptr(),
+        _threads(threads),
+    )
+    if rc != 0:
+        raise MemoryError(f"{fn.__name__}: out of memory")
+
+
 def gather_matvec(
     weight: Weight, x: torch.Tensor, rows: torch.Tensor | None, *, threads: int | None = None
 ) -> torch.Tensor:
@@ -347,20 +364,7 @@ def gather_matvec(
     lib = _get_lib()
     if lib is not None:
         out = torch.empty(t, f, dtype=torch.float32)
-        rc = lib.hc_gather_matvec(
-            _WT[qtype],
-            data.data_ptr(),
-            stride,
-            f,
-            d,
-            x2.data_ptr(),
-            t,
-            None if mask is None else mask.data_ptr(),
-            out.data_ptr(),
-            _threads(threads),
-        )
-        if rc != 0:
-            raise MemoryError("hc_gather_matvec: out of memory")
+        _run_row_kernel(lib.hc_gather_matvec, qtype, data, stride, f, d, x2, mask, out, threads)
     else:
         out = _torch_gather(weight, x2, mask)
     return out[0] if one else out
@@ -383,7 +387,9 @@ def sparse_axpy(
     """out[t] = sum over i with (rows is None or rows[t, i]) and a[t, i] != 0 of a[t, i] * W_t[i].
 
     weight_t [F, D] (row i = neuron i's output direction, ffn_down_t); a [T, F] (or [F]) float32;
-    rows None, bool [T, F] or bool [F] -> float32 [T, D] (or [D]). Rows are added in ascending order.
+    rows None, bool [T, F] or bool [F] -> float32 [T, D] (or [D]). A token's rows are summed in ascending
+    order in blocks of 64, then the block sums in order (see _cpu_kernels.c): the same bits for any thread
+    count and batch.
     """
     qtype, data, stride, f, d = _weight_view(weight_t)
     a2, one = _tokens(a, f, "a")
@@ -392,20 +398,7 @@ def sparse_axpy(
     lib = _get_lib()
     if lib is not None:
         out = torch.empty(t, d, dtype=torch.float32)
-        rc = lib.hc_sparse_axpy(
-            _WT[qtype],
-            data.data_ptr(),
-            stride,
-            f,
-            d,
-            a2.data_ptr(),
-            t,
-            None if mask is None else mask.data_ptr(),
-            out.data_ptr(),
-            _threads(threads),
-        )
-        if rc != 0:
-            raise MemoryError("hc_sparse_axpy: out of memory")
+        _run_row_kernel(lib.hc_sparse_axpy, qtype, data, stride, f, d, a2, mask, out, threads)
     else:
         out = _torch_axpy(weight_t, a2, mask)
     return out[0] if one else out
@@ -435,18 +428,7 @@ def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> to
     lib = _get_lib()
     if lib is not None and t < GEMM_MIN_TOKENS:  # gather_matvec over every row, without its checks again
         out = torch.empty(t, f, dtype=torch.float32)
-        lib.hc_gather_matvec(
-            _WT[qtype],
-            data.data_ptr(),
-            stride,
-            f,
-            d,
-            x2.data_ptr(),
-            t,
-            None,
-            out.data_ptr(),
-            _threads(threads),
-        )
+        _run_row_kernel(lib.hc_gather_matvec, qtype, data, stride, f, d, x2, None, out, threads)
     elif lib is None:
         out = gather_matvec(weight, x2, None, threads=threads)
     elif isinstance(weight, torch.Tensor) and qtype == Q.F32:
@@ -614,15 +596,15 @@ class MatvecGroup:
     def __call__(
         self, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None, threads: int | None = None
     ) -> list[torch.Tensor]:
-        """With norm = (weight, eps), the matrices multiply rms_norm(x) (computed in the same C call)."""
+        """With norm = (weight, eps), the matrices multiply rms_norm(x), computed in the same C call (few
+        tokens and the C kernels only: otherwise normalise x first)."""
         lib = _get_lib()
         x2, one = _tokens(x, self.d, "x")
         t = x2.shape[0]
         norm_w, eps = _norm_weight(norm, self.d)
         if lib is None or t >= GEMM_MIN_TOKENS:
-            if norm_w is not None:  # many tokens: torch's norm, as layers.rms_norm computes it there
-                x = _torch_rms_norm(x2, norm_w, eps)
-                x = x[0] if one else x
+            if norm_w is not None:
+                raise ValueError(f"a norm inside the call needs the C kernels and < {GEMM_MIN_TOKENS} tokens")
             return [matmul(w, x, threads=threads) for w in self.weights]
         outs = [torch.empty(t, f, dtype=torch.float32) for f in self.rows]
         out_ptrs = self._out_ptrs(*[o.data_ptr() for o in outs])  # per call: two threads may share a model
@@ -643,20 +625,6 @@ class MatvecGroup:
         if rc != 0:
             raise MemoryError("hc_matvec_multi failed")
         return [o[0] for o in outs] if one else outs
-
-
-def matmul_multi(weights: list[Weight], x: torch.Tensor, *, threads: int | None = None) -> list[torch.Tensor]:
-    """[matmul(w, x) for w in weights] for matrices with the same number of columns: one C call for few
-    tokens (see MatvecGroup, which a caller that repeats the call should keep). Same bits."""
-    try:
-        group = MatvecGroup(weights)
-    except ValueError:
-        return [matmul(w, x, threads=threads) for w in weights]
-    return group(x, threads=threads)
-
-
-def _torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
 def _f32_contiguous(t: torch.Tensor) -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from hotcold.kernels import cpu
 from hotcold.quants import QuantTensor
 
 Weight = torch.Tensor | QuantTensor
@@ -13,15 +14,14 @@ Weight = torch.Tensor | QuantTensor
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, D] float32 @ weight[F, D].T (+ bias) -> [T, F] float32, for float and block-quantized weights."""
-    if isinstance(weight, torch.Tensor) and weight.dtype == torch.float32:
-        out = F.linear(x, weight)
+    if isinstance(weight, torch.Tensor) and not uses_c_kernels(weight):  # float32 anywhere, or on a GPU
+        out = (
+            F.linear(x, weight)
+            if weight.dtype == torch.float32
+            else F.linear(x.to(weight.dtype), weight).float()
+        )
     else:
-        from hotcold.kernels import cpu
-
-        if isinstance(weight, torch.Tensor) and weight.device.type != "cpu":
-            out = F.linear(x.to(weight.dtype), weight).float()
-        else:
-            out = cpu.matmul(weight, x)
+        out = cpu.matmul(weight, x)
     if bias is not None:
         out = out + bias
     return out
@@ -43,8 +43,6 @@ class LinearGroup:
         """With norm = (weight, eps) the weights multiply rms_norm(x, weight, eps); for a few tokens the
         norm runs inside the same C call."""
         if self._key is None or any(a is not b for a, b in zip(weights, self._key, strict=True)):
-            from hotcold.kernels import cpu
-
             self._key, self._group = tuple(weights), None
             if all(uses_c_kernels(w) for w in weights) and cpu.backend() == "c":
                 try:
@@ -60,7 +58,7 @@ class LinearGroup:
 
 
 def uses_c_kernels(weight: Weight) -> bool:
-    """Whether `linear` multiplies by this weight with the C kernels (CPU, not float32)."""
+    """Whether `linear` multiplies by this weight with the C kernels (CPU, not float32): the one rule."""
     if isinstance(weight, torch.Tensor):
         return weight.device.type == "cpu" and weight.dtype != torch.float32
     return weight.data.device.type == "cpu"
@@ -71,8 +69,6 @@ C_NORM_MAX_TOKENS = 4  # up to this many tokens the RMS norm runs in C (one call
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= C_NORM_MAX_TOKENS:
-        from hotcold.kernels import cpu
-
         out = cpu.rms_norm(x, weight, eps)
         if out is not None:
             return out
@@ -162,8 +158,6 @@ def rope_attention(
 ) -> torch.Tensor:
     """apply_rope on q and k, then attention(): one C call for a decode step on the CPU."""
     if q.shape[0] == 1 and q.device.type == "cpu":
-        from hotcold.kernels import cpu
-
         if pos + 1 > cache.n_ctx:
             raise ValueError(f"context overflow: position {pos + 1} exceeds the context size {cache.n_ctx}")
         out = cpu.attention_decode(

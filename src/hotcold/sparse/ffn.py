@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from hotcold.kernels import cpu
 from hotcold.models.layers import C_NORM_MAX_TOKENS, LinearGroup, Weight, linear, rms_norm, uses_c_kernels
 from hotcold.sparse.predictor import Predictor
 
@@ -130,8 +131,6 @@ class SparseFFN:
     ) -> torch.Tensor:
         """x: the FFN input, or with norm = (weight, eps) the residual that rms_norm turns into it (for a few
         tokens the norm then runs inside the one C call)."""
-        from hotcold.kernels import cpu
-
         w = self.weights
         # the CPU kernels run on the CPU even when this layer's attention was placed on a GPU
         out_device, x = x.device, x.to("cpu")
@@ -166,8 +165,6 @@ class SparseFFN:
         """The whole step in one C call (same results bit for bit), where it applies: ReLU, a CPU predictor
         whose matmuls also run in the C kernels (not float32 tensors, which torch multiplies), and few
         tokens (a prefill batch's matmuls go to torch's GEMM instead)."""
-        from hotcold.kernels import cpu
-
         if x.shape[0] >= cpu.GEMM_MIN_TOKENS:
             return None
         w, pred = self.weights, self.predictor
@@ -207,8 +204,6 @@ def down_projection(down_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) 
         and (down_t.dtype == torch.float32 or down_t.device.type != "cpu")
     ):
         return (a.to(down_t.dtype) @ down_t).float()
-    from hotcold.kernels import cpu
-
     return cpu.sparse_axpy(down_t, a, mask)
 
 
