@@ -152,3 +152,10 @@ def ffn_weights(f: int, d: int, kind="gated", dtype=torch.float32, *, seed=0, bi
         down_bias=torch.randn(d, generator=g) if bias else None,
         kind=kind,
     )
+
+
+def ffn_state(n_layer: int = 1, *, dense: bool = False, observe=None):
+    """A sequence state for calling FFNs directly (no KV cache: FFNs never touch it)."""
+    from hotcold.state import FFNCounts, SequenceState
+
+    return SequenceState(None, [FFNCounts() for _ in range(n_layer)], dense=dense, observe=observe)

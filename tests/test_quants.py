@@ -1,4 +1,8 @@
-"""quants.py against gguf's numpy port of ggml (the reference), bit for bit."""
+"""quants.py against gguf's numpy port of ggml (the reference), bit for bit. (The C kernels'
+dequantization, cpu.dequantize_rows, is pinned to the same reference in tests/kernels/test_cpu.py.)"""
+
+import ast
+import inspect
 
 import gguf
 import numpy as np
@@ -8,24 +12,17 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from hotcold import quants
-from hotcold.kernels import cpu
 from hotcold.quants import QuantTensor
 
 BLOCK_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K]
 
 
-@pytest.fixture(params=["c", "numpy"])
-def deq_backend(request, monkeypatch):
-    """quants.dequantize on the CPU uses the C kernels, or gguf's numpy code without them."""
-    if request.param == "numpy":
-        monkeypatch.setenv("HOTCOLD_NO_CEXT", "1")
-    else:
-        monkeypatch.delenv("HOTCOLD_NO_CEXT", raising=False)
-    cpu._reset_for_tests()
-    if request.param == "c" and cpu.backend() != "c":
-        pytest.skip("C kernels unavailable")
-    yield request.param
-    cpu._reset_for_tests()
+def test_imports_nothing_from_the_kernels():
+    """The block formats are the bottom layer: the kernels import them, never the other way round."""
+    tree = ast.parse(inspect.getsource(quants))
+    names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert not [m for m in names if m.startswith("hotcold")], names
 
 
 def random_blocks(qtype: Q, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -41,7 +38,7 @@ def random_blocks(qtype: Q, n: int, rng: np.random.Generator) -> np.ndarray:
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)
-def test_dequantize_bit_exact(qtype, deq_backend):
+def test_dequantize_bit_exact(qtype):
     rng = np.random.default_rng(int(qtype))
     raw = random_blocks(qtype, 1024, rng)
     bs = GGML_QUANT_SIZES[qtype][0]
@@ -56,7 +53,7 @@ def test_dequantize_bit_exact(qtype, deq_backend):
 
 
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16])
-def test_dequantize_float_types(qtype, deq_backend):
+def test_dequantize_float_types(qtype):
     rng = np.random.default_rng(0)
     x = (rng.standard_normal((8, 96)) * 100).astype(np.float32)
     raw = quants.quantize(x, qtype)
@@ -114,7 +111,7 @@ def test_unsupported_types_are_rejected():
         quants.dequantize(np.zeros(10, np.uint8), Q.Q8_0, (32,))
 
 
-def test_quant_tensor(deq_backend):
+def test_quant_tensor():
     torch.manual_seed(0)
     w = torch.randn(50, 96)
     qt = QuantTensor.from_float(w, Q.Q4_0)

@@ -247,6 +247,59 @@ def test_special_tokens_in_text(spm_pair):
     assert tok.decode(tok.encode("<s>hi</s>")) == "hi"
 
 
+def _spm_with_config(spm_pair, tmp_path: Path, config: dict) -> tuple[Tokenizer, dict]:
+    """The spm_pair vocabulary written again with another tokenizer_config.json."""
+    (tmp_path / "tokenizer.model").write_bytes((spm_pair[3] / "tokenizer.model").read_bytes())
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    kind, meta = _write_gguf(tmp_path, tmp_path / "vocab.gguf")
+    assert kind == "llama"
+    return Tokenizer.from_metadata(meta, source="spm.gguf"), meta
+
+
+def test_spm_file_without_bos(spm_pair, corpus, tmp_path):
+    ref = spm_pair[1]
+    tok, meta = _spm_with_config(spm_pair, tmp_path, {"add_bos_token": False})
+    assert meta["tokenizer.ggml.add_bos_token"] is False
+    assert not tok.add_bos and tok.bos_id == 1
+    lines = corpus["probe"][::10]
+    assert [tok.encode(line, parse_special=False) for line in lines] == [ref.encode(line) for line in lines]
+    assert tok.encode("") == []
+    assert tok.encode("<s>hi") == [1] + ref.encode("hi")  # BOS spelled in the text is still BOS
+
+
+def test_spm_bos_by_default(spm_pair, corpus, tmp_path):
+    ref = spm_pair[1]
+    tok, meta = _spm_with_config(spm_pair, tmp_path, {})
+    assert "tokenizer.ggml.add_bos_token" not in meta
+    assert tok.add_bos and not tok.add_eos
+    lines = corpus["probe"][::10]
+    ours = [tok.encode(line, parse_special=False) for line in lines]
+    assert ours == [ref.encode(line, add_bos=True) for line in lines]
+    assert [tok.encode(line, add_bos=False, parse_special=False) for line in lines] == ref.encode(lines)
+    # the dict-built vocabulary without the key, as a file from another writer
+    assert "tokenizer.ggml.add_bos_token" not in _meta()
+    assert Tokenizer.from_metadata(_meta()).encode("a") == [1, 3]
+    assert Tokenizer.from_metadata(_meta(add_bos_token=False)).encode("a") == [3]
+
+
+def test_spm_file_with_eos(spm_pair, corpus, tmp_path):
+    ref = spm_pair[1]
+    tok, meta = _spm_with_config(spm_pair, tmp_path, {"add_bos_token": True, "add_eos_token": True})
+    assert meta["tokenizer.ggml.add_eos_token"] is True
+    assert tok.add_bos and tok.add_eos
+    lines = corpus["probe"][::10]
+    ours = [tok.encode(line, parse_special=False) for line in lines]
+    assert ours == [ref.encode(line, add_bos=True, add_eos=True) for line in lines]
+    assert tok.encode("") == [1, 2]
+    # opting out: add_bos=False drops both (llama.cpp's add_special), add_eos alone drops or keeps EOS
+    assert tok.encode("hi", add_bos=False) == ref.encode("hi")
+    assert tok.encode("hi", add_eos=False) == ref.encode("hi", add_bos=True)
+    assert tok.encode("hi", add_bos=False, add_eos=True) == ref.encode("hi", add_eos=True)
+    # a file that does not ask for EOS gets none even when the caller allows it
+    assert spm_pair[0].encode("hi", add_eos=True) == ref.encode("hi", add_bos=True)
+    assert Tokenizer.from_metadata(_meta(add_eos_token=True)).encode("a") == [1, 3, 2]
+
+
 # --------------------------------------------------------------------------- byte-level BPE
 
 
@@ -320,6 +373,23 @@ def test_bpe_matches_tokenizers(bpe_pair, corpus):
     print(
         f"bpe {tok.pre}: {len(lines)} lines, {sum(map(len, ours))} tokens identical; encode took {elapsed:.2f} s"
     )
+
+
+def test_bpe_bos_default_follows_llama_cpp(bpe_pair, corpus):
+    tok, hf, meta, _ = bpe_pair
+    assert meta["tokenizer.ggml.add_bos_token"] is False
+    assert tok.encode("hi") == hf.encode("hi").ids  # the file says no BOS
+    # without the key llama.cpp adds a BOS only for Llama-3-style pre-tokenizers
+    meta = {k: v for k, v in meta.items() if k != "tokenizer.ggml.add_bos_token"}
+    tok = Tokenizer.from_metadata(meta)
+    want_bos = [tok.bos_id] if meta["tokenizer.ggml.pre"] == "llama-bpe" else []
+    assert tok.add_bos == bool(want_bos) and not tok.add_eos
+    for line in corpus["probe"][:200]:
+        assert tok.encode(line, parse_special=False) == want_bos + hf.encode(line).ids
+    tok = Tokenizer.from_metadata(
+        {**meta, "tokenizer.ggml.add_bos_token": True, "tokenizer.ggml.add_eos_token": True}
+    )
+    assert tok.encode("hi") == [0] + hf.encode("hi").ids + [2]
 
 
 # --------------------------------------------------------------------------- streaming

@@ -84,7 +84,7 @@ class Model:
         # a template that writes the BOS text itself gets no second BOS from the tokenizer
         prompt = render_chat(self.tokenizer, messages)
         bos_id = self.tokenizer.bos_id
-        ids = self.tokenizer.encode(prompt, add_bos=True)
+        ids = self.tokenizer.encode(prompt, add_bos=True, add_eos=False)  # the reply follows the prompt
         if bos_id is not None and len(ids) > 1 and ids[0] == bos_id and ids[1] == bos_id:
             ids = ids[1:]
         return ids

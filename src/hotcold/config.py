@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from hotcold import names
 from hotcold.gguf_io import GGUFError, ModelFile
 
 THRESHOLD_ENV_VARS = ("HOTCOLD_SPARSE_THRESHOLD", "LLAMA_SPARSE_PRED_THRESHOLD")
@@ -26,7 +27,8 @@ class ModelConfig:
     rope_base: float
     rope_scale: float  # positions are multiplied by this (linear scaling: 1 / factor)
     norm_eps: float
-    ffn_activation: str  # "relu" or "silu" (gate), "gelu"; how the model family combines gate/up is its own
+    ffn_activation: str  # "relu", "silu" or "gelu"
+    ffn_kind: str  # how gate and up combine: "gated", "gated_both" or "plain" (names.ffn_kind)
     sparse: bool  # a PWRI file: PowerInfer layout (ffn_down_t, predictors)
     sparse_threshold: float
     sliding_window: int | None = None
@@ -49,7 +51,7 @@ def sparse_threshold(metadata: dict[str, Any]) -> float:
                 return float(raw)
             except ValueError:
                 raise ValueError(f"environment variable {var}={raw!r} is not a number") from None
-    return float(metadata.get("powerinfer.sparse_threshold", 0.0))
+    return float(metadata.get(names.SPARSE_THRESHOLD, 0.0))
 
 
 def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelConfig:
@@ -115,6 +117,7 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
         rope_scale=rope_scale,
         norm_eps=float(norm_eps),
         ffn_activation=ffn_activation(arch, model_file),
+        ffn_kind=names.ffn_kind(arch, meta.get(names.FFN_KIND)),
         sparse=model_file.is_sparse,
         sparse_threshold=sparse_threshold(meta),
         sliding_window=get("attention.sliding_window"),
@@ -125,17 +128,13 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
 
 
 def ffn_activation(arch: str, model_file: ModelFile) -> str:
-    """PowerInfer files are ReLU models; a dense llama file is SiLU as in llama.cpp unless hotcold wrote it
-    from a ReLU checkpoint and said so (`hotcold.ffn_activation`)."""
-    declared = model_file.metadata.get("hotcold.ffn_activation")
+    """What the file declares (`hotcold.ffn_activation`, written for a dense file converted from a ReLU
+    checkpoint), else the architecture's default (names.default_activation, shared with the converters)."""
+    declared = model_file.metadata.get(names.FFN_ACTIVATION)
     if declared is not None:
-        if declared not in ("relu", "silu", "gelu"):
+        if declared not in names.ACTIVATIONS:
             raise GGUFError(
-                f"{model_file.path}: hotcold.ffn_activation {declared!r} is not relu, silu or gelu"
+                f"{model_file.path}: {names.FFN_ACTIVATION} {declared!r} is not relu, silu or gelu"
             )
         return declared
-    if model_file.is_sparse or arch in ("bamboo", "opt"):
-        return "relu"
-    if arch == "falcon":
-        return "gelu"
-    return "silu"
+    return names.default_activation(arch, sparse=model_file.is_sparse)

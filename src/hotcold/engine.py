@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hotcold.sampling import SamplingParams, make_generator, sample
+from hotcold.state import Observer
 from hotcold.tokenizer import StreamingDetokenizer, Tokenizer
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the activation memory of long prompts
@@ -49,19 +50,21 @@ class Chunk:
 
 
 class Engine:
-    """A model with one sequence's KV cache. Not thread-safe: one generation at a time."""
+    """One sequence over a loaded model: its state (KV cache, neuron counts) is the engine's own, the model
+    is shared and never written, so several engines (the server's slots, a program's threads) can run on
+    one model at once. One engine runs one generation at a time."""
 
     def __init__(self, model, tokenizer: Tokenizer, ctx_size: int):
         self.model = model
         self.tokenizer = tokenizer
         self.ctx_size = ctx_size
-        self.cache = model.new_cache(ctx_size)
+        self.seq = model.new_sequence(ctx_size)
         self.cached_ids: list[int] = []  # tokens whose keys/values are in the cache, in order
         self.last_prefill_computed = 0
 
     def _forward(self, ids: Sequence[int], pos: int, *, last_only: bool) -> torch.Tensor:
         tokens = torch.tensor(ids, dtype=torch.long)
-        logits = self.model.forward(tokens, pos, self.cache, last_only=last_only)
+        logits = self.model.forward(tokens, pos, self.seq, last_only=last_only)
         self.cached_ids[pos:] = list(ids)
         return logits
 
@@ -72,16 +75,25 @@ class Engine:
             )
 
     @torch.inference_mode()
-    def logits(self, ids: Sequence[int]) -> torch.Tensor:
-        """Logits of every position from one full forward (no cache reuse). [len(ids), V] float32."""
+    def logits(
+        self, ids: Sequence[int], *, dense: bool = False, observe: Observer | None = None
+    ) -> torch.Tensor:
+        """Logits of every position from one full forward (no cache reuse). [len(ids), V] float32.
+        dense: compute every FFN neuron (the reference); observe: see every layer's true activations
+        (state.Observer; implies dense)."""
         self.check_length(len(ids))
         if not ids:
             raise ValueError("logits() needs at least one token")
         self.cached_ids = []
-        out = [
-            self._forward(ids[s : s + PREFILL_CHUNK], s, last_only=False)
-            for s in range(0, len(ids), PREFILL_CHUNK)
-        ]
+        seq = self.seq
+        seq.dense, seq.observe = dense or observe is not None, observe
+        try:
+            out = [
+                self._forward(ids[s : s + PREFILL_CHUNK], s, last_only=False)
+                for s in range(0, len(ids), PREFILL_CHUNK)
+            ]
+        finally:
+            seq.dense, seq.observe = False, None
         return torch.cat(out).float()
 
     @torch.inference_mode()
@@ -144,8 +156,7 @@ class Engine:
         stop = [s for s in stop if s]
         self.check_length(len(prompt_ids))
         stats = GenerationStats()
-        ffns = [layer.ffn for layer in getattr(self.model, "layers", [])]
-        before = [(f.stats.computed, f.stats.total) for f in ffns if hasattr(f, "stats")]
+        before = self.seq.neuron_totals()  # this sequence's own counts: no other request adds to them
         detok = StreamingDetokenizer(self.tokenizer, prompt_ids=prompt_ids)  # keeps the first token's space
         pending = ""  # text not yet emitted (may hold the start of a stop string)
         finish = "length"
@@ -176,9 +187,8 @@ class Engine:
                 hit = _find_stop(pending, stop)
                 if hit is not None:
                     pending, finish = pending[:hit], "stop"
-        after = [(f.stats.computed, f.stats.total) for f in ffns if hasattr(f, "stats")]
-        stats.neurons_computed = sum(a[0] - b[0] for a, b in zip(after, before))
-        stats.neurons_total = sum(a[1] - b[1] for a, b in zip(after, before))
+        after = self.seq.neuron_totals()
+        stats.neurons_computed, stats.neurons_total = after[0] - before[0], after[1] - before[1]
         yield Chunk(pending, None, finish, stats)
 
 

@@ -1,9 +1,8 @@
-"""Open a model file and build the model for the chosen devices: the one place (with placement/ and
-sparse/hybrid.py) that knows what lives where."""
+"""Open a model file, decide where everything lives (the device plan), and build the model on it: with
+placement/ and sparse/hybrid.py, the one place that knows what lives where."""
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -15,11 +14,12 @@ import torch
 
 from hotcold import registry
 from hotcold.config import ModelConfig, config_from_file
+from hotcold.device import CPU, DevicePlan
 from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.placement.budget import GIB, BudgetPlan, default_budget_bytes, dense_layers_fitting, plan_budget
-from hotcold.quants import QuantTensor
-from hotcold.sparse.ffn import FFNFactory, SparseFFN
+from hotcold.sparse.ffn import DenseFFN, SparseFFN
 from hotcold.tokenizer import Tokenizer
+from hotcold.weights import TensorSource
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ class LoadedModel:
     notes: list[str] = field(default_factory=list)  # what went where, for `info` and the load line
     plan: BudgetPlan | None = None
     hot: list[np.ndarray] | None = None
+    devices: DevicePlan | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -84,8 +85,9 @@ def load_model(
         raise ValueError(f"-ngl/--n-gpu-layers must be >= 0, got {n_gpu_layers}")
     device = resolve_device(device)
     model_file = ModelFile(path)
-    module = registry.model_module(model_file.architecture, str(path))
+    registry.require(model_file.architecture, str(path))
     config = config_from_file(model_file)
+    module = registry.model_module(config, str(path))
     ctx = ctx_size or min(config.n_ctx_train, DEFAULT_CTX)
     if ctx < 1:
         raise ValueError(f"ctx_size must be >= 1, got {ctx}")
@@ -99,21 +101,14 @@ def load_model(
     if vram_budget == 0:
         fast = None
     dense = dense or not config.sparse
-    factory = FFNFactory(dense=dense, threads=threads)
     plan, hot = None, None
+    devices = DevicePlan.cpu_only(config.n_layer)
     if fast is not None and not dense:
         if vram_budget is None and fast.type == "cuda":
             budget = default_budget_bytes() // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP
         else:
             budget = int((vram_budget or 0) * GIB)
-        on_gpu = fast.type == "cuda"
-        plan = plan_budget(
-            model_file,
-            config,
-            budget,
-            ctx_size=ctx,
-            on_gpu=on_gpu,
-        )
+        plan = plan_budget(model_file, config, budget, ctx_size=ctx, device_type=fast.type)
         notes.append(plan.describe())
         hot = (
             None
@@ -129,14 +124,7 @@ def load_model(
                 raise ValueError(
                     "hot neurons on the GPU need Triton: pip install 'hotcold[gpu]' (or --vram-budget 0)"
                 )
-        if hot is not None:
-            factory.make_hybrid = _hybrid_factory(hot, fast, threads)
-    model = module.build(model_file, config, factory)
-    from hotcold.kernels import cpu
-
-    cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
-    if plan is not None:
-        _place(model, plan, fast)
+        devices = sparse_device_plan(plan, fast, hot)
     elif fast is not None and (n_gpu_layers or fast.type == "cuda"):
         if n_gpu_layers is None:  # dense on a GPU: as many whole layers as the budget holds
             budget = default_budget_bytes() if vram_budget is None else int(vram_budget * GIB)
@@ -144,26 +132,68 @@ def load_model(
             if n_gpu_layers == config.n_layer:
                 n_gpu_layers += 1  # the output head too
         if n_gpu_layers:
-            _offload_last_layers(model, n_gpu_layers, fast, notes)
+            devices = offload_device_plan(config.n_layer, n_gpu_layers, fast)
+            n = min(n_gpu_layers, config.n_layer)
+            notes.append(f"-ngl {n_gpu_layers}: {n} of {config.n_layer} layers on {fast}")
     if n_gpu_layers and (fast is None or plan is not None):
         reason = "no GPU in use" if fast is None else "sparse files are placed by --vram-budget"
         notes.append(f"-ngl {n_gpu_layers} ignored: {reason}")
+    from hotcold.kernels import cpu
+
+    cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
+    model = module.build(TensorSource(model_file, config, devices), ffn_maker(devices, dense=dense, threads=threads))
     mode = "dense" if dense else "sparse"
     where = "cpu" if fast is None else f"cpu + {fast}"
     notes.insert(
         0,
         f"{config.arch} {mode} on {where}: {config.n_layer} layers, n_embd {config.n_embd}, n_ff {config.n_ff}",
     )
-    return LoadedModel(model, tokenizer, config, model_file, device, dense, ctx, notes, plan, hot)
+    return LoadedModel(model, tokenizer, config, model_file, device, dense, ctx, notes, plan, hot, devices)
 
 
-def _hybrid_factory(hot: list[np.ndarray], fast: torch.device, threads: int | None):
-    from hotcold.sparse.hybrid import HybridFFN
+def sparse_device_plan(plan: BudgetPlan, fast: torch.device, hot: list[np.ndarray] | None) -> DevicePlan:
+    """A sparse file at a VRAM budget: attention (+KV) and predictors where the budget walk put them, the
+    full FFN matrices on the CPU, hot rows copied to the fast device."""
 
-    def make(layer: int, weights, predictor):
-        if len(hot[layer]) == 0:
-            return SparseFFN(weights, predictor, threads=threads)
-        return HybridFFN(weights, predictor, torch.from_numpy(hot[layer]), fast, threads=threads)
+    def where(on_fast: list[bool]) -> tuple[torch.device, ...]:
+        return tuple(fast if f else CPU for f in on_fast)
+
+    return DevicePlan(
+        attention=where(plan.layer_on_gpu),
+        predictor=where(plan.predictor_on_gpu),
+        ffn=(CPU,) * len(plan.layer_on_gpu),
+        output=fast if plan.output_on_gpu else CPU,
+        fast=fast,
+        hot=None if hot is None else tuple(hot),
+    )
+
+
+def offload_device_plan(n_layer: int, n_gpu_layers: int, fast: torch.device) -> DevicePlan:
+    """llama.cpp's -ngl for dense files: the last N layers (all their weights) on the GPU, then the head."""
+    on_fast = [i >= n_layer - n_gpu_layers for i in range(n_layer)]
+    layers = tuple(fast if f else CPU for f in on_fast)
+    return DevicePlan(layers, layers, layers, output=fast if n_gpu_layers > n_layer else CPU)
+
+
+def ffn_maker(devices: DevicePlan, *, dense: bool, threads: int | None):
+    """make_ffn(layer, weights, predictor, norm, expert=None) for the families: dense, sparse on the CPU, or
+    hybrid where the layer has hot rows; each FFN gets its norm on the device that computes it."""
+
+    def make(layer: int, weights, predictor, norm, *, expert: int | None = None):
+        if dense or predictor is None or weights.down_t is None:
+            norm = None if norm is None else norm.to(devices.ffn[layer])
+            return DenseFFN(weights, layer=layer, norm=norm, expert=expert)
+        hot = devices.hot_rows(layer)
+        if hot is None:
+            norm = None if norm is None else norm.to(CPU)
+            return SparseFFN(weights, predictor, layer=layer, norm=norm, threads=threads, expert=expert)
+        from hotcold.sparse.hybrid import HybridFFN
+
+        # the hybrid FFN norms on the layer's device (where x is) and sends the normed input to both halves
+        return HybridFFN(
+            weights, predictor, torch.from_numpy(hot), devices.fast, layer=layer, norm=norm, threads=threads,
+            expert=expert,
+        )
 
     return make
 
@@ -235,56 +265,3 @@ def load_activations(activation_dir: Path, config: ModelConfig) -> list[torch.Te
             raise GGUFError(f"{file}: expected a 1-D tensor of {config.n_ff} activation counts")
         out.append(counts.float())
     return out
-
-
-def _move(value, device: torch.device):
-    if isinstance(value, QuantTensor):
-        if device.type == "cuda":  # dense GPU matmuls run on fp16 copies of block-quantized matrices
-            return value.dequantize().half().to(device)
-        return value.to(device)
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    return value
-
-
-def _move_fields(obj, device: torch.device, skip=("ffn", "ffn_weights", "predictor", "device")) -> None:
-    for f in dataclasses.fields(obj):
-        if f.name not in skip:
-            setattr(obj, f.name, _move(getattr(obj, f.name), device))
-
-
-def _place(model, plan: BudgetPlan, fast: torch.device) -> None:
-    for i, layer in enumerate(model.layers):
-        if plan.layer_on_gpu[i]:
-            _move_fields(layer, fast)
-            layer.device = fast
-        if plan.predictor_on_gpu[i] and layer.predictor is not None:
-            layer.predictor.fc1 = _move(layer.predictor.fc1, fast)
-            layer.predictor.fc2 = _move(layer.predictor.fc2, fast)
-    if plan.output_on_gpu:
-        _place_output(model, fast)
-
-
-def _place_output(model, fast: torch.device) -> None:
-    model.output = _move(model.output, fast)
-    model.output_norm = _move(model.output_norm, fast)
-    if getattr(model, "output_norm_b", None) is not None:  # LayerNorm families
-        model.output_norm_b = _move(model.output_norm_b, fast)
-    model.output_device = fast
-
-
-def _offload_last_layers(model, n_gpu_layers: int, fast: torch.device, notes: list[str]) -> None:
-    """llama.cpp's -ngl for dense files: the last N layers (all their weights) on the GPU, then the head."""
-    layers = model.layers
-    n = min(n_gpu_layers, len(layers))
-    for layer in layers[len(layers) - n :]:
-        _move_fields(layer, fast)
-        for weights in getattr(layer, "experts", None) or [
-            layer.ffn_weights
-        ]:  # MoE layers hold one per expert
-            for name in ("up", "gate", "down_t", "down", "up_bias", "down_bias"):
-                setattr(weights, name, _move(getattr(weights, name), fast))
-        layer.device = fast
-    if n_gpu_layers > len(layers):
-        _place_output(model, fast)
-    notes.append(f"-ngl {n_gpu_layers}: {n} of {len(layers)} layers on {fast}")

@@ -6,6 +6,9 @@ same float32 bits as ggml's `dequantize_row_*` (tests compare against `gguf.quan
 gives the same bytes as ggml's reference quantizers (`quantize_row_*_ref`), which is what
 PowerInfer's `quantize` tool and `convert.py` write.
 
+This module imports nothing from `hotcold.kernels`: its dequantization is the pure reference (gguf's
+numpy code on the CPU, torch ops elsewhere); `hotcold.kernels.cpu.dequantize_rows` is the fast one.
+
 Block layouts (little endian, d is fp16):
   Q8_0  34 bytes / 32 values: d, int8 q[32]                   value = d * q
   Q4_0  18 bytes / 32 values: d, u8 qs[16]                     value = d * (nibble - 8); low nibbles
@@ -88,7 +91,7 @@ def dequantize(
     raw: np.ndarray | torch.Tensor, qtype: GGMLQuantizationType | int, shape: tuple[int, ...]
 ) -> torch.Tensor:
     """Tensor bytes in ggml layout -> float32 tensor of `shape` (numpy order, last dim contiguous),
-    bit-exact with ggml's dequantization."""
+    bit-exact with ggml's dequantization (the C kernels' `cpu.dequantize_rows` gives the same bits, faster)."""
     qtype = _qtype(qtype)
     shape = tuple(int(s) for s in shape)
     cols = shape[-1] if shape else 1
@@ -99,12 +102,8 @@ def dequantize(
         out = b.view(_TORCH_FLOAT[qtype]).to(torch.float32)
         if qtype == Q.F32:
             out = out.clone()  # never hand out a view of the (read-only) file
-    elif b.device.type == "cpu":
-        from hotcold.kernels import cpu  # lazy: the kernels import this module
-
-        out = cpu.dequantize_bytes(b, qtype, rows, cols)
-        if out is None:  # no C kernels: gguf's numpy reference (faster than torch element-wise here)
-            out = torch.from_numpy(gguf.quants.dequantize(b.numpy(), qtype))
+    elif b.device.type == "cpu":  # gguf's numpy reference (faster than torch element-wise here)
+        out = torch.from_numpy(gguf.quants.dequantize(b.numpy(), qtype))
     else:
         out = dequantize_torch(b, qtype)
     return out.reshape(shape)
@@ -223,7 +222,8 @@ class QuantTensor:
         return self.data.device
 
     def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
-        """float32 [rows, cols], or [len(rows), cols] for a 1-D index (or bool mask) tensor `rows`."""
+        """float32 [rows, cols], or [len(rows), cols] for a 1-D index (or bool mask) tensor `rows` (the pure
+        path; `hotcold.kernels.cpu.dequantize_rows(qt)` is the fast one on the CPU)."""
         data = self.data if rows is None else self.data[rows.to(self.data.device)]
         if data.is_cpu:
             return dequantize(data, self.qtype, (data.shape[0], self.shape[1]))

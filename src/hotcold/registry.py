@@ -1,4 +1,7 @@
-"""Architecture string (GGUF `general.architecture`) -> model family module."""
+"""Architecture string (GGUF `general.architecture`) -> model family module.
+
+One table: each architecture and its variants name the family file that runs them (as mlx-lm's
+`MODEL_REMAPPING`); a file of arch `llama` with experts is Mixtral, as upstream llama.cpp writes it."""
 
 from __future__ import annotations
 
@@ -25,8 +28,22 @@ def supported() -> list[str]:
     return available
 
 
-def model_module(arch: str, source: str = "model") -> ModuleType:
+def family(arch: str, n_expert: int = 0) -> str | None:
+    """The family module name for an architecture (None: unsupported)."""
+    module = ARCHITECTURES.get(arch)
+    if module == "llama" and n_expert:  # upstream llama.cpp writes Mixtral as arch llama with experts
+        return "mixtral"
+    return module
+
+
+def require(arch: str, source: str = "model") -> None:
+    """A clear error, listing what is supported, for an architecture no family runs."""
     module = ARCHITECTURES.get(arch)
     if module is None or importlib.util.find_spec(f"hotcold.models.{module}") is None:
         raise ValueError(f"{source}: unknown architecture {arch!r}; supported: {', '.join(supported())}")
-    return importlib.import_module(f"hotcold.models.{module}")
+
+
+def model_module(config, source: str = "model") -> ModuleType:
+    """The family module that builds `config`'s model (`build(src, make_ffn)`)."""
+    require(config.arch, source)
+    return importlib.import_module(f"hotcold.models.{family(config.arch, config.n_expert)}")

@@ -1,15 +1,15 @@
 """Tokenizer built from a GGUF file's vocabulary metadata alone (no sentencepiece, no transformers).
 
 Two vocabulary kinds, named as `tokenizer.ggml.model` names them:
-- "llama": SentencePiece-style BPE. Encoding is SentencePiece's (and llama.cpp's llm_tokenizer_spm)
-  score-ordered bigram merge: characters are symbols, the adjacent pair whose concatenation is the
-  highest-scoring piece merges first (ties: leftmost), characters outside the vocabulary fall back
-  to `<0xXX>` byte tokens. Spaces are written as U+2581 and a space is prefixed when the model says so.
-- "gpt2": byte-level BPE with merge ranks; encoded with a `tokenizers` BPE model and a pre-tokenizer
-  chosen by `tokenizer.ggml.pre` (the splitting regexes llama.cpp uses for that name).
+- "llama": SentencePiece-style BPE, encoded by `tokenizer_spm.SpmEncoder` (SentencePiece's and
+  llama.cpp's score-ordered bigram merge with `<0xXX>` byte fallback).
+- "gpt2": byte-level BPE with merge ranks, encoded by `tokenizer_bpe.BpeEncoder` (a `tokenizers` BPE
+  model behind the pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre`).
 
 Special tokens (control and user-defined) are cut out of the text before either algorithm runs, as
 llama.cpp does; control tokens only when `parse_special` is true (the default, as in llama.cpp's tools).
+BOS and EOS are added as the file says (`add_bos_token`, `add_eos_token`; llama.cpp's defaults when
+absent) unless the caller opts out.
 Decoding follows SentencePiece: control tokens are invisible, byte tokens are joined into UTF-8 with
 U+FFFD for each byte that does not form a character, and the space the encoder prefixed is dropped.
 """
@@ -17,22 +17,47 @@ U+FFFD for each byte that does not form a character, and the space the encoder p
 from __future__ import annotations
 
 import codecs
-import heapq
-import logging
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from hotcold.tokenizer_bpe import (
+    ADD_BOS_PRE,
+    BYTE_DECODER,
+    GPT2_REGEX,
+    LLAMA3_REGEX,
+    PRE_ALIASES,
+    PRE_TOKENIZERS,
+    QWEN2_REGEX,
+    BpeEncoder,
+    bytes_to_unicode,
+)
+from hotcold.tokenizer_spm import SpmEncoder
+from hotcold.tokenizer_types import BYTE, BYTE_PIECE, CONTROL, NORMAL, SPACE, UNKNOWN, UNUSED, USER_DEFINED
 
-# GGUF token types (llama.cpp's llama_token_type; the same numbers as SentencePiece's proto).
-NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+__all__ = [
+    "BYTE",
+    "CONTROL",
+    "GPT2_REGEX",
+    "KEY",
+    "LLAMA3_REGEX",
+    "NORMAL",
+    "PRE_ALIASES",
+    "PRE_TOKENIZERS",
+    "QWEN2_REGEX",
+    "SPACE",
+    "SUPPORTED_MODELS",
+    "UNKNOWN",
+    "UNUSED",
+    "USER_DEFINED",
+    "StreamingDetokenizer",
+    "Tokenizer",
+    "bytes_to_unicode",
+]
 
 KEY = "tokenizer.ggml."
 SUPPORTED_MODELS = ("llama", "gpt2")
-SPACE = "\u2581"  # SentencePiece's visible space
 UNK_SURFACE = " \u2047 "  # what SentencePiece prints for <unk>
-_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 # Control tokens that end a turn in common chat formats (llama.cpp treats these as end of generation).
 _EOG_TEXTS = frozenset(
@@ -48,37 +73,6 @@ _EOG_TEXTS = frozenset(
     ]
 )
 
-# Byte-level BPE pre-tokenizers by `tokenizer.ggml.pre` name: a list of (kind, argument) steps.
-GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-PRE_TOKENIZERS: dict[str, list[tuple[str, str]]] = {
-    "gpt-2": [("bytelevel_regex", "")],
-    "falcon": [("punctuation", ""), ("bytelevel_regex", ""), ("digits", ""), ("split", "[0-9][0-9][0-9]")],
-    "llama-bpe": [("split", LLAMA3_REGEX), ("bytelevel", "")],
-    "qwen2": [("split", QWEN2_REGEX), ("bytelevel", "")],
-    "default": [
-        ("split", r"[\p{P}\$\+<=>\^~\|]+"),
-        ("split", r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)"),
-        ("split", r"\p{N}+"),
-        ("split", "[0-9][0-9][0-9]"),
-        ("bytelevel", ""),
-    ],
-}
-PRE_ALIASES = {
-    "gpt2": "gpt-2",
-    "phi-2": "gpt-2",
-    "jina-es": "gpt-2",
-    "jina-de": "gpt-2",
-    "jina-v1-en": "gpt-2",
-    "jina-v2-es": "gpt-2",
-    "jina-v2-de": "gpt-2",
-    "jina-v2-code": "gpt-2",
-    "roberta-bpe": "gpt-2",
-    "llama3": "llama-bpe",
-    "smaug-bpe": "llama-bpe",
-}
-
 
 def _per_byte_replace(err: UnicodeDecodeError) -> tuple[str, int]:
     # SentencePiece maps every byte that does not start a valid character to its own U+FFFD
@@ -89,26 +83,6 @@ def _per_byte_replace(err: UnicodeDecodeError) -> tuple[str, int]:
 
 
 codecs.register_error("hotcold.per_byte", _per_byte_replace)
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible map from the 256 byte values to printable characters."""
-    bs = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
-
-
-_BYTE_DECODER = {c: b for b, c in bytes_to_unicode().items()}
 
 
 class Tokenizer:
@@ -152,10 +126,19 @@ class Tokenizer:
 
         self._bytes: list[bytes | None] = [None] * self.n_vocab  # filled on first use
         self._special = self._special_matchers()
+        self._spm: SpmEncoder | None = None
+        self._bpe: BpeEncoder | None = None
         if kind == "llama":
-            self._init_spm(scores if scores is not None else [0.0] * self.n_vocab)
+            self._spm = SpmEncoder(
+                tokens,
+                token_types,
+                scores if scores is not None else [0.0] * self.n_vocab,
+                unk_id=unk_id,
+                remove_extra_whitespaces=self.remove_extra_whitespaces,
+            )
         else:
-            self._init_bpe(merges or [], pre)
+            self._bpe = BpeEncoder(tokens, merges or [], pre)
+            self.pre = self._bpe.pre
 
     # ----------------------------------------------------------------- construction from metadata
 
@@ -260,7 +243,8 @@ class Tokenizer:
                 eos_id=eos_id,
                 unk_id=unk_id,
                 pad_id=pad_id,
-                add_bos=bool(get("add_bos_token", kind == "llama")),
+                # defaults as llama.cpp: BOS for SentencePiece and Llama-3-style BPE vocabularies, never EOS
+                add_bos=bool(get("add_bos_token", kind == "llama" or pre in ADD_BOS_PRE)),
                 add_eos=bool(get("add_eos_token", False)),
                 add_space_prefix=bool(get("add_space_prefix", True)),
                 remove_extra_whitespaces=bool(get("remove_extra_whitespaces", False)),
@@ -273,28 +257,39 @@ class Tokenizer:
 
     # ----------------------------------------------------------------- public interface
 
-    def encode(self, text: str, *, add_bos: bool = True, parse_special: bool = True) -> list[int]:
-        """Token ids for `text`; BOS first when `add_bos` and the vocabulary has one.
+    def encode(
+        self, text: str, *, add_bos: bool = True, add_eos: bool | None = None, parse_special: bool = True
+    ) -> list[int]:
+        """Token ids for `text`, with the special tokens the vocabulary asks for (llama.cpp's add_special).
 
+        add_bos: put BOS first if the file says so (`tokenizer.ggml.add_bos_token`, `self.add_bos`);
+        False never adds it. add_eos: likewise EOS last (`add_eos_token`, `self.add_eos`); None follows
+        add_bos, so `add_bos=False` asks for no special tokens at all.
         parse_special: text spelling a control token (e.g. "<|im_end|>") becomes that token, as llama.cpp's
         tools and Hugging Face tokenizers do. User-defined tokens are always matched."""
+        if add_eos is None:
+            add_eos = add_bos
         out: list[int] = []
-        if add_bos and self.bos_id is not None:
+        if add_bos and self.add_bos and self.bos_id is not None:
             out.append(self.bos_id)
-        if not text:
-            return out
+        if text:
+            self._encode_text(text, out, parse_special)
+        if add_eos and self.add_eos and self.eos_id is not None:
+            out.append(self.eos_id)
+        return out
+
+    def _encode_text(self, text: str, out: list[int], parse_special: bool) -> None:
         prev_special = True  # the space prefix goes before the first text and after each special token
         for piece, token in self._partition(text, parse_special):
             if token is not None:
                 out.append(token)
                 prev_special = True
             else:
-                if self.kind == "llama":
-                    self._spm_encode(piece, out, prefix=self.add_space_prefix and prev_special)
+                if self._spm is not None:
+                    self._spm.encode(piece, out, prefix=self.add_space_prefix and prev_special)
                 else:
-                    out.extend(self._hf.encode(piece, add_special_tokens=False).ids)
+                    self._bpe.encode(piece, out)
                 prev_special = False
-        return out
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text for `ids` (SentencePiece semantics: control tokens invisible, the prefixed space dropped)."""
@@ -335,7 +330,7 @@ class Tokenizer:
         if kind == UNKNOWN:
             return UNK_SURFACE.encode() if self.kind == "llama" else b""
         if kind == BYTE:
-            m = _BYTE_PIECE.fullmatch(text)
+            m = BYTE_PIECE.fullmatch(text)
             if m:
                 return bytes([int(m.group(1), 16)])
             return text.encode("utf-8")
@@ -343,7 +338,7 @@ class Tokenizer:
             return text.replace(SPACE, " ").encode("utf-8")
         if kind == USER_DEFINED:  # stored as plain text in byte-level vocabularies
             return text.encode("utf-8")
-        dec = _BYTE_DECODER
+        dec = BYTE_DECODER
         try:
             return bytes(dec[c] for c in text)
         except KeyError:  # not byte-level text: give it as it is
@@ -377,150 +372,6 @@ class Tokenizer:
             start = m.end()
         if start < len(text):
             yield text[start:], None
-
-    # ----------------------------------------------------------------- SentencePiece-style BPE
-
-    def _init_spm(self, scores: list[float]) -> None:
-        # Pieces that can be produced by merging (SentencePiece's pieces_: normal, user-defined, unused),
-        # with the negated score so the heap pops the best pair first.
-        self._pieces: dict[str, tuple[int, float, bool]] = {}
-        for i, (text, kind) in enumerate(zip(self.tokens, self.token_types)):
-            if kind in (NORMAL, USER_DEFINED, UNUSED) and text not in self._pieces:
-                self._pieces[text] = (i, -scores[i], kind == UNUSED)
-        self._byte_ids: list[int | None] = [None] * 256
-        for i, (text, kind) in enumerate(zip(self.tokens, self.token_types)):
-            m = _BYTE_PIECE.fullmatch(text)
-            if kind == BYTE and m and self._byte_ids[int(m.group(1), 16)] is None:
-                self._byte_ids[int(m.group(1), 16)] = i
-        self._byte_fallback = all(b is not None for b in self._byte_ids)
-
-    def _spm_encode(self, text: str, out: list[int], *, prefix: bool) -> None:
-        if self.remove_extra_whitespaces:
-            text = re.sub(" +", " ", text.strip(" "))
-            if not text:
-                return
-        if prefix:
-            text = " " + text
-        sym = list(text.replace(" ", SPACE))  # one symbol per character; "" once merged away
-        n = len(sym)
-        nxt = list(range(1, n + 1))
-        nxt[-1] = -1
-        prv = list(range(-1, n - 1))
-        pieces = self._pieces
-        get = pieces.get
-        rev: dict[str, tuple[str, str]] = {}  # unused piece -> the pair it was made from
-
-        heap = []
-        for i in range(n - 1):
-            pair = sym[i] + sym[i + 1]
-            e = get(pair)
-            if e is not None:
-                heap.append((e[1], i, i + 1, len(pair)))
-                if e[2]:
-                    rev[pair] = (sym[i], sym[i + 1])
-        heapq.heapify(heap)
-        pop, push = heapq.heappop, heapq.heappush
-
-        while heap:
-            _, left, right, size = pop(heap)
-            a, b = sym[left], sym[right]
-            if not a or not b or len(a) + len(b) != size:
-                continue  # stale: one side changed since this pair was queued
-            merged = a + b
-            sym[left] = merged
-            sym[right] = ""
-            nr = nxt[right]
-            nxt[left] = nr
-            if nr >= 0:
-                prv[nr] = left
-            p = prv[left]
-            if p >= 0:
-                pair = sym[p] + merged
-                e = get(pair)
-                if e is not None:
-                    push(heap, (e[1], p, left, len(pair)))
-                    if e[2]:
-                        rev[pair] = (sym[p], merged)
-            if nr >= 0:
-                pair = merged + sym[nr]
-                e = get(pair)
-                if e is not None:
-                    push(heap, (e[1], left, nr, len(pair)))
-                    if e[2]:
-                        rev[pair] = (merged, sym[nr])
-
-        prev_unk = False
-        i = 0
-        while i >= 0:
-            prev_unk = self._spm_emit(sym[i], out, rev, prev_unk)
-            i = nxt[i]
-
-    def _spm_emit(self, s: str, out: list[int], rev: dict[str, tuple[str, str]], prev_unk: bool) -> bool:
-        e = self._pieces.get(s)
-        if e is None:  # a character outside the vocabulary
-            if self._byte_fallback:
-                out.extend(self._byte_ids[b] for b in s.encode("utf-8"))
-                return False
-            if self.unk_id is None:
-                raise ValueError(
-                    f"cannot encode {s!r}: not in the vocabulary, no byte tokens and no unknown token"
-                )
-            if not prev_unk:  # SentencePiece folds a run of unknown characters into one <unk>
-                out.append(self.unk_id)
-            return True
-        if e[2] and s in rev:  # unused pieces are split back into the pair that made them
-            left, right = rev[s]
-            prev_unk = self._spm_emit(left, out, rev, prev_unk)
-            return self._spm_emit(right, out, rev, prev_unk)
-        out.append(e[0])
-        return False
-
-    # ----------------------------------------------------------------- byte-level BPE
-
-    def _init_bpe(self, merges: list[str], pre: str | None) -> None:
-        from tokenizers import Regex, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
-        from tokenizers.models import BPE
-
-        vocab: dict[str, int] = {}
-        for i, text in enumerate(self.tokens):
-            vocab.setdefault(text, i)
-        pairs = []
-        dropped = 0
-        for m in merges:
-            cut = m.find(" ", 1)  # as llama.cpp: the first space after the first character
-            left, right = (m[:cut], m[cut + 1 :]) if cut > 0 else (m, "")
-            if left in vocab and right in vocab and left + right in vocab:
-                pairs.append((left, right))
-            else:
-                dropped += 1
-        if dropped:
-            logger.warning(
-                "%d of %d merges refer to tokens outside the vocabulary; ignored", dropped, len(merges)
-            )
-
-        name = PRE_ALIASES.get(pre, pre) if pre is not None else "default"
-        if name not in PRE_TOKENIZERS:
-            logger.warning(
-                "unknown tokenizer.ggml.pre %r: splitting text with llama.cpp's default regexes", pre
-            )
-            name = "default"
-        steps = []
-        for step, arg in PRE_TOKENIZERS[name]:
-            if step == "bytelevel_regex":
-                steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
-            elif step == "bytelevel":
-                steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-            elif step == "punctuation":
-                steps.append(pre_tokenizers.Punctuation(behavior="contiguous"))
-            elif step == "digits":
-                steps.append(pre_tokenizers.Digits(individual_digits=False))
-            else:
-                steps.append(pre_tokenizers.Split(Regex(arg), behavior="isolated", invert=False))
-        hf = HFTokenizer(BPE(vocab=vocab, merges=pairs, ignore_merges=name == "llama-bpe"))
-        hf.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
-        self._hf = hf
-        self.pre = name
 
 
 class _DecodeState:
@@ -574,7 +425,7 @@ def _guess_types(tokens: list[str], kind: str, *special: int | None) -> list[int
     types = [NORMAL] * len(tokens)
     if kind == "llama":
         for i, t in enumerate(tokens):
-            if _BYTE_PIECE.fullmatch(t):
+            if BYTE_PIECE.fullmatch(t):
                 types[i] = BYTE
     for i in special:
         if i is not None:

@@ -1,15 +1,17 @@
-"""hotcold.kernels.cpu (both backends) against a float64 torch reference.
+"""hotcold.kernels.cpu (both backends) against a float64 torch reference, and hotcold.kernels.build.
 
 Rows that no token needs are filled with NaN (float weights) or NaN block scales (ggml blocks):
-a kernel that reads one of them shows NaN in its output.
+a kernel that reads one of them shows NaN in its output. Every public op returns a result on both
+backends (never None).
 """
 
+import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from hotcold.kernels import cpu
+from hotcold.kernels import build, cpu
 from hotcold.quants import QuantTensor
 
 FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q6_k"]
@@ -233,7 +235,7 @@ def test_fallback_without_compiler(monkeypatch, caplog):
     monkeypatch.setenv("CC", "/nonexistent/cc")
     cpu._reset_for_tests()
     try:
-        with caplog.at_level("WARNING", logger="hotcold.kernels.cpu"):
+        with caplog.at_level("WARNING", logger="hotcold.kernels.build"):
             assert cpu.backend() == "torch"
             w = torch.randn(64, 32)
             x = torch.randn(1, 32)
@@ -247,75 +249,213 @@ def test_fallback_without_compiler(monkeypatch, caplog):
 
 def test_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("HOTCOLD_CACHE_DIR", str(tmp_path / "c"))
-    assert cpu._cache_dir() == tmp_path / "c"
+    assert build._cache_dir() == tmp_path / "c"
     monkeypatch.delenv("HOTCOLD_CACHE_DIR")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert cpu._cache_dir() == tmp_path / "hotcold"
+    assert build._cache_dir() == tmp_path / "hotcold"
 
 
 def test_unwritable_cache_dir_falls_back(monkeypatch, tmp_path):
     blocked = tmp_path / "file"
     blocked.write_text("not a folder")
     monkeypatch.setenv("HOTCOLD_CACHE_DIR", str(blocked / "sub"))
-    monkeypatch.setattr(cpu.tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setattr(build.tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()
-    d = cpu._writable_cache_dir()
+    d = build._writable_cache_dir()
     assert d is not None and d.parent == tmp_path / "tmp"
 
 
-def test_rms_norm_matches_torch(backend):
+def test_rms_norm(backend):
+    """A tensor on both backends, for any input (the C path takes float32 [T, D]; the rest is torch)."""
     gen = torch.Generator().manual_seed(13)
     x, w = torch.randn(3, 300, generator=gen) * 5, torch.randn(300, generator=gen)
-    got = cpu.rms_norm(x, w, 1e-5)
-    if backend == "torch":
-        assert got is None  # no C kernels: the caller's torch path
-        return
-    ref = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()).float()
-    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6)
-    assert cpu.rms_norm(x.half(), w, 1e-5) is None  # not float32: torch's job
+    ref = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    torch.testing.assert_close(cpu.rms_norm(x, w, 1e-5).double(), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cpu.rms_norm(x[None], w, 1e-5)[0].double(), ref, rtol=1e-5, atol=1e-5)
+    half = cpu.rms_norm(x.half(), w.half(), 1e-5)
+    assert half.dtype == torch.float16
+    torch.testing.assert_close(half.double(), ref, rtol=1e-2, atol=1e-2)
+
+
+def ref_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+    """float64 RoPE of x [H, Dh] with cos/sin [R/2]: pairs (2j, 2j+1), or (j, j+R/2) for neox; the rest
+    passes through."""
+    out, half = x.double().clone(), cos.shape[0]
+    a = torch.arange(half) if neox else 2 * torch.arange(half)
+    b = a + half if neox else a + 1
+    x0, x1 = out[:, a].clone(), out[:, b].clone()
+    out[:, a], out[:, b] = x0 * cos - x1 * sin, x0 * sin + x1 * cos
+    return out
 
 
 @pytest.mark.parametrize(
-    "neox, rope_dim, window, n_kv", [(False, 64, None, 2), (True, 32, None, 8), (False, 64, 5, 1)]
+    "neox, rope_dim, window, n_kv, cache_dtype",
+    [
+        (False, 64, None, 2, torch.float32),
+        (True, 32, None, 8, torch.float32),
+        (False, 64, 5, 1, torch.float32),
+        (True, 48, 4, 2, torch.float16),  # fp16 caches (a GPU in the model): torch on both backends
+    ],
 )
-def test_attention_decode_matches_torch(backend, neox, rope_dim, window, n_kv):
-    """RoPE (normal and neox, partial rotary dims), GQA / MHA / MQA and a sliding window: the C decode step
-    against the torch rope + scaled_dot_product_attention path, over 12 positions of a shared cache."""
-    from hotcold.models.layers import KVCache, apply_rope, attention, rope_tables
-
+def test_attention_decode(backend, neox, rope_dim, window, n_kv, cache_dtype):
+    """RoPE (normal and neox, partial rotary dims), GQA / MHA / MQA and a sliding window over 12 positions
+    of a cache, against a float64 reference; q and k are rotated in place on both backends."""
     gen = torch.Generator().manual_seed(14)
-    h, dh, steps = 8, 64, 12
-    cos_t, sin_t = rope_tables(32, rope_dim, 10000.0, 1.0)
-    caches = [KVCache(1, 32, n_kv, dh), KVCache(1, 32, n_kv, dh)]
+    h, dh, steps, n_ctx = 8, 64, 12, 32
+    inv_freq = 10000.0 ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    cos_t, sin_t = angles.cos().float(), angles.sin().float()
+    kc, vc = (torch.zeros(n_ctx, n_kv, dh, dtype=cache_dtype) for _ in range(2))
+    keys, values = [], []
+    tol = 1e-5 if cache_dtype == torch.float32 else 3e-3
     for pos in range(steps):
         q = torch.randn(1, h, dh, generator=gen)
         k, v = torch.randn(1, n_kv, dh, generator=gen), torch.randn(1, n_kv, dh, generator=gen)
         cos, sin = cos_t[pos : pos + 1], sin_t[pos : pos + 1]
-        ref = attention(
-            apply_rope(q, cos, sin, neox=neox),
-            apply_rope(k, cos, sin, neox=neox),
-            v,
-            caches[0],
-            0,
-            pos,
-            sliding_window=window,
+        q_rot, k_rot = (
+            ref_rope(q[0], cos[0].double(), sin[0].double(), neox),
+            ref_rope(k[0], cos[0].double(), sin[0].double(), neox),
         )
-        c = caches[1]
+        keys.append(k_rot)
+        values.append(v[0].double())
+        lo = max(0, pos - window + 1) if window else 0
+        kk, vv = torch.stack(keys[lo:]), torch.stack(values[lo:])  # [S, Hkv, Dh]
+        kv_head = torch.arange(h) // (h // n_kv)
+        scores = torch.einsum("hd,shd->hs", q_rot, kk[:, kv_head]) / dh**0.5
+        ref = torch.einsum("hs,shd->hd", scores.softmax(-1), vv[:, kv_head]).reshape(1, h * dh)
+        q2, k2 = q.clone(), k.clone()
         got = cpu.attention_decode(
-            q.clone(),
-            k.clone(),
-            v,
-            c.k[0],
-            c.v[0],
-            pos,
-            cos,
-            sin,
-            neox=neox,
-            sliding_window=window,
-            threads=2,
+            q2, k2, v, kc, vc, pos, cos, sin, neox=neox, sliding_window=window, threads=2
         )
-        if backend == "torch":
-            assert got is None
-            return
-        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(c.k[0][: pos + 1], caches[0].k[0][: pos + 1], rtol=1e-6, atol=1e-6)
+        assert got.shape == (1, h * dh) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol)
+        torch.testing.assert_close(q2[0].double(), q_rot, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(k2[0].double(), k_rot, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(kc[pos].double(), k_rot, rtol=tol, atol=tol)
+        assert torch.equal(vc[pos], v[0].to(cache_dtype))
+
+
+def test_attention_decode_bad_inputs(backend):
+    q, k = torch.randn(1, 4, 16), torch.randn(1, 2, 16)
+    kc, vc = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
+    cos, sin = torch.ones(1, 8), torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="context overflow: position 9 exceeds the context size 8"):
+        cpu.attention_decode(q, k, k.clone(), kc, vc, 8, cos, sin, neox=False)
+    with pytest.raises(ValueError, match="caches"):
+        cpu.attention_decode(torch.randn(1, 3, 16), k, k.clone(), kc, vc, 0, cos, sin, neox=False)
+    with pytest.raises(ValueError, match="caches"):
+        cpu.attention_decode(torch.randn(2, 4, 16), k, k.clone(), kc, vc, 0, cos, sin, neox=False)
+    with pytest.raises(ValueError, match="cos/sin"):
+        cpu.attention_decode(q, k, k.clone(), kc, vc, 0, torch.ones(1, 9), torch.ones(1, 9), neox=False)
+
+
+def ffn_steps(up, gate, down_t, kind, bias, x, mask):
+    """The sparse FFN step op by op (as SparseFFN's unfused path computes it)."""
+    live, g = mask, None
+    if gate is not None:
+        g = torch.relu(cpu.gather_matvec(gate, x, mask))
+        live = mask & (g != 0)
+    v = cpu.gather_matvec(up, x, live)
+    v = v + bias if bias is not None else v
+    a = {"gated": lambda: g * v, "gated_both": lambda: g * torch.relu(v), "plain": lambda: torch.relu(v)}[
+        kind
+    ]()
+    return cpu.sparse_axpy(down_t, torch.where(live, a, torch.zeros(())), live)
+
+
+@pytest.mark.parametrize("kind", ["gated", "gated_both", "plain"])
+@pytest.mark.parametrize("t", [1, 3])
+def test_sparse_ffn_plan_equals_op_by_op(backend, kind, t):
+    """Never None: one C call, or the same steps in torch; bit-identical to the ops called one by one."""
+    gen = torch.Generator().manual_seed(15)
+    f, d, r = 300, D_QUANT, 32
+    up = QuantTensor.from_float(torch.randn(f, d, generator=gen), Q.Q8_0)
+    gate = None if kind == "plain" else torch.randn(f, d, generator=gen).half()
+    down_t = torch.randn(f, d, generator=gen).bfloat16()
+    bias = torch.randn(f, generator=gen) if kind == "plain" else None
+    fc1 = torch.randn(r, d, generator=gen).half()
+    fc2 = QuantTensor.from_float(torch.randn(f, r, generator=gen), Q.Q8_0)
+    x, p = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
+    norm = (torch.rand(d, generator=gen) + 0.5, 1e-5)
+    plan = cpu.SparseFFNPlan(up, gate, down_t, kind=kind, up_bias=bias, fc1=fc1, fc2=fc2, threshold=0.5)
+    out, mask, fired = plan(x, p, norm=norm, threads=2)
+    want_mask = cpu.gather_matvec(fc2, torch.relu(cpu.gather_matvec(fc1, p, None)), None) >= 0.5
+    assert torch.equal(mask, want_mask) and fired == int(want_mask.sum()) and 0 < fired < t * f
+    assert torch.equal(out, ffn_steps(up, gate, down_t, kind, bias, cpu.rms_norm(x, *norm), mask))
+    given = torch.rand(t, f, generator=gen) < 0.3
+    no_pred = cpu.SparseFFNPlan(up, gate, down_t, kind=kind, up_bias=bias)
+    out2, mask2, fired2 = no_pred(x, rows=given)
+    assert torch.equal(mask2, given) and fired2 == int(given.sum())
+    assert torch.equal(out2, ffn_steps(up, gate, down_t, kind, bias, x, given))
+
+
+def test_sparse_ffn_plan_rejects_what_it_cannot_take(backend):
+    w = torch.randn(64, 32).half()
+    with pytest.raises(ValueError, match="needs a gate"):
+        cpu.SparseFFNPlan(w, None, w, kind="gated")
+    with pytest.raises(ValueError, match="down_t has shape"):
+        cpu.SparseFFNPlan(w, w, torch.randn(64, 64).half())
+    with pytest.raises(ValueError, match="both fc1 and fc2"):
+        cpu.SparseFFNPlan(w, w, w, fc1=torch.randn(8, 32).half())
+    with pytest.raises(ValueError, match="CPU kernels need CPU weights|2-D"):
+        cpu.SparseFFNPlan(w, w, torch.randn(64, 32).double())
+
+
+@pytest.mark.parametrize("t", [1, 3, 50])  # 50: separate matmuls (the blocked-GEMM path)
+def test_matvec_group_with_norm(backend, t):
+    """The norm inside the call (C, few tokens) or rms_norm first: the same bits as norm-then-matmul."""
+    gen = torch.Generator().manual_seed(16)
+    d = D_QUANT
+    ws = [
+        torch.randn(70, d, generator=gen).half(),
+        QuantTensor.from_float(torch.randn(40, d, generator=gen), Q.Q4_0),
+    ]
+    x = torch.randn(t, d, generator=gen)
+    norm = (torch.rand(d, generator=gen) + 0.5, 1e-6)
+    h = cpu.rms_norm(x, *norm)
+    for g, w in zip(cpu.MatvecGroup(ws)(x, norm=norm, threads=2), ws, strict=True):
+        assert torch.equal(g, cpu.matmul(w, h, threads=1))
+
+
+def random_blocks(qtype: Q, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Random block bytes with scales spanning fp16: tiny (subnormal), huge, zero, -0, and zero blocks."""
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    scales = (rng.standard_normal(n) * 10.0 ** rng.integers(-7, 5, n)).astype(np.float16)
+    scales[:4] = np.array([0.0, -0.0, 65504.0, 6e-8], dtype=np.float16)  # zero, -0, max, subnormal
+    d_off = 208 if qtype == Q.Q6_K else 0
+    raw[:, d_off : d_off + 2] = scales.view(np.uint8).reshape(n, 2)
+    raw[4] = 0  # an all-zero block
+    return raw
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K])
+def test_dequantize_rows_bit_exact_with_ggml(backend, qtype):
+    """Whole tensors, row ranges, index and mask rows, into `out`: gguf's numpy port of ggml, bit for bit."""
+    rng = np.random.default_rng(int(qtype))
+    raw = random_blocks(qtype, 1024, rng)
+    bs = gguf.GGML_QUANT_SIZES[qtype][0]
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(16, 64 * bs))
+    qt = QuantTensor(torch.from_numpy(raw.reshape(16, -1)), qtype, (16, 64 * bs))
+    bits = lambda t: t.view(torch.int32)  # noqa: E731 (NaN-safe, -0-aware equality)
+    assert torch.equal(bits(cpu.dequantize_rows(qt)), bits(ref))
+    assert torch.equal(bits(cpu.dequantize_rows(qt, 3, 11)), bits(ref[3:11]))
+    idx = torch.tensor([15, 0, 7, 7])
+    assert torch.equal(bits(cpu.dequantize_rows(qt, index=idx)), bits(ref[idx]))
+    mask = torch.zeros(16, dtype=torch.bool)
+    mask[[2, 9]] = True
+    out = torch.full((2, 64 * bs), 5.0)
+    assert cpu.dequantize_rows(qt, index=mask, out=out) is out and torch.equal(bits(out), bits(ref[mask]))
+    assert torch.equal(bits(cpu.dequantize_rows(qt)), bits(qt.dequantize()))  # the pure path agrees
+
+
+def test_dequantize_rows_bad_inputs(backend):
+    qt = QuantTensor.from_float(torch.randn(10, 64), Q.Q8_0)
+    with pytest.raises(ValueError, match=r"rows \[5, 11\)"):
+        cpu.dequantize_rows(qt, 5, 11)
+    with pytest.raises(ValueError, match="out of range"):
+        cpu.dequantize_rows(qt, index=torch.tensor([10]))
+    with pytest.raises(ValueError, match="either a row range or an index"):
+        cpu.dequantize_rows(qt, 1, index=torch.tensor([0]))
+    with pytest.raises(ValueError, match="out must be"):
+        cpu.dequantize_rows(qt, out=torch.empty(10, 32))

@@ -108,8 +108,9 @@ def test_logits_and_routing_match_transformers(converted):
     scale = ref.abs().max()
     assert scale > 1.0, "test model too tame to be a meaningful comparison"
     assert (ours - ref).abs().max() <= 1e-4 * scale
-    for layer, theirs in zip(llm.loaded.model.layers, routes):  # the same experts for every token
-        mine = layer.ffn.last_routing
+    routing = llm.engine.seq.routing  # the sequence's own record of the last forward, per layer
+    for i, theirs in enumerate(routes):  # the same experts for every token
+        mine = routing[i]
         assert torch.equal(mine.sort(-1).values, theirs.sort(-1).values)
         assert len(torch.unique(mine)) == N_EXPERT  # every expert gets tokens: the test exercises them all
 
@@ -151,7 +152,7 @@ def test_sparse_all_firing_expert_predictors_equal_transformers(tmp_path, spm_mo
     ids = random_ids(40, seed=3)
     ours, ref = llm.logits(ids), hf_logits(hf, ids)
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
-    stats = llm.loaded.model.layers[0].ffn.stats
+    stats = llm.engine.seq.counts[0]
     assert stats.total == 40 * N_USED * 1280 and stats.computed == stats.total
 
 

@@ -1,18 +1,29 @@
-"""Sparse FFN against the dense reference: all-firing, oracle masks, thread counts, batches."""
+"""Sparse FFN against the dense reference: all-firing, oracle masks, thread counts, batches, the one-call
+C step against the op-by-op step, the norm folded into the call."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hotcold.sparse.ffn import DenseFFN, SparseFFN
-from tests.fixtures import ffn_weights
+from hotcold.kernels import cpu
+from hotcold.ops import Norm, rms_norm
+from hotcold.sparse.ffn import DenseFFN, SparseFFN, sparse_step
+from hotcold.sparse.predictor import Predictor
+from tests.fixtures import ffn_state, ffn_weights
 
 F, D = 1280, 96
 
 
 def weights(kind="gated", dtype=torch.float32, seed=0, bias=False):
     return ffn_weights(F, D, kind, dtype, seed=seed, bias=bias, scale=6)
+
+
+def predictor(seed: int, threshold: float) -> Predictor:
+    g = torch.Generator().manual_seed(seed)
+    return Predictor(
+        (torch.randn(32, D, generator=g) / 4).half(), (torch.randn(F, 32, generator=g) / 4).half(), threshold
+    )
 
 
 CASES = [("gated", False), ("gated_both", False), ("plain", True)]
@@ -23,10 +34,13 @@ CASES = [("gated", False), ("gated_both", False), ("plain", True)]
 def test_all_firing_predictor_equals_dense(kind, bias, dtype):
     w = weights(kind, dtype, bias=bias)
     x = torch.randn(4, D)
-    dense = DenseFFN(w)(x, x)
-    sparse = SparseFFN(w, lambda p: torch.ones(p.shape[0], F, dtype=torch.bool))(x, x)
+    dense = DenseFFN(w, layer=0).apply(x, x, ffn_state())
+    all_fire = SparseFFN(w, lambda p: torch.ones(p.shape[0], F, dtype=torch.bool), layer=0)
+    seq = ffn_state()
+    sparse = all_fire.apply(x, x, seq)
     tol = 1e-5 if dtype == torch.float32 else 1e-3
     assert (sparse - dense).abs().max() <= tol * dense.abs().max()
+    assert seq.counts[0].computed == seq.counts[0].total == 4 * F
 
 
 @pytest.mark.parametrize("kind, bias", CASES)
@@ -36,12 +50,11 @@ def test_oracle_mask_equals_dense_restricted_to_firing_neurons(kind, bias):
     w = weights(kind, bias=bias)
     x = torch.randn(6, D)
     seen = {}
-    dense_ffn = DenseFFN(w)
-    dense_ffn.observer = lambda ffn_in, p, a: seen.setdefault("a", a)
-    dense = dense_ffn(x, x)
+    seq = ffn_state(observe=lambda layer, ffn_in, p, a: seen.setdefault("a", a))
+    dense = DenseFFN(w, layer=0).apply(x, x, seq)
     firing = seen["a"] != 0
     assert 0.05 < firing.float().mean() < 0.95
-    sparse = SparseFFN(w, lambda p: firing)(x, x)
+    sparse = SparseFFN(w, lambda p: firing, layer=0).apply(x, x, ffn_state())
     # reference restricted to the firing neurons, computed independently
     a = torch.where(firing, seen["a"], 0.0)
     restricted = a @ w.down_t + (w.down_bias if w.down_bias is not None else 0)
@@ -50,12 +63,24 @@ def test_oracle_mask_equals_dense_restricted_to_firing_neurons(kind, bias):
         assert (sparse - dense).abs().max() <= 1e-5 * dense.abs().max()
 
 
+def test_dense_state_computes_every_neuron_and_is_observed():
+    """seq.dense: a sparse FFN gives the dense reference and shows observers its true activations."""
+    w = weights("gated")
+    x = torch.randn(3, D)
+    seen = []
+    seq = ffn_state(dense=True, observe=lambda layer, h, p, a: seen.append((layer, a)))
+    sparse_as_dense = SparseFFN(w, predictor(1, 0.5), layer=0).apply(x, x, seq)
+    assert torch.equal(sparse_as_dense, DenseFFN(w, layer=0).apply(x, x, ffn_state()))
+    assert [layer for layer, _ in seen] == [0] and seen[0][1].shape == (3, F)
+    assert seq.counts[0].computed == seq.counts[0].total == 3 * F
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_identical_bits_for_any_thread_count(dtype):
     w = weights("gated", dtype)
     x = torch.randn(9, D)
     mask = torch.rand(9, F, generator=torch.Generator().manual_seed(1)) < 0.2
-    outs = [SparseFFN(w, lambda p: mask, threads=t)(x, x) for t in (1, 2, 4)]
+    outs = [SparseFFN(w, lambda p: mask, layer=0, threads=t).apply(x, x, ffn_state()) for t in (1, 2, 4)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
@@ -63,9 +88,12 @@ def test_prefill_batch_equals_token_by_token():
     w = weights("gated_both")
     x = torch.randn(12, D)
     mask = torch.rand(12, F, generator=torch.Generator().manual_seed(2)) < 0.15
-    batch = SparseFFN(w, lambda p: mask)(x, x)
+    batch = SparseFFN(w, lambda p: mask, layer=0).apply(x, x, ffn_state())
     single = torch.cat(
-        [SparseFFN(w, lambda p, t=t: mask[t : t + 1])(x[t : t + 1], x[t : t + 1]) for t in range(12)]
+        [
+            SparseFFN(w, lambda p, t=t: mask[t : t + 1], layer=0).apply(x[t : t + 1], x[t : t + 1], ffn_state())
+            for t in range(12)
+        ]
     )
     assert (batch - single).abs().max() <= 1e-6 * batch.abs().max()
 
@@ -74,41 +102,36 @@ def test_prefill_batch_equals_token_by_token():
 @pytest.mark.parametrize("t", [1, 5])
 def test_fused_step_equals_separate_kernels(kind, bias, t):
     """With a real predictor the CPU step runs as one C call; it must give the very bits of the
-    kernel-by-kernel path (the same predictor behind a plain callable takes that path)."""
-    from hotcold.kernels import cpu
-    from hotcold.sparse.predictor import Predictor
-
+    kernel-by-kernel path (predictor, then sparse_step without its C plan)."""
     if cpu.backend() != "c":
         pytest.skip("C kernels unavailable")
     w = weights(kind, torch.float16, seed=3, bias=bias)
-    g = torch.Generator().manual_seed(4)
-    pred = Predictor(
-        (torch.randn(32, D, generator=g) / 4).half(), (torch.randn(F, 32, generator=g) / 4).half(), 0.5
-    )
+    pred = predictor(4, 0.5)
+    g = torch.Generator().manual_seed(5)
     x, p = torch.randn(t, D, generator=g), torch.randn(t, D, generator=g)
-    fused_ffn, plain_ffn = SparseFFN(w, pred, threads=2), SparseFFN(w, lambda q: pred(q), threads=3)
-    fused, plain = fused_ffn(x, p), plain_ffn(x, p)
-    assert torch.equal(fused, plain)
-    assert fused_ffn.stats == plain_ffn.stats
-    assert 0.05 < fused_ffn.stats.rate < 0.95  # a real mix of firing and silent neurons
-    assert isinstance(fused_ffn._plan, cpu.SparseFFNPlan)  # the fused path really ran
-    assert plain_ffn._plan is None
+    fused_ffn = SparseFFN(w, pred, layer=0, threads=2)
+    assert isinstance(fused_ffn.fused_plan, cpu.SparseFFNPlan)  # the fused path is the one that runs
+    seq = ffn_state()
+    fused = fused_ffn.apply(x, p, seq)
+    mask = pred(p)
+    by_kernels = w.add_down_bias(sparse_step(w, x, mask, None, threads=3))
+    assert torch.equal(fused, by_kernels)
+    assert seq.counts[0].computed == int(mask.sum()) and seq.counts[0].total == mask.numel()
+    assert 0.05 < seq.counts[0].rate < 0.95  # a real mix of firing and silent neurons
+    with_plan = SparseFFN(w, lambda q: pred(q), layer=0, threads=1)  # a plain callable: no fused plan
+    assert with_plan.fused_plan is None
+    assert torch.equal(with_plan.apply(x, p, ffn_state()), by_kernels)  # the row plan: same bits again
 
 
 @pytest.mark.parametrize("t", [1, 3, 6])  # the norm inside the C call (t <= 4) and before it
 def test_ffn_norm_inside_the_call_equals_norm_first(t):
-    from hotcold.models.layers import rms_norm
-    from hotcold.sparse.predictor import Predictor
-
     w = weights("gated", torch.float16, seed=5)
-    g = torch.Generator().manual_seed(6)
-    pred = Predictor(
-        (torch.randn(32, D, generator=g) / 4).half(), (torch.randn(F, 32, generator=g) / 4).half(), 0.3
-    )
+    pred = predictor(6, 0.3)
+    g = torch.Generator().manual_seed(7)
     x = torch.randn(t, D, generator=g) * 2
-    norm_w = torch.randn(D, generator=g)
-    with_norm = SparseFFN(w, pred)(x, x, norm=(norm_w, 1e-5))
-    norm_first = SparseFFN(w, pred)(rms_norm(x, norm_w, 1e-5), x)
+    norm = Norm(torch.randn(D, generator=g), 1e-5)
+    with_norm = SparseFFN(w, pred, layer=0, norm=norm)(x, ffn_state())
+    norm_first = SparseFFN(w, pred, layer=0).apply(rms_norm(x, norm.weight, norm.eps), x, ffn_state())
     assert torch.equal(with_norm, norm_first)
-    unfused = SparseFFN(w, lambda q: pred(q))(x, x, norm=(norm_w, 1e-5))  # kernel by kernel, torch glue
+    unfused = SparseFFN(w, lambda q: pred(q), layer=0, norm=norm)(x, ffn_state())  # norm in torch first
     assert torch.equal(with_norm, unfused)

@@ -12,7 +12,7 @@ from hotcold.loader import load_model
 from hotcold.placement.gpuidx import gpuidx_path, read_gpuidx
 from hotcold.sparse.ffn import SparseFFN
 from hotcold.sparse.hybrid import HybridFFN
-from tests.fixtures import ffn_weights
+from tests.fixtures import ffn_state, ffn_weights
 
 F, D = 1280, 64
 
@@ -36,9 +36,11 @@ def test_hybrid_equals_cpu_sparse(kind, bias, hot_share, T):
     predictor = random_predictor(0.2, seed=1)
     hot = torch.randperm(F, generator=torch.Generator().manual_seed(2))[: int(hot_share * F)]
     x, p = torch.randn(T, D), torch.randn(T, D)
-    ref = SparseFFN(weights, predictor, threads=1)(x, p)
-    got = HybridFFN(weights, predictor, hot, "cpu", threads=1)(x, p)
+    ref = SparseFFN(weights, predictor, layer=0, threads=1).apply(x, p, ffn_state())
+    seq = ffn_state()
+    got = HybridFFN(weights, predictor, hot, "cpu", layer=0, threads=1).apply(x, p, seq)
     assert torch.allclose(got, ref, atol=1e-5 * ref.abs().max(), rtol=0)
+    assert seq.counts[0].total == T * F and 0 < seq.counts[0].computed < T * F
 
 
 def test_hybrid_with_f16_weights():
@@ -46,8 +48,8 @@ def test_hybrid_with_f16_weights():
     predictor = random_predictor(0.1, seed=3)
     hot = torch.arange(0, F, 3)
     x, p = torch.randn(2, D), torch.randn(2, D)
-    ref = SparseFFN(weights, predictor)(x, p)
-    got = HybridFFN(weights, predictor, hot, "cpu")(x, p)
+    ref = SparseFFN(weights, predictor, layer=0).apply(x, p, ffn_state())
+    got = HybridFFN(weights, predictor, hot, "cpu", layer=0).apply(x, p, ffn_state())
     assert torch.allclose(got, ref, atol=1e-5 * ref.abs().max(), rtol=0)
 
 

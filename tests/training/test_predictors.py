@@ -10,7 +10,7 @@ import torch
 import hotcold
 from hotcold.cli import main
 from hotcold.gguf_io import ModelFile
-from hotcold.placement.profile import corpus_tokens, dense_ffns, observing, run_windows, token_windows
+from hotcold.placement.profile import corpus_tokens, run_windows, token_windows
 from hotcold.training.predictors import SPARSE_THRESHOLD, pack_mask, unpack_mask
 from tests.fixtures import training_text
 
@@ -85,18 +85,14 @@ def test_recall_on_the_training_distribution(tiny_dense_gguf, trained):
     states = [torch.load(trained / f"model_{i}.pt") for i in range(2)]
     hits, firing, selected = [0, 0], [0, 0], [0, 0]
 
-    def check(i):
-        def observe(_x, p, a):
-            logits = torch.relu(p @ states[i]["fc1.weight"].T) @ states[i]["fc2.weight"].T
-            chosen, truth = logits >= SPARSE_THRESHOLD, a != 0
-            hits[i] += int((chosen & truth).sum())
-            firing[i] += int(truth.sum())
-            selected[i] += int(chosen.sum())
+    def observe(i, _x, p, a):
+        logits = torch.relu(p @ states[i]["fc1.weight"].T) @ states[i]["fc2.weight"].T
+        chosen, truth = logits >= SPARSE_THRESHOLD, a != 0
+        hits[i] += int((chosen & truth).sum())
+        firing[i] += int(truth.sum())
+        selected[i] += int(chosen.sum())
 
-        return observe
-
-    with observing(dense_ffns(llm), [check(0), check(1)]):
-        run_windows(llm, token_windows(ids, CTX, llm.tokenizer.bos_id), desc="", progress=False)
+    run_windows(llm, token_windows(ids, CTX, llm.tokenizer.bos_id), observe, desc="", progress=False)
     for i in range(2):
         assert hits[i] / firing[i] >= RECALL - 0.01, (i, hits[i] / firing[i])
         assert selected[i] / firing[i] < 1.6

@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from hotcold import names
+
 
 def add_args(p) -> None:
     p.add_argument("-m", "--model", default=None, help="model file; omitted: the bundled demo model")
@@ -32,11 +34,11 @@ def weight_bytes(model_file) -> dict[str, int]:
     parts = {"ffn": 0, "predictor": 0, "other": 0}
     for entry in model_file.tensors.values():
         name = entry.name
-        if name == "token_embd.weight" and "output.weight" in model_file.tensors:
+        if name == names.tensor(names.TOKEN_EMBD) and names.tensor(names.OUTPUT) in model_file.tensors:
             continue
-        if any(k in name for k in (".ffn_up", ".ffn_gate.", ".ffn_gate_exps", ".ffn_down")):
+        if names.template_of(name, names.FFN_MATRICES):
             parts["ffn"] += entry.n_bytes
-        elif ".fc1." in name or ".fc2." in name:
+        elif names.template_of(name, names.PREDICTOR_MATRICES):
             parts["predictor"] += entry.n_bytes
         else:
             parts["other"] += entry.n_bytes
@@ -44,8 +46,7 @@ def weight_bytes(model_file) -> dict[str, int]:
 
 
 def _firing(llm) -> tuple[int, int]:
-    ffns = [layer.ffn for layer in llm.loaded.model.layers]
-    return sum(f.stats.computed for f in ffns), sum(f.stats.total for f in ffns)
+    return llm.engine.seq.neuron_totals()
 
 
 def measure(llm, test: str, n: int) -> tuple[float, float]:

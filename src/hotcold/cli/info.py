@@ -17,11 +17,11 @@ def describe(path: str | None) -> dict:
     from hotcold.config import config_from_file
     from hotcold.gguf_io import ModelFile
     from hotcold.loader import demo_model_path
-    from hotcold.registry import model_module
+    from hotcold.registry import require
 
     path = Path(path) if path else demo_model_path()
     mf = ModelFile(path)
-    model_module(mf.architecture, str(path))  # unknown architectures fail here, listing the supported ones
+    require(mf.architecture, str(path))  # unknown architectures fail here, listing the supported ones
     c = config_from_file(mf)
     types = Counter(e.qtype.name for e in mf.tensors.values())
     n_params = sum(

@@ -18,7 +18,6 @@ import json
 import math
 import time
 from collections.abc import Sequence
-from contextlib import contextmanager
 
 import torch
 
@@ -55,22 +54,22 @@ def window_nll(logits: torch.Tensor, window: Sequence[int]) -> tuple[float, int]
 class MaskAgreement:
     """Per layer: truly firing, selected, and both, summed over the dense pass's tokens."""
 
-    def __init__(self, n_layer: int):
+    def __init__(self, predictors):
+        n_layer = len(predictors)
+        self.predictors = predictors
         self.firing = [0] * n_layer
         self.selected = [0] * n_layer
         self.hits = [0] * n_layer
         self.entries = [0] * n_layer
 
-    def observer(self, i: int, predictor):
-        def observe(_x: torch.Tensor, p: torch.Tensor, a: torch.Tensor) -> None:
-            truth = (a != 0).cpu()
-            chosen = predictor(p.to(predictor.fc1.device)).cpu()
-            self.firing[i] += int(truth.sum())
-            self.selected[i] += int(chosen.sum())
-            self.hits[i] += int((truth & chosen).sum())
-            self.entries[i] += truth.numel()
-
-        return observe
+    def observe(self, i: int, _x: torch.Tensor, p: torch.Tensor, a: torch.Tensor) -> None:
+        """A state.Observer: the layer's predictor mask on the same input against the true firing mask."""
+        truth = (a != 0).cpu()
+        chosen = self.predictors[i](p).cpu()
+        self.firing[i] += int(truth.sum())
+        self.selected[i] += int(chosen.sum())
+        self.hits[i] += int((truth & chosen).sum())
+        self.entries[i] += truth.numel()
 
     def layer(self, i: int) -> dict:
         return {
@@ -81,33 +80,6 @@ class MaskAgreement:
             "precision": self.hits[i] / self.selected[i] if self.selected[i] else 1.0,
             "selection_ratio": self.selected[i] / self.firing[i] if self.firing[i] else 0.0,
         }
-
-
-class DenseTwin:
-    """A DenseFFN over a sparse layer's weights, fed on the device that holds them (the full matrices)."""
-
-    def __init__(self, weights, observer):
-        from hotcold.sparse.ffn import DenseFFN
-
-        self.ffn = DenseFFN(weights)
-        self.ffn.observer = observer
-        self.device = weights.up.device
-
-    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
-        return self.ffn(x.to(self.device), pred_input.to(self.device)).to(x.device)
-
-
-@contextmanager
-def dense_twins(layers, observers):
-    """Swap each layer's FFN for its DenseTwin (with an observer) for the block."""
-    saved = [layer.ffn for layer in layers]
-    try:
-        for layer, obs in zip(layers, observers):
-            layer.ffn = DenseTwin(layer.ffn_weights, obs)
-        yield
-    finally:
-        for layer, ffn in zip(layers, saved):
-            layer.ffn = ffn
 
 
 def perplexity(llm, ids: Sequence[int], *, ctx: int | None = None, progress: bool = False) -> dict:
@@ -123,18 +95,23 @@ def perplexity(llm, ids: Sequence[int], *, ctx: int | None = None, progress: boo
     windows = scoring_windows(ids, ctx, llm.tokenizer.bos_id)
     layers = getattr(llm.loaded.model, "layers", [])
     sparse = not llm.loaded.dense
-    if sparse and not all(hasattr(layer, "ffn_weights") and layer.predictor for layer in layers):
-        raise ValueError(f"{llm.path}: sparse perplexity needs per-layer FFN weights and predictors")
-    agreement = MaskAgreement(len(layers))
-    before = [(layer.ffn.stats.computed, layer.ffn.stats.total) for layer in layers]
+    if sparse and not all(getattr(layer.ffn, "predictor", None) for layer in layers):
+        raise ValueError(f"{llm.path}: sparse perplexity needs a predictor in every layer's FFN (not MoE)")
+    agreement = MaskAgreement([layer.ffn.predictor for layer in layers] if sparse else [])
+    counts = llm.engine.seq.counts  # this model's own sequence: per-layer neurons computed / total
+
+    def snapshot() -> list[tuple[int, int]]:
+        return [(c.computed, c.total) for c in counts]
+
+    before = snapshot()
     nll = dense_nll = 0.0
     count = 0
     start = time.perf_counter()
     for window in tqdm(windows, desc="perplexity", unit="window", disable=not progress):
         if sparse:
-            observers = [agreement.observer(i, layer.predictor) for i, layer in enumerate(layers)]
-            with dense_twins(layers, observers):
-                dense_nll += window_nll(llm.logits(window), window)[0]
+            c0 = snapshot()  # the dense pass is not part of the computed rate
+            dense_nll += window_nll(llm.engine.logits(window, observe=agreement.observe), window)[0]
+            before = [(b[0] + c[0] - z[0], b[1] + c[1] - z[1]) for b, z, c in zip(before, c0, snapshot())]
         total, n = window_nll(llm.logits(window), window)
         nll += total
         count += n
@@ -149,7 +126,7 @@ def perplexity(llm, ids: Sequence[int], *, ctx: int | None = None, progress: boo
         "seconds": time.perf_counter() - start,
     }
     if sparse:
-        after = [(layer.ffn.stats.computed, layer.ffn.stats.total) for layer in layers]
+        after = snapshot()
         per_layer = []
         for i in range(len(layers)):
             stats = agreement.layer(i)

@@ -11,6 +11,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from tqdm import tqdm
 
+from hotcold import names
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, read_config, read_predictors
 from hotcold.gguf_io import TensorSpec, write_model_file
 
@@ -30,9 +31,6 @@ FAMILIES = {
     "RefinedWebModel": "falcon",
     "opt": "opt",
 }
-
-# the FFN activation llama.cpp assumes for a dense file of each architecture; hotcold.ffn_activation says otherwise
-DENSE_ACTIVATION = {"falcon": "gelu", "opt": "relu"}
 
 
 def family_module(model_type: str, hf_dir: Path):
@@ -96,13 +94,13 @@ def convert(
         n_layer, n_embd, n_ff = family.dims(config)
         pred_dir = Path(predictor_dir)
         # one predictor per layer, or (MoE) one per layer and expert, each expert's in its own subfolder
-        groups = family.predictor_groups(config) if hasattr(family, "predictor_groups") else [("", "")]
+        groups = family.predictor_groups(config) if hasattr(family, "predictor_groups") else [("", None)]
         _, threshold = read_predictors(pred_dir, 0, n_embd, n_ff)  # the folder's config.json
-        for folder, suffix in groups:
+        for folder, expert in groups:
             predictors, _ = read_predictors(pred_dir / folder, n_layer, n_embd, n_ff)
             for i, layer in enumerate(predictors):  # predictors last, as PowerInfer's convert.py writes them
-                plan.append((f"blk.{i}.fc1{suffix}.weight", lambda t=layer["fc1.weight"]: t))
-                plan.append((f"blk.{i}.fc2{suffix}.weight", lambda t=layer["fc2.weight"]: t))
+                plan.append((names.tensor(names.PRED_FC1, i, expert=expert), lambda t=layer["fc1.weight"]: t))
+                plan.append((names.tensor(names.PRED_FC2, i, expert=expert), lambda t=layer["fc2.weight"]: t))
 
     specs = []
     for name, load in plan:
@@ -111,17 +109,18 @@ def convert(
         specs.append(TensorSpec(name, shape, qtype, lambda load=load, qtype=qtype: encode(load(), qtype)))
 
     meta: list[tuple] = [
-        ("general.name", hf_dir.resolve().name, V.STRING),
+        (names.NAME, hf_dir.resolve().name, V.STRING),
         *family.metadata(config, arch),
-        ("general.file_type", FILE_TYPES[outtype], V.UINT32),
+        (names.FILE_TYPE, FILE_TYPES[outtype], V.UINT32),
     ]
     if outtype in ("q8_0", "q4_0"):
-        meta.append(("general.quantization_version", 2, V.UINT32))
+        meta.append((names.QUANTIZATION_VERSION, 2, V.UINT32))
     if threshold is not None:
-        meta.append(("powerinfer.sparse_threshold", threshold, V.FLOAT32))
-    if not sparse and arch != "bamboo" and act != DENSE_ACTIVATION.get(arch, "silu"):
-        # without this key every reader (llama.cpp too) runs e.g. a dense llama file as SiLU
-        meta.append(("hotcold.ffn_activation", act, V.STRING))
+        meta.append((names.SPARSE_THRESHOLD, threshold, V.FLOAT32))
+    # the reader (config.py) takes the same default: without the key every reader (llama.cpp too) runs e.g. a
+    # dense llama file as SiLU. Bamboo is dReLU by architecture, whatever config.json's hidden_act says.
+    if not sparse and arch != "bamboo" and act != names.default_activation(arch, sparse=False):
+        meta.append((names.FFN_ACTIVATION, act, V.STRING))
 
     from hotcold.convert.vocab import write_vocab
 

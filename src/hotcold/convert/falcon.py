@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from gguf import GGUFValueType as V
 
+from hotcold import names
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling, rope_theta
 
 MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
@@ -84,23 +85,27 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
     _check(config)
     n_layer, n_embd, n_ff = dims(config)
     n_head, n_head_kv = heads(config)
+
+    def key(template: str) -> str:
+        return names.key(template, arch)
+
     items = [
-        (f"{arch}.context_length", int(config.get("max_position_embeddings", 2048)), V.UINT32),
-        (f"{arch}.tensor_data_layout", "jploski", V.STRING),
-        (f"{arch}.embedding_length", n_embd, V.UINT32),
-        (f"{arch}.feed_forward_length", n_ff, V.UINT32),
-        (f"{arch}.block_count", n_layer, V.UINT32),
-        (f"{arch}.attention.head_count", n_head, V.UINT32),
-        (f"{arch}.attention.head_count_kv", n_head_kv, V.UINT32),
-        (f"{arch}.attention.layer_norm_epsilon", float(config.get("layer_norm_epsilon", 1e-5)), V.FLOAT32),
+        (key(names.CONTEXT_LENGTH), int(config.get("max_position_embeddings", 2048)), V.UINT32),
+        (key(names.TENSOR_DATA_LAYOUT), "jploski", V.STRING),
+        (key(names.EMBEDDING_LENGTH), n_embd, V.UINT32),
+        (key(names.FEED_FORWARD_LENGTH), n_ff, V.UINT32),
+        (key(names.BLOCK_COUNT), n_layer, V.UINT32),
+        (key(names.HEAD_COUNT), n_head, V.UINT32),
+        (key(names.HEAD_COUNT_KV), n_head_kv, V.UINT32),
+        (key(names.LAYERNORM_EPS), float(config.get("layer_norm_epsilon", 1e-5)), V.FLOAT32),
     ]
     theta = rope_theta(config)
     if theta is not None:
-        items.append((f"{arch}.rope.freq_base", theta, V.FLOAT32))
+        items.append((key(names.ROPE_FREQ_BASE), theta, V.FLOAT32))
     scaling = rope_scaling(config)
     if scaling is not None:
-        items.append((f"{arch}.rope.scaling.type", scaling[0], V.STRING))
-        items.append((f"{arch}.rope.scaling.factor", scaling[1], V.FLOAT32))
+        items.append((key(names.ROPE_SCALING_TYPE), scaling[0], V.STRING))
+        items.append((key(names.ROPE_SCALING_FACTOR), scaling[1], V.FLOAT32))
     return items
 
 
@@ -120,28 +125,40 @@ def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) ->
     n_head, n_head_kv = heads(config)
     two_norms = _two_norms(config)
     plan: list[tuple[str, Any]] = [
-        ("token_embd.weight", lambda: ckpt.get("transformer.word_embeddings.weight"))
+        (names.tensor(names.TOKEN_EMBD), lambda: ckpt.get("transformer.word_embeddings.weight"))
     ]
     for i in range(n_layer):
-        hf, gg = f"transformer.h.{i}.", f"blk.{i}."
+        hf = f"transformer.h.{i}."
         ffn_norm = hf + ("ln_mlp" if two_norms else "input_layernorm")
         for suffix in ("weight", "bias"):
-            plan.append((f"{gg}attn_norm.{suffix}", lambda n=f"{ffn_norm}.{suffix}": ckpt.get(n)))
+            plan.append(
+                (names.tensor(names.ATTN_NORM, i, suffix), lambda n=f"{ffn_norm}.{suffix}": ckpt.get(n))
+            )
             if two_norms:
-                plan.append((f"{gg}attn_norm_2.{suffix}", lambda n=f"{hf}ln_attn.{suffix}": ckpt.get(n)))
+                plan.append(
+                    (
+                        names.tensor(names.ATTN_NORM_2, i, suffix),
+                        lambda n=f"{hf}ln_attn.{suffix}": ckpt.get(n),
+                    )
+                )
         qkv = hf + "self_attention.query_key_value.weight"
         plan += [
-            (gg + "attn_qkv.weight", lambda n=qkv: jploski(ckpt.get(n), n_head, n_head_kv)),
-            (gg + "attn_output.weight", lambda n=hf + "self_attention.dense.weight": ckpt.get(n)),
-            (gg + "ffn_up.weight", lambda n=hf + "mlp.dense_h_to_4h.weight": ckpt.get(n)),
+            (names.tensor(names.ATTN_QKV, i), lambda n=qkv: jploski(ckpt.get(n), n_head, n_head_kv)),
+            (names.tensor(names.ATTN_OUT, i), lambda n=hf + "self_attention.dense.weight": ckpt.get(n)),
+            (names.tensor(names.FFN_UP, i), lambda n=hf + "mlp.dense_h_to_4h.weight": ckpt.get(n)),
         ]
         down = hf + "mlp.dense_4h_to_h.weight"
         if sparse_layout:
-            plan.append((gg + "ffn_down_t.weight", lambda n=down: ckpt.get(n).T))
+            plan.append((names.tensor(names.FFN_DOWN_T, i), lambda n=down: ckpt.get(n).T))
         else:
-            plan.append((gg + "ffn_down.weight", lambda n=down: ckpt.get(n)))
-    plan.append(("output_norm.weight", lambda: ckpt.get("transformer.ln_f.weight")))
-    plan.append(("output_norm.bias", lambda: ckpt.get("transformer.ln_f.bias")))
+            plan.append((names.tensor(names.FFN_DOWN, i), lambda n=down: ckpt.get(n)))
+    for suffix in ("weight", "bias"):
+        plan.append(
+            (
+                names.tensor(names.OUTPUT_NORM, suffix=suffix),
+                lambda s=suffix: ckpt.get(f"transformer.ln_f.{s}"),
+            )
+        )
     if "lm_head.weight" in ckpt and not config.get("tie_word_embeddings", True):
-        plan.append(("output.weight", lambda: ckpt.get("lm_head.weight")))
+        plan.append((names.tensor(names.OUTPUT), lambda: ckpt.get("lm_head.weight")))
     return plan

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from gguf import GGUFValueType as V
 
+from hotcold import names
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling, rope_theta
 
 MODEL_TYPES = ("llama", "mistral", "bamboo")
@@ -56,47 +57,54 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
     n_head = config["num_attention_heads"]
     n_embd = config["hidden_size"]
     head_dim = config.get("head_dim") or n_embd // n_head
+
+    def key(template: str) -> str:
+        return names.key(template, arch)
+
     items = [
-        (f"{arch}.context_length", int(config.get("max_position_embeddings", 2048)), V.UINT32),
-        (f"{arch}.embedding_length", n_embd, V.UINT32),
-        (f"{arch}.block_count", config["num_hidden_layers"], V.UINT32),
-        (f"{arch}.feed_forward_length", config["intermediate_size"], V.UINT32),
-        (f"{arch}.rope.dimension_count", head_dim, V.UINT32),
-        (f"{arch}.attention.head_count", n_head, V.UINT32),
-        (f"{arch}.attention.head_count_kv", config.get("num_key_value_heads") or n_head, V.UINT32),
-        (f"{arch}.attention.layer_norm_rms_epsilon", float(config.get("rms_norm_eps", 1e-6)), V.FLOAT32),
+        (key(names.CONTEXT_LENGTH), int(config.get("max_position_embeddings", 2048)), V.UINT32),
+        (key(names.EMBEDDING_LENGTH), n_embd, V.UINT32),
+        (key(names.BLOCK_COUNT), config["num_hidden_layers"], V.UINT32),
+        (key(names.FEED_FORWARD_LENGTH), config["intermediate_size"], V.UINT32),
+        (key(names.ROPE_DIMENSION_COUNT), head_dim, V.UINT32),
+        (key(names.HEAD_COUNT), n_head, V.UINT32),
+        (key(names.HEAD_COUNT_KV), config.get("num_key_value_heads") or n_head, V.UINT32),
+        (key(names.LAYERNORM_RMS_EPS), float(config.get("rms_norm_eps", 1e-6)), V.FLOAT32),
     ]
     if head_dim != n_embd // n_head:
-        items.append((f"{arch}.attention.key_length", head_dim, V.UINT32))
-        items.append((f"{arch}.attention.value_length", head_dim, V.UINT32))
+        items.append((key(names.KEY_LENGTH), head_dim, V.UINT32))
+        items.append((key(names.VALUE_LENGTH), head_dim, V.UINT32))
     theta = rope_theta(config)
     if theta is not None:
-        items.append((f"{arch}.rope.freq_base", theta, V.FLOAT32))
+        items.append((key(names.ROPE_FREQ_BASE), theta, V.FLOAT32))
     scaling = rope_scaling(config)
     if scaling is not None:
-        items.append((f"{arch}.rope.scaling.type", scaling[0], V.STRING))
-        items.append((f"{arch}.rope.scaling.factor", scaling[1], V.FLOAT32))
+        items.append((key(names.ROPE_SCALING_TYPE), scaling[0], V.STRING))
+        items.append((key(names.ROPE_SCALING_FACTOR), scaling[1], V.FLOAT32))
     if config.get("sliding_window") and config.get("use_sliding_window", True):
-        items.append((f"{arch}.attention.sliding_window", int(config["sliding_window"]), V.UINT32))
+        items.append((key(names.SLIDING_WINDOW), int(config["sliding_window"]), V.UINT32))
     if drelu(config) and arch != "bamboo":
-        items.append(("hotcold.ffn_kind", "gated_both", V.STRING))
+        items.append((names.FFN_KIND, "gated_both", V.STRING))
     return items
 
 
 def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) -> list[tuple[str, Any]]:
     """(gguf name, loader returning a float torch tensor in GGUF numpy orientation)"""
-    plan: list[tuple[str, Any]] = [("token_embd.weight", lambda: ckpt.get("model.embed_tokens.weight"))]
+    plan: list[tuple[str, Any]] = [
+        (names.tensor(names.TOKEN_EMBD), lambda: ckpt.get("model.embed_tokens.weight"))
+    ]
     for i in range(config["num_hidden_layers"]):
-        hf, gg = f"model.layers.{i}.", f"blk.{i}."
+        hf = f"model.layers.{i}."
         plan += attention_tensors(config, ckpt, i)
         plan += [
-            (gg + "ffn_gate.weight", lambda n=hf + "mlp.gate_proj.weight": ckpt.get(n)),
-            (gg + "ffn_up.weight", lambda n=hf + "mlp.up_proj.weight": ckpt.get(n)),
+            (names.tensor(names.FFN_GATE, i), lambda n=hf + "mlp.gate_proj.weight": ckpt.get(n)),
+            (names.tensor(names.FFN_UP, i), lambda n=hf + "mlp.up_proj.weight": ckpt.get(n)),
         ]
+        down = hf + "mlp.down_proj.weight"
         if sparse_layout:
-            plan.append((gg + "ffn_down_t.weight", lambda n=hf + "mlp.down_proj.weight": ckpt.get(n).T))
+            plan.append((names.tensor(names.FFN_DOWN_T, i), lambda n=down: ckpt.get(n).T))
         else:
-            plan.append((gg + "ffn_down.weight", lambda n=hf + "mlp.down_proj.weight": ckpt.get(n)))
+            plan.append((names.tensor(names.FFN_DOWN, i), lambda n=down: ckpt.get(n)))
     plan += output_tensors(config, ckpt)
     return plan
 
@@ -105,19 +113,25 @@ def attention_tensors(config: dict[str, Any], ckpt: Checkpoint, i: int) -> list[
     """Layer i's norms and attention (shared with Mixtral, whose layers differ only in the FFN)."""
     n_head = config["num_attention_heads"]
     n_head_kv = config.get("num_key_value_heads") or n_head
-    hf, gg = f"model.layers.{i}.", f"blk.{i}."
+    hf = f"model.layers.{i}."
     return [
-        (gg + "attn_norm.weight", lambda n=hf + "input_layernorm.weight": ckpt.get(n)),
-        (gg + "attn_q.weight", lambda n=hf + "self_attn.q_proj.weight": permute(ckpt.get(n), n_head)),
-        (gg + "attn_k.weight", lambda n=hf + "self_attn.k_proj.weight": permute(ckpt.get(n), n_head_kv)),
-        (gg + "attn_v.weight", lambda n=hf + "self_attn.v_proj.weight": ckpt.get(n)),
-        (gg + "attn_output.weight", lambda n=hf + "self_attn.o_proj.weight": ckpt.get(n)),
-        (gg + "ffn_norm.weight", lambda n=hf + "post_attention_layernorm.weight": ckpt.get(n)),
+        (names.tensor(names.ATTN_NORM, i), lambda n=hf + "input_layernorm.weight": ckpt.get(n)),
+        (
+            names.tensor(names.ATTN_Q, i),
+            lambda n=hf + "self_attn.q_proj.weight": permute(ckpt.get(n), n_head),
+        ),
+        (
+            names.tensor(names.ATTN_K, i),
+            lambda n=hf + "self_attn.k_proj.weight": permute(ckpt.get(n), n_head_kv),
+        ),
+        (names.tensor(names.ATTN_V, i), lambda n=hf + "self_attn.v_proj.weight": ckpt.get(n)),
+        (names.tensor(names.ATTN_OUT, i), lambda n=hf + "self_attn.o_proj.weight": ckpt.get(n)),
+        (names.tensor(names.FFN_NORM, i), lambda n=hf + "post_attention_layernorm.weight": ckpt.get(n)),
     ]
 
 
 def output_tensors(config: dict[str, Any], ckpt: Checkpoint) -> list[tuple[str, Any]]:
-    plan: list[tuple[str, Any]] = [("output_norm.weight", lambda: ckpt.get("model.norm.weight"))]
+    plan: list[tuple[str, Any]] = [(names.tensor(names.OUTPUT_NORM), lambda: ckpt.get("model.norm.weight"))]
     if "lm_head.weight" in ckpt and not config.get("tie_word_embeddings", False):
-        plan.append(("output.weight", lambda: ckpt.get("lm_head.weight")))
+        plan.append((names.tensor(names.OUTPUT), lambda: ckpt.get("lm_head.weight")))
     return plan

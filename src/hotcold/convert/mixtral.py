@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from gguf import GGUFValueType as V
 
+from hotcold import names
 from hotcold.convert import llama
 from hotcold.convert.checkpoint import Checkpoint, ConvertError
 
@@ -45,15 +46,15 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
     n_expert, n_used = n_experts(config)
     return [
         *llama.metadata(config, arch),
-        (f"{arch}.expert_count", n_expert, V.UINT32),
-        (f"{arch}.expert_used_count", n_used, V.UINT32),
+        (names.key(names.EXPERT_COUNT, arch), n_expert, V.UINT32),
+        (names.key(names.EXPERT_USED_COUNT, arch), n_used, V.UINT32),
     ]
 
 
-def predictor_groups(config: dict[str, Any]) -> list[tuple[str, str]]:
-    """(subfolder of the predictor folder, GGUF name suffix) per expert."""
+def predictor_groups(config: dict[str, Any]) -> list[tuple[str, int | None]]:
+    """(subfolder of the predictor folder, expert index in the GGUF name) per expert."""
     n_expert, _ = n_experts(config)
-    return [(f"expert_{e}", f".{e}") for e in range(n_expert)]
+    return [(f"expert_{e}", e) for e in range(n_expert)]
 
 
 class _Experts:
@@ -86,23 +87,26 @@ class _Experts:
 def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) -> list[tuple[str, Any]]:
     n_expert, _ = n_experts(config)
     _, _, n_ff = dims(config)
-    plan: list[tuple[str, Any]] = [("token_embd.weight", lambda: ckpt.get("model.embed_tokens.weight"))]
+    plan: list[tuple[str, Any]] = [
+        (names.tensor(names.TOKEN_EMBD), lambda: ckpt.get("model.embed_tokens.weight"))
+    ]
+    stacked = {"gate": names.FFN_GATE_EXPS, "up": names.FFN_UP_EXPS, "down": names.FFN_DOWN_EXPS}
     for i in range(config["num_hidden_layers"]):
-        gg, ex = f"blk.{i}.", _Experts(ckpt, i, n_ff)
+        ex = _Experts(ckpt, i, n_ff)
         plan += llama.attention_tensors(config, ckpt, i)
-        plan.append((gg + "ffn_gate_inp.weight", ex.router))
+        plan.append((names.tensor(names.FFN_ROUTER, i), ex.router))
         if sparse_layout:
             for e in range(n_expert):
                 plan += [
-                    (f"{gg}ffn_gate.{e}.weight", lambda e=e, ex=ex: ex.get(e, "gate")),
-                    (f"{gg}ffn_up.{e}.weight", lambda e=e, ex=ex: ex.get(e, "up")),
-                    (f"{gg}ffn_down_t.{e}.weight", lambda e=e, ex=ex: ex.get(e, "down").T),
+                    (names.tensor(names.FFN_GATE, i, expert=e), lambda e=e, ex=ex: ex.get(e, "gate")),
+                    (names.tensor(names.FFN_UP, i, expert=e), lambda e=e, ex=ex: ex.get(e, "up")),
+                    (names.tensor(names.FFN_DOWN_T, i, expert=e), lambda e=e, ex=ex: ex.get(e, "down").T),
                 ]
         else:
-            for which in ("gate", "up", "down"):
+            for which, template in stacked.items():
                 plan.append(
                     (
-                        f"{gg}ffn_{which}_exps.weight",
+                        names.tensor(template, i),
                         lambda w=which, ex=ex: torch.stack([ex.get(e, w) for e in range(n_expert)]),
                     )
                 )

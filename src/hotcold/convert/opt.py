@@ -17,6 +17,7 @@ from typing import Any
 
 from gguf import GGUFValueType as V
 
+from hotcold import names
 from hotcold.convert.checkpoint import Checkpoint, ConvertError
 
 MODEL_TYPES = ("opt",)
@@ -58,14 +59,18 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
     _check(config)
     n_layer, n_embd, n_ff = dims(config)
     n_head = config["num_attention_heads"]
+
+    def key(template: str) -> str:
+        return names.key(template, arch)
+
     return [
-        (f"{arch}.context_length", int(config.get("max_position_embeddings", 2048)), V.UINT32),
-        (f"{arch}.embedding_length", n_embd, V.UINT32),
-        (f"{arch}.block_count", n_layer, V.UINT32),
-        (f"{arch}.feed_forward_length", n_ff, V.UINT32),
-        (f"{arch}.attention.head_count", n_head, V.UINT32),
-        (f"{arch}.attention.head_count_kv", n_head, V.UINT32),
-        (f"{arch}.attention.layer_norm_epsilon", LAYER_NORM_EPS, V.FLOAT32),
+        (key(names.CONTEXT_LENGTH), int(config.get("max_position_embeddings", 2048)), V.UINT32),
+        (key(names.EMBEDDING_LENGTH), n_embd, V.UINT32),
+        (key(names.BLOCK_COUNT), n_layer, V.UINT32),
+        (key(names.FEED_FORWARD_LENGTH), n_ff, V.UINT32),
+        (key(names.HEAD_COUNT), n_head, V.UINT32),
+        (key(names.HEAD_COUNT_KV), n_head, V.UINT32),
+        (key(names.LAYERNORM_EPS), LAYER_NORM_EPS, V.FLOAT32),
     ]
 
 
@@ -78,26 +83,29 @@ def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) ->
         return lambda: ckpt.get(name).T if transpose else ckpt.get(name)
 
     plan: list[tuple[str, Any]] = [
-        ("token_embd.weight", get(root + "embed_tokens.weight")),
-        ("position_embd.weight", get(root + "embed_positions.weight")),
+        (names.tensor(names.TOKEN_EMBD), get(root + "embed_tokens.weight")),
+        (names.tensor(names.POS_EMBD), get(root + "embed_positions.weight")),
+    ]
+    pairs = [
+        (names.ATTN_NORM, "self_attn_layer_norm"),
+        (names.ATTN_Q, "self_attn.q_proj"),
+        (names.ATTN_K, "self_attn.k_proj"),
+        (names.ATTN_V, "self_attn.v_proj"),
+        (names.ATTN_OUT, "self_attn.out_proj"),
+        (names.FFN_NORM, "final_layer_norm"),
+        (names.FFN_UP, "fc1"),
     ]
     for i in range(config["num_hidden_layers"]):
-        hf, gg = f"{root}layers.{i}.", f"blk.{i}."
-        pairs = [
-            ("attn_norm", "self_attn_layer_norm"),
-            ("attn_q", "self_attn.q_proj"),
-            ("attn_k", "self_attn.k_proj"),
-            ("attn_v", "self_attn.v_proj"),
-            ("attn_output", "self_attn.out_proj"),
-            ("ffn_norm", "final_layer_norm"),
-            ("ffn_up", "fc1"),
-        ]
+        hf = f"{root}layers.{i}."
         for ours, theirs in pairs:
-            plan += [(f"{gg}{ours}.{s}", get(f"{hf}{theirs}.{s}")) for s in ("weight", "bias")]
-        down = "ffn_down_t" if sparse_layout else "ffn_down"  # the rename hits the bias too
-        plan.append((f"{gg}{down}.weight", get(hf + "fc2.weight", transpose=sparse_layout)))
-        plan.append((f"{gg}{down}.bias", get(hf + "fc2.bias")))
-    plan += [(f"output_norm.{s}", get(f"{root}final_layer_norm.{s}")) for s in ("weight", "bias")]
+            plan += [(names.tensor(ours, i, s), get(f"{hf}{theirs}.{s}")) for s in ("weight", "bias")]
+        down = names.FFN_DOWN_T if sparse_layout else names.FFN_DOWN  # the rename hits the bias too
+        plan.append((names.tensor(down, i), get(hf + "fc2.weight", transpose=sparse_layout)))
+        plan.append((names.tensor(down, i, "bias"), get(hf + "fc2.bias")))
+    plan += [
+        (names.tensor(names.OUTPUT_NORM, suffix=s), get(f"{root}final_layer_norm.{s}"))
+        for s in ("weight", "bias")
+    ]
     if "lm_head.weight" in ckpt and not config.get("tie_word_embeddings", True):
-        plan.append(("output.weight", get("lm_head.weight")))
+        plan.append((names.tensor(names.OUTPUT), get("lm_head.weight")))
     return plan

@@ -19,12 +19,13 @@ from tqdm import tqdm
 from hotcold import quants
 from hotcold.convert import FILE_TYPES, OUTTYPES, encode, tensor_type
 from hotcold.gguf_io import ModelFile, TensorEntry, TensorSpec, as_torch, metadata_items, write_model_file
+from hotcold.kernels import cpu
 
 
 def _source_floats(entry: TensorEntry) -> torch.Tensor:
     value = as_torch(entry)
-    if isinstance(value, quants.QuantTensor):
-        return value.dequantize().reshape(entry.shape)
+    if isinstance(value, quants.QuantTensor):  # the C kernels when built (same bits as value.dequantize())
+        return cpu.dequantize_rows(value).reshape(entry.shape)
     return value.float()
 
 

@@ -265,7 +265,10 @@ def _pre_name(pre: dict | None, path: Path) -> str:
         if regex(steps[0]) in known:
             return known[regex(steps[0])]
     logger.warning(
-        "%s: pre-tokenizer %s is not one hotcold knows; writing tokenizer.ggml.pre = 'default'", path, kinds
+        "%s: pre-tokenizer %s is not one hotcold knows; writing %s = 'default'",
+        path,
+        kinds,
+        gguf.Keys.Tokenizer.PRE,
     )
     return "default"
 

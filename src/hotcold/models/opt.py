@@ -12,71 +12,55 @@ LayerNorm eps: PowerInfer's converter stores none (its runtime then uses 0); hot
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from hotcold import names
 from hotcold.config import ModelConfig
-from hotcold.gguf_io import ModelFile
-from hotcold.models.layers import KVCache, LinearGroup, Weight, attention, layer_norm, linear
-from hotcold.models.llama import embed
+from hotcold.gguf_io import GGUFError
+from hotcold.models.base import FFNMaker, Head, new_sequence
+from hotcold.ops import LinearGroup, Norm, Weight, attention, check_context, embed, linear
 from hotcold.quants import QuantTensor
-from hotcold.sparse.ffn import FFNFactory, FFNWeights
-from hotcold.sparse.predictor import Predictor, load_predictor
+from hotcold.state import SequenceState
+from hotcold.weights import TensorSource
 
 POSITION_OFFSET = 2  # OPT's learned positions start at row 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class OPTLayer:
-    attn_norm: torch.Tensor  # [D]
-    attn_norm_b: torch.Tensor
-    wq: Weight  # [D, D]
-    bq: torch.Tensor
-    wk: Weight
-    bk: torch.Tensor
-    wv: Weight
-    bv: torch.Tensor
+    attn_norm: Norm  # LayerNorm with bias
+    qkv: LinearGroup  # wq, wk, wv [D, D]: one C call on the CPU
+    q_bias: torch.Tensor
+    k_bias: torch.Tensor
+    v_bias: torch.Tensor
     wo: Weight
-    bo: torch.Tensor
-    ffn_norm: torch.Tensor
-    ffn_norm_b: torch.Tensor
-    ffn_weights: FFNWeights
-    predictor: Predictor | None
-    ffn: object  # DenseFFN / SparseFFN / HybridFFN, chosen by the loader
-    device: torch.device = torch.device("cpu")  # where the loader put this layer's attention
-    qkv: LinearGroup = field(default_factory=LinearGroup)  # q, k and v in one C call on the CPU
+    wo_bias: torch.Tensor
+    ffn: object  # an FFN: ffn(x, seq) owns ffn_norm
+    device: torch.device
 
 
 class OPT:
     def __init__(
-        self,
-        config: ModelConfig,
-        token_embd: Weight,
-        position_embd: torch.Tensor,
-        layers: list[OPTLayer],
-        output_norm: torch.Tensor,
-        output_norm_b: torch.Tensor,
-        output: Weight,
+        self, config: ModelConfig, token_embd: Weight, position_embd: torch.Tensor, layers: list[OPTLayer], head, plan
     ):
         self.config = config
         self.token_embd = token_embd
-        self.position_embd = position_embd.float()  # [P + 2, D]
+        self.position_embd = position_embd  # [P + 2, D] float32
         self.layers = layers
-        self.output_norm = output_norm
-        self.output_norm_b = output_norm_b
-        self.output = output
-        self.output_device = torch.device("cpu")
+        self.head: Head = head
+        self.plan = plan
 
     @property
     def max_positions(self) -> int:
         return self.position_embd.shape[0] - POSITION_OFFSET
 
-    def new_cache(self, n_ctx: int) -> KVCache:
-        return KVCache.for_layers(self.config, self.layers, n_ctx)
+    def new_sequence(self, n_ctx: int) -> SequenceState:
+        return new_sequence(self.config, self.plan, n_ctx)
 
     def forward(
-        self, tokens: torch.Tensor, pos: int, cache: KVCache, *, last_only: bool = False
+        self, tokens: torch.Tensor, pos: int, seq: SequenceState, *, last_only: bool = False
     ) -> torch.Tensor:
         """tokens [T] at positions pos..pos+T-1 -> logits [T, V] (or [1, V] with last_only)."""
         c = self.config
@@ -86,76 +70,43 @@ class OPT:
             raise ValueError(
                 f"context overflow: position {pos + T} exceeds OPT's {self.max_positions} learned positions"
             )
-        x = (
-            embed(self.token_embd, tokens)
-            + self.position_embd[pos + POSITION_OFFSET : pos + T + POSITION_OFFSET]
-        )
+        check_context(pos + T, seq.kv.n_ctx)
+        rows = slice(pos + POSITION_OFFSET, pos + T + POSITION_OFFSET)
+        x = embed(self.token_embd, tokens) + self.position_embd[rows]
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
-            h = layer_norm(x, layer.attn_norm, layer.attn_norm_b, c.norm_eps)
-            q, k, v = layer.qkv(h, [layer.wq, layer.wk, layer.wv])
-            q, k, v = ((t + b).view(T, H, Dh) for t, b in ((q, layer.bq), (k, layer.bk), (v, layer.bv)))
-            x = x + linear(attention(q, k, v, cache, i, pos), layer.wo, layer.bo)
-            ffn_in = layer_norm(x, layer.ffn_norm, layer.ffn_norm_b, c.norm_eps)
-            x = x + layer.ffn(ffn_in, x)
-        if last_only:
-            x = x[-1:]
-        x = x.to(self.output_device)
-        out = linear(layer_norm(x, self.output_norm, self.output_norm_b, c.norm_eps), self.output)
-        return out.float().cpu()
+            q, k, v = layer.qkv(x, layer.attn_norm)
+            q, k, v = ((t + b).view(T, H, Dh) for t, b in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)))
+            x = x + linear(attention(q, k, v, seq.kv.k[i], seq.kv.v[i], pos), layer.wo, layer.wo_bias)
+            x = x + layer.ffn(x, seq)
+        return self.head(x, last_only=last_only)
 
 
-def build(model_file: ModelFile, config: ModelConfig, ffn_factory: FFNFactory) -> OPT:
-    c = config
-    D, F, V = c.n_embd, c.n_ff, c.n_vocab
+def build(src: TensorSource, make_ffn: FFNMaker) -> OPT:
+    c = src.config
+    D = c.n_embd
     if c.n_head_kv != c.n_head:
-        raise ValueError(f"{model_file.path}: OPT has no grouped KV heads (head_count_kv {c.n_head_kv})")
-    t, names = model_file.tensor, model_file.tensors
-
-    def vec(name: str, n: int = D) -> torch.Tensor:
-        return t(name, (n,)).float()
-
+        raise GGUFError(f"{src.path}: OPT has no grouped KV heads (head_count_kv {c.n_head_kv})")
     layers = []
     for i in range(c.n_layer):
-        p = f"blk.{i}."
-        sparse_layout = f"{p}ffn_down_t.weight" in names
-        down = "ffn_down_t" if sparse_layout else "ffn_down"
-        weights = FFNWeights(
-            up=t(p + "ffn_up.weight", (F, D)),
-            gate=None,
-            down_t=t(p + "ffn_down_t.weight", (F, D)) if sparse_layout else None,
-            down=None if sparse_layout else t(p + "ffn_down.weight", (D, F)),
-            up_bias=vec(p + "ffn_up.bias", F),
-            down_bias=vec(p + down + ".bias"),
-            kind="plain",
-            activation=c.ffn_activation,
-        )
-        predictor = load_predictor(model_file, i, D, F, c.sparse_threshold) if c.sparse else None
+        w = {t: src.attention(t, i, (D, D)) for t in (names.ATTN_Q, names.ATTN_K, names.ATTN_V, names.ATTN_OUT)}
+        b = {t: src.attention(t, i, (D,), "bias") for t in w}
+        ffn_norm = src.norm(names.FFN_NORM, i, rms=False, bias=True)
         layers.append(
             OPTLayer(
-                attn_norm=vec(p + "attn_norm.weight"),
-                attn_norm_b=vec(p + "attn_norm.bias"),
-                wq=t(p + "attn_q.weight", (D, D)),
-                bq=vec(p + "attn_q.bias"),
-                wk=t(p + "attn_k.weight", (D, D)),
-                bk=vec(p + "attn_k.bias"),
-                wv=t(p + "attn_v.weight", (D, D)),
-                bv=vec(p + "attn_v.bias"),
-                wo=t(p + "attn_output.weight", (D, D)),
-                bo=vec(p + "attn_output.bias"),
-                ffn_norm=vec(p + "ffn_norm.weight"),
-                ffn_norm_b=vec(p + "ffn_norm.bias"),
-                ffn_weights=weights,
-                predictor=predictor,
-                ffn=ffn_factory(i, weights, predictor),
+                attn_norm=src.norm(names.ATTN_NORM, i, rms=False, bias=True),
+                qkv=LinearGroup([w[names.ATTN_Q], w[names.ATTN_K], w[names.ATTN_V]]),
+                q_bias=b[names.ATTN_Q],
+                k_bias=b[names.ATTN_K],
+                v_bias=b[names.ATTN_V],
+                wo=w[names.ATTN_OUT],
+                wo_bias=b[names.ATTN_OUT],
+                ffn=make_ffn(i, src.ffn(i, gated=False, biases=True), src.predictor(i), ffn_norm),
+                device=src.layer_device(i),
             )
         )
-    token_embd = t("token_embd.weight", (V, D))
-    positions = model_file.entry("position_embd.weight").shape[0]
-    position_embd = t("position_embd.weight", (positions, D))
-    if isinstance(position_embd, QuantTensor):
-        position_embd = position_embd.dequantize()
-    output = t("output.weight", (V, D)) if "output.weight" in names else token_embd
-    return OPT(
-        c, token_embd, position_embd, layers, vec("output_norm.weight"), vec("output_norm.bias"), output
-    )
+    positions = src.file.entry(names.tensor(names.POS_EMBD)).shape[0]
+    position_embd = src.raw(names.POS_EMBD, None, (positions, D))
+    position_embd = position_embd.dequantize() if isinstance(position_embd, QuantTensor) else position_embd.float()
+    head = Head(src.output_norm(rms=False, bias=True), src.output())
+    return OPT(c, src.token_embd(), position_embd, layers, head, src.plan)

@@ -5,15 +5,19 @@ where its cache lives) from layer 0 up; then the predictors of layers on the GPU
 what is left goes to hot FFN rows (the solver picks them). A unit that does not fit is skipped and the
 walk goes on (the original stops at the first miss and then silently disables the FFN split). The
 compute scratch space is reserved first, so `--vram-budget 8` never allocates much more than 8 GiB.
-Pure function of sizes: no device is touched here.
+What a tensor costs once placed comes from the device policy (hotcold.device), the same rules the loader
+places by. Pure functions of sizes, except `default_budget_bytes`, which asks CUDA for its free memory.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
+import torch
+
+from hotcold import names
 from hotcold.config import ModelConfig
+from hotcold.device import kv_dtype, placed_nbytes
 from hotcold.gguf_io import ModelFile
 
 GIB = 1 << 30
@@ -52,20 +56,14 @@ def layer_tensor_groups(
     model_file: ModelFile, n_layer: int
 ) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
     """Per layer: dense (attention + norms) tensor names, predictor names, FFN matrix names."""
-    dense, pred, ffn = (
-        [[] for _ in range(n_layer)],
-        [[] for _ in range(n_layer)],
-        [[] for _ in range(n_layer)],
-    )
+    dense, pred, ffn = ([[] for _ in range(n_layer)] for _ in range(3))
     for name in model_file.tensors:
-        if not name.startswith("blk."):
+        layer = names.block_of(name)
+        if layer is None or layer >= n_layer:
             continue
-        layer = int(name.split(".")[1])
-        if layer >= n_layer:
-            continue
-        if ".fc1." in name or ".fc2." in name:
+        if names.template_of(name, names.PREDICTOR_MATRICES):
             pred[layer].append(name)
-        elif any(k in name for k in ("ffn_up", "ffn_gate", "ffn_down", "_exps")):
+        elif names.template_of(name, names.FFN_MATRICES):
             ffn[layer].append(name)
         else:
             dense[layer].append(name)
@@ -83,14 +81,19 @@ def kv_bytes_per_layer(config: ModelConfig, ctx_size: int, dtype_bytes: int) -> 
     return 2 * ctx_size * config.n_head_kv * config.head_dim * dtype_bytes
 
 
-def placed_sizes(model_file: ModelFile, dequantize_blocks: bool) -> dict[str, int]:
-    """Bytes each tensor takes once placed: dense GPU matmuls run on fp16 copies of block-quantized
-    matrices (loader._move), so those cost 2 bytes a value, not their file bytes."""
-    sizes = {}
-    for name, e in model_file.tensors.items():
-        blocks = e.qtype.name not in ("F32", "F16", "BF16") and len(e.shape) >= 2
-        sizes[name] = 2 * math.prod(e.shape) if dequantize_blocks and blocks else e.n_bytes
-    return sizes
+def placed_sizes(model_file: ModelFile, device_type: str) -> dict[str, int]:
+    """Bytes each tensor takes once placed on a device of `device_type` (hotcold.device.placed_nbytes)."""
+    return {
+        name: placed_nbytes(e.qtype.name, tuple(e.shape), e.n_bytes, device_type)
+        for name, e in model_file.tensors.items()
+    }
+
+
+def output_tensors(model_file: ModelFile) -> list[str]:
+    """The head's tensors; a tied head needs its own copy of the embedding on the GPU."""
+    out = [names.tensor(names.OUTPUT_NORM), names.tensor(names.OUTPUT_NORM, suffix="bias")]
+    head = names.tensor(names.OUTPUT) if names.tensor(names.OUTPUT) in model_file.tensors else names.tensor(names.TOKEN_EMBD)
+    return [n for n in [*out, head] if n in model_file.tensors]
 
 
 def plan_budget(
@@ -99,15 +102,15 @@ def plan_budget(
     budget_bytes: int,
     *,
     ctx_size: int,
-    on_gpu: bool = True,
+    device_type: str = "cuda",
 ) -> BudgetPlan:
+    """device_type: the fast device's type ("cuda"; tests use "cpu", a stand-in that keeps the file's
+    blocks and float32 KV)."""
     if budget_bytes < 0:
         raise ValueError(f"VRAM budget must be >= 0, got {budget_bytes} bytes")
     L = config.n_layer
     dense, pred, ffn = layer_tensor_groups(model_file, L)
-    # what the loader does on a GPU: fp16 KV cache and fp16 copies of block-quantized matrices;
-    # a CPU stand-in keeps fp32 KV and the file's blocks
-    size = placed_sizes(model_file, dequantize_blocks=on_gpu)
+    size = placed_sizes(model_file, device_type)
     file_bytes = {name: e.n_bytes for name, e in model_file.tensors.items()}  # hot rows stay in their format
     left = budget_bytes
     scratch = scratch_bytes(config)
@@ -116,7 +119,7 @@ def plan_budget(
         left = 0
     else:
         left -= scratch
-    kv = kv_bytes_per_layer(config, ctx_size, 2 if on_gpu else 4)
+    kv = kv_bytes_per_layer(config, ctx_size, kv_dtype(torch.device(device_type)).itemsize)
     layer_on_gpu = []
     for i in range(L):
         need = sum(size[n] for n in dense[i]) + kv
@@ -133,10 +136,7 @@ def plan_budget(
         if fits:
             left -= need
             spent["predictors"] += need
-    out_names = [n for n in ("output.weight", "output_norm.weight", "output_norm.bias") if n in size]
-    if "output.weight" not in size and "token_embd.weight" in size:
-        out_names.append("token_embd.weight")  # tied head: the GPU needs its own copy
-    need = sum(size[n] for n in out_names)
+    need = sum(size[n] for n in output_tensors(model_file))
     output_on_gpu = need <= left  # the head is large and x is one row: worth a copy even from a CPU layer
     if output_on_gpu:
         left -= need
@@ -164,10 +164,10 @@ def dense_layers_fitting(
     """For dense execution with layer offload (llama.cpp's -ngl): how many whole layers, counted from the
     last, fit in the budget after the scratch space and the output head."""
     dense, pred, ffn = layer_tensor_groups(model_file, config.n_layer)
-    size = placed_sizes(model_file, dequantize_blocks=True)
+    size = placed_sizes(model_file, "cuda")
     left = budget_bytes - scratch_bytes(config)
-    left -= sum(size.get(n, 0) for n in ("output.weight", "output_norm.weight", "output_norm.bias"))
-    kv = kv_bytes_per_layer(config, ctx_size, 2)
+    left -= sum(size[n] for n in output_tensors(model_file))
+    kv = kv_bytes_per_layer(config, ctx_size, kv_dtype(torch.device("cuda")).itemsize)
     n = 0
     for i in reversed(range(config.n_layer)):
         need = sum(size[t] for t in dense[i] + ffn[i]) + kv

@@ -19,9 +19,10 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
+from hotcold import names
 from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, write_model_file
 
-ARCH = "generic.gpu_index"
+ARCH = names.GPU_INDEX_ARCH
 
 
 def gpuidx_path(model_path: str | os.PathLike[str]) -> Path:
@@ -53,16 +54,16 @@ def source_signature(model_path: Path, activation_dir: Path | None) -> dict[str,
             digest.update(path.name.encode())
             digest.update(path.read_bytes())
     return {
-        "hotcold.model_size": str(stat.st_size),
-        "hotcold.model_mtime_ns": str(stat.st_mtime_ns),
-        "hotcold.activation_sha256": digest.hexdigest(),
+        names.MODEL_SIZE: str(stat.st_size),
+        names.MODEL_MTIME_NS: str(stat.st_mtime_ns),
+        names.ACTIVATION_SHA256: digest.hexdigest(),
     }
 
 
 def write_gpuidx(path: str | os.PathLike[str], placement: Placement) -> Path:
     meta = [
-        (f"{ARCH}.block_count", placement.n_layer, V.UINT32),
-        ("split.vram_capacity", int(placement.vram_capacity), V.UINT64),
+        (names.key(names.BLOCK_COUNT, ARCH), placement.n_layer, V.UINT32),
+        (names.VRAM_CAPACITY, int(placement.vram_capacity), V.UINT64),
         *[(k, v, V.STRING) for k, v in placement.source.items()],
     ]
     specs = []
@@ -70,19 +71,19 @@ def write_gpuidx(path: str | os.PathLike[str], placement: Placement) -> Path:
         gpu_idx = np.zeros(n_ff, dtype=np.int32)
         gpu_idx[hot] = 1
         bucket = np.sort(hot).astype(np.int32)
-        specs.append(TensorSpec(f"blk.{i}.gpu_idx", (n_ff,), Q.I32, lambda a=gpu_idx: a))
-        specs.append(TensorSpec(f"blk.{i}.gpu_bucket", (len(bucket),), Q.I32, lambda a=bucket: a))
+        specs.append(TensorSpec(names.bare(names.GPU_IDX, i), (n_ff,), Q.I32, lambda a=gpu_idx: a))
+        specs.append(TensorSpec(names.bare(names.GPU_BUCKET, i), (len(bucket),), Q.I32, lambda a=bucket: a))
     return write_model_file(path, ARCH, meta, specs, sparse=True)
 
 
 def read_gpuidx(path: str | os.PathLike[str]) -> Placement:
     mf = ModelFile(path)
-    if mf.metadata.get("general.architecture") != ARCH:
+    if mf.metadata.get(names.ARCHITECTURE) != ARCH:
         raise GGUFError(
-            f"{path}: not a GPU index file (general.architecture is {mf.metadata.get('general.architecture')!r})"
+            f"{path}: not a GPU index file ({names.ARCHITECTURE} is {mf.metadata.get(names.ARCHITECTURE)!r})"
         )
-    if "split.vram_capacity" not in mf.metadata:
-        raise GGUFError(f"{path}: missing metadata key split.vram_capacity")
+    if names.VRAM_CAPACITY not in mf.metadata:
+        raise GGUFError(f"{path}: missing metadata key {names.VRAM_CAPACITY}")
     entries = list(mf.tensors.values())
     if len(entries) % 2:
         raise GGUFError(f"{path}: {len(entries)} tensors, expected gpu_idx/gpu_bucket pairs")
@@ -95,5 +96,5 @@ def read_gpuidx(path: str | os.PathLike[str]) -> Placement:
             raise GGUFError(f"{path}: layer {i}: gpu_bucket does not list the neurons gpu_idx marks")
         hot.append(np.sort(bucket))
         n_ff.append(len(idx))
-    source = {k: v for k, v in mf.metadata.items() if k.startswith("hotcold.")}
-    return Placement(hot, n_ff, int(mf.metadata["split.vram_capacity"]), source)
+    source = {k: v for k, v in mf.metadata.items() if k.startswith(names.HOTCOLD_PREFIX)}
+    return Placement(hot, n_ff, int(mf.metadata[names.VRAM_CAPACITY]), source)

@@ -13,13 +13,12 @@ import logging
 import math
 import os
 import tempfile
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from hotcold.sparse.ffn import DenseFFN, Observer
+from hotcold.state import Observer
 
 log = logging.getLogger(__name__)
 
@@ -130,15 +129,14 @@ def window_ctx(requested: int | None, n_ctx_train: int) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-def dense_ffns(llm) -> list[DenseFFN]:
-    """The per-layer DenseFFN objects of a model loaded with dense=True (they call observers)."""
+def ffn_widths(llm) -> list[int]:
+    """n_ff of every layer whose FFN the dense pass observes (MoE experts are not observed one by one)."""
+    if llm.config.n_expert:
+        raise ValueError(f"{llm.path}: observing the activations of mixture-of-experts layers is not supported")
     layers = getattr(llm.loaded.model, "layers", None)
     if not layers:
         raise ValueError(f"{llm.path}: the model has no per-layer FFNs to observe")
-    ffns = [layer.ffn for layer in layers]
-    if not all(isinstance(f, DenseFFN) for f in ffns):
-        raise ValueError(f"{llm.path}: load the model with dense=True to observe its true activations")
-    return ffns
+    return [layer.ffn.n_ff for layer in layers]
 
 
 def check_relu(llm) -> None:
@@ -150,28 +148,15 @@ def check_relu(llm) -> None:
         )
 
 
-@contextmanager
-def observing(ffns: Sequence[DenseFFN], observers: Sequence[Observer | None]) -> Iterator[None]:
-    """Install one observer per layer (None: leave that layer alone) for the duration of the block."""
-    saved = [f.observer for f in ffns]
-    try:
-        for f, obs in zip(ffns, observers):
-            if obs is not None:
-                f.observer = obs
-        yield
-    finally:
-        for f, obs in zip(ffns, saved):
-            f.observer = obs
-
-
-def run_windows(llm, windows: Sequence[list[int]], *, desc: str, progress: bool) -> None:
-    """One dense forward per window (the observers see every token), with a progress bar in tokens."""
+def run_windows(llm, windows: Sequence[list[int]], observe: Observer, *, desc: str, progress: bool) -> None:
+    """One dense forward per window (every FFN neuron computed, `observe` sees every layer's true
+    activations), with a progress bar in tokens. Works on a model loaded sparse or dense."""
     from tqdm import tqdm
 
     total = sum(len(w) for w in windows)
     with tqdm(total=total, desc=desc, unit="tok", disable=not progress) as bar:
         for window in windows:
-            llm.logits(window)
+            llm.engine.logits(window, observe=observe)
             bar.update(len(window))
 
 
@@ -188,21 +173,17 @@ def profile_activations(
     `llm` is a hotcold Model loaded with dense=True; `ids` the corpus tokens (see corpus_tokens), run in
     non-overlapping windows of ctx tokens that each start with BOS (BOS positions are counted too)."""
     check_relu(llm)
-    ffns = dense_ffns(llm)
+    widths = ffn_widths(llm)
     ctx = window_ctx(ctx, llm.config.n_ctx_train)
     if ctx > llm.ctx_size:
         raise ValueError(f"window of {ctx} tokens is longer than the model's context size {llm.ctx_size}")
-    counts = [torch.zeros(f.weights.n_ff, dtype=torch.int64) for f in ffns]
+    counts = [torch.zeros(n_ff, dtype=torch.int64) for n_ff in widths]
 
-    def counter(i: int) -> Observer:
-        def observe(_x: torch.Tensor, _p: torch.Tensor, a: torch.Tensor) -> None:  # a: [T, F]
-            counts[i] += (a != 0).sum(0)
-
-        return observe
+    def observe(layer: int, _x: torch.Tensor, _p: torch.Tensor, a: torch.Tensor) -> None:  # a: [T, F]
+        counts[layer] += (a != 0).sum(0).cpu()
 
     windows = token_windows(ids, ctx, llm.tokenizer.bos_id)
-    with observing(ffns, [counter(i) for i in range(len(ffns))]):
-        run_windows(llm, windows, desc="profiling", progress=progress)
+    run_windows(llm, windows, observe, desc="profiling", progress=progress)
     n_tokens = sum(len(w) for w in windows)
     for i, c in enumerate(counts):
         log.info(

@@ -1,36 +1,42 @@
 """The FFN block of every family, computed densely (the reference) or sparsely (only firing neurons).
 
-A family says how gate and up combine (`kind`) and which activation it uses; the loader chooses dense,
-sparse or hybrid. Neuron i is row i of up, gate and down_t.
+One call for every kind: `ffn(x, seq)` with x the residual stream [T, D] and seq the sequence's state;
+the FFN applies its own norm (as an mlx-lm block owns its post-attention norm), feeds the un-normed x to
+its predictor (every family's predictor input is the residual the FFN receives: reference §0 fact 5),
+counts what it computed into seq, and returns its output [T, D] on x's device. `ffn.apply(h, p, seq)`
+takes an already-normed input (MoE experts). A family says how gate and up combine (`kind`) and which
+activation it uses; the loader chooses dense, sparse or hybrid. Neuron i is row i of up, gate and down_t.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from hotcold.kernels import cpu
-from hotcold.models.layers import C_NORM_MAX_TOKENS, LinearGroup, Weight, linear, rms_norm, uses_c_kernels
+from hotcold.names import FFN_KINDS
+from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
 from hotcold.sparse.predictor import Predictor
+from hotcold.state import SequenceState
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu,
     "silu": F.silu,
     "gelu": F.gelu,
 }
-
-# how a family combines its projections:
-#   gated       act(gate) * up            (llama, ProSparse, mistral)
-#   gated_both  act(gate) * act(up)       (bamboo, TurboSparse dReLU)
-#   plain       act(up + b_up)            (falcon, opt)
-KINDS = ("gated", "gated_both", "plain")
+CPU = torch.device("cpu")
 
 
 @dataclass
 class FFNWeights:
+    """How a family combines its projections (`kind`):
+    gated       act(gate) * up            (llama, ProSparse, mistral)
+    gated_both  act(gate) * act(up)       (bamboo, TurboSparse dReLU)
+    plain       act(up + b_up)            (falcon, opt)"""
+
     up: Weight  # [F, D]
     gate: Weight | None  # [F, D]
     down_t: Weight | None  # [F, D]: row i = neuron i's output direction (PowerInfer layout)
@@ -41,8 +47,8 @@ class FFNWeights:
     activation: str = "relu"
 
     def __post_init__(self):
-        if self.kind not in KINDS:
-            raise ValueError(f"unknown FFN kind {self.kind!r}; expected one of {KINDS}")
+        if self.kind not in FFN_KINDS:
+            raise ValueError(f"unknown FFN kind {self.kind!r}; expected one of {FFN_KINDS}")
         if self.kind != "plain" and self.gate is None:
             raise ValueError(f"FFN kind {self.kind!r} needs a gate projection")
         if (self.down_t is None) == (self.down is None):
@@ -62,162 +68,184 @@ class FFNWeights:
             return act(gate) * act(up)
         return act(up)
 
+    def add_down_bias(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.down_bias is None else out + self.down_bias.to(out.device)
 
-@dataclass
-class FFNStats:
-    """Neurons computed vs neurons in the layer, summed over tokens (for the reported firing rate)."""
 
-    computed: int = 0
-    total: int = 0
+# ------------------------------------------------------------------------------------------------
+# The steps: dense, and the one sparse step (CPU path and both halves of the hybrid path)
+# ------------------------------------------------------------------------------------------------
+
+
+def dense_step(w: FFNWeights, h: torch.Tensor, up_gate: LinearGroup) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every neuron: (output [T, D] without the down bias, activation [T, F])."""
+    if w.gate is not None:
+        up, gate = up_gate(h)
+    else:
+        up, gate = linear(h, w.up), None
+    a = w.combine(up, gate)
+    if w.down is not None:
+        return linear(a, w.down), a
+    down_t = w.down_t
+    if isinstance(down_t, torch.Tensor) and (down_t.dtype == torch.float32 or down_t.device.type != "cpu"):
+        return (a.to(down_t.dtype) @ down_t).float(), a
+    return cpu.sparse_axpy(down_t, a, None), a
+
+
+def row_plan(w: FFNWeights) -> cpu.SparseFFNPlan | None:
+    """The sparse step as one C call for a given mask, where it applies: ReLU, CPU weights of the
+    kernels' types, the C backend. Built at load; None means `sparse_step` runs it op by op."""
+    if w.activation != "relu" or w.down_t is None or cpu.backend() != "c":
+        return None
+    if any(m is not None and _device(m).type != "cpu" for m in (w.up, w.gate, w.down_t)):
+        return None
+    try:
+        return cpu.SparseFFNPlan(w.up, w.gate, w.down_t, kind=w.kind, up_bias=w.up_bias)
+    except ValueError:  # a weight type without a C kernel
+        return None
+
+
+def sparse_step(
+    w: FFNWeights, h: torch.Tensor, mask: torch.Tensor, plan: cpu.SparseFFNPlan | None, threads: int | None
+) -> torch.Tensor:
+    """The rows of `mask` [T, F] only: gate first (where relu(gate) is 0, a predictor's false positive, up
+    need not be read), up, the activation, the axpy over down_t -> [T, D] without the down bias. On the
+    CPU. `plan` (row_plan) does the same in one C call, bit for bit."""
+    if plan is not None:
+        return plan(h, rows=mask, threads=threads)[0]
+    live, gate = mask, None
+    if w.gate is not None:
+        gate = cpu.gather_matvec(w.gate, h, mask, threads=threads)
+        if w.activation == "relu":
+            live = mask & (torch.relu(gate) != 0)
+    up = cpu.gather_matvec(w.up, h, live, threads=threads)
+    # inactive neurons contribute exactly 0, even where a bias would make act(b) nonzero (OPT)
+    a = torch.where(live, w.combine(up, gate), 0.0)
+    return cpu.sparse_axpy(w.down_t, a, live, threads=threads)
+
+
+def _device(weight: Weight) -> torch.device:
+    return weight.device if isinstance(weight, torch.Tensor) else weight.data.device
+
+
+# ------------------------------------------------------------------------------------------------
+# The FFN kinds
+# ------------------------------------------------------------------------------------------------
+
+
+class FFN:
+    """Base of every FFN kind: `ffn(x, seq)` norms x and calls `apply(h, p, seq)`.
+
+    layer: the layer index (seq's counts and records are per layer); expert: the expert index inside a
+    MoE layer (experts are not observed one by one, and their masks are not kept)."""
+
+    weights: FFNWeights
+    norm: Norm | None
+    layer: int
+    expert: int | None
+
+    def __call__(self, x: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+        return self.apply(self.norm(x) if self.norm is not None else x, x, seq)
+
+    def apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+        raise NotImplementedError
 
     @property
-    def rate(self) -> float:
-        return self.computed / self.total if self.total else 0.0
+    def n_ff(self) -> int:
+        return self.weights.n_ff
+
+    def _dense(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState, up_gate: LinearGroup):
+        out, a = dense_step(self.weights, h, up_gate)
+        if seq.observe is not None and self.expert is None:
+            seq.observe(self.layer, h, p, a)
+        seq.count(self.layer, a.numel(), a.numel())
+        return self.weights.add_down_bias(out)
 
 
-# observer(ffn_input [T, D], pred_input [T, D], activation [T, F]): sees the true activations of a dense
-# forward; profiling and predictor training use it.
-Observer = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None]
-
-
-class DenseFFN:
+class DenseFFN(FFN):
     """Every neuron: the reference path (`--dense`) and the path for dense GGUF files."""
 
-    def __init__(self, weights: FFNWeights):
-        self.weights = weights
-        self.stats = FFNStats()
-        self.observer: Observer | None = None
-        self.up_gate = LinearGroup()  # up and gate in one C call on the CPU
+    def __init__(self, weights: FFNWeights, *, layer: int, norm: Norm | None = None, expert: int | None = None):
+        self.weights, self.norm, self.layer, self.expert = weights, norm, layer, expert
+        self.up_gate = LinearGroup([weights.up, weights.gate]) if weights.gate is not None else None
 
-    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor | None = None) -> torch.Tensor:
-        w = self.weights
-        if w.gate is not None:
-            up, gate = self.up_gate(x, [w.up, w.gate])
-        else:
-            up, gate = linear(x, w.up), None
-        a = w.combine(up, gate)
-        if self.observer is not None:
-            self.observer(x, pred_input, a)
-        if w.down is not None:
-            out = linear(a, w.down)
-        else:
-            out = down_projection(w.down_t, a, None)
-        self.stats.computed += a.numel()
-        self.stats.total += a.numel()
-        return out + w.down_bias if w.down_bias is not None else out
+    def apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+        return self._dense(h, p, seq, self.up_gate)
 
 
-class SparseFFN:
-    """Only the neurons the predictor selects, per token: row-gather GEMV for up/gate, axpy over down_t."""
+class SparseFFN(FFN):
+    """Only the neurons the predictor selects, per token, on the CPU: row-gather GEMV for gate and up, axpy
+    over down_t. For a few tokens with a CPU predictor of the kernels' types the whole step (predictor,
+    norm included) is one C call, same bits as op by op."""
 
     def __init__(
         self,
         weights: FFNWeights,
-        predictor: Callable[[torch.Tensor], torch.Tensor],
+        predictor: Predictor,
         *,
+        layer: int,
+        norm: Norm | None = None,
         threads: int | None = None,
+        expert: int | None = None,
     ):
         if weights.down_t is None:
             raise ValueError("sparse FFN needs the PowerInfer layout (ffn_down_t)")
-        self.weights = weights
-        self.predictor = predictor
-        self.threads = threads
-        self.stats = FFNStats()
-        self._plan_key: tuple | None = None
-        self._plan = None  # cpu.SparseFFNPlan for the one-call CPU step, when it applies
+        self.weights, self.predictor, self.norm = weights, predictor, norm
+        self.layer, self.expert, self.threads = layer, expert, threads
+        self.up_gate = LinearGroup([weights.up, weights.gate]) if weights.gate is not None else None
+        self.rows_plan = row_plan(weights)
+        self.fused_plan = self._fused_plan()
 
-    def __call__(
-        self, x: torch.Tensor, pred_input: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None
-    ) -> torch.Tensor:
-        """x: the FFN input, or with norm = (weight, eps) the residual that rms_norm turns into it (for a few
-        tokens the norm then runs inside the one C call)."""
-        w = self.weights
-        # the CPU kernels run on the CPU even when this layer's attention was placed on a GPU
-        out_device, x = x.device, x.to("cpu")
-        fused = self._fused(x, pred_input, norm)
-        if fused is not None:
-            out, fired = fused
-            self.stats.computed += fired
-            self.stats.total += x.shape[0] * w.n_ff
-            out = out + w.down_bias if w.down_bias is not None else out
-            return out.to(out_device)
-        if norm is not None:
-            x = rms_norm(x, *norm)
-        mask = self.predictor(pred_input).to("cpu")  # [T, F] bool
-        live, gate = mask, None
-        if w.gate is not None:
-            # gate first: where relu(gate) is 0 (a predictor's false positive) up need not be read
-            gate = cpu.gather_matvec(w.gate, x, mask, threads=self.threads)
-            if w.activation == "relu":
-                live = mask & (torch.relu(gate) != 0)
-        up = cpu.gather_matvec(w.up, x, live, threads=self.threads)
-        # inactive neurons contribute exactly 0, even where a bias would make act(b) nonzero (OPT)
-        a = torch.where(live, w.combine(up, gate), 0.0)
-        out = cpu.sparse_axpy(w.down_t, a, live, threads=self.threads)
-        self.stats.computed += int(mask.sum())
-        self.stats.total += mask.numel()
-        out = out + w.down_bias if w.down_bias is not None else out
-        return out.to(out_device)
-
-    def _fused(
-        self, x: torch.Tensor, pred_input: torch.Tensor, norm: tuple[torch.Tensor, float] | None = None
-    ) -> tuple[torch.Tensor, int] | None:
-        """The whole step in one C call (same results bit for bit), where it applies: ReLU, a CPU predictor
-        whose matmuls also run in the C kernels (not float32 tensors, which torch multiplies), and few
-        tokens (a prefill batch's matmuls go to torch's GEMM instead)."""
-        if x.shape[0] >= cpu.GEMM_MIN_TOKENS:
-            return None
+    def _fused_plan(self) -> cpu.SparseFFNPlan | None:
+        """Predictor + step in one C call. The predictor's matmuls must run in the C kernels (not float32
+        tensors, which `linear` hands to torch) for the bits to equal the op-by-op path."""
         w, pred = self.weights, self.predictor
-        key = (w.up, w.gate, w.down_t, w.up_bias, w.kind, w.activation, pred)
-        if self._plan_key is None or any(a is not b for a, b in zip(key, self._plan_key, strict=True)):
-            self._plan_key, self._plan = key, None  # built once; rebuilt only if the weights are replaced
-            if (
-                w.activation == "relu"
-                and isinstance(pred, Predictor)
-                and all(uses_c_kernels(m) for m in (pred.fc1, pred.fc2, w.up, w.down_t))
-                and (w.gate is None or uses_c_kernels(w.gate))
-                and cpu.backend() == "c"
-            ):
-                self._plan = cpu.SparseFFNPlan(
-                    w.up,
-                    w.gate,
-                    w.down_t,
-                    kind=w.kind,
-                    up_bias=w.up_bias,
-                    fc1=pred.fc1,
-                    fc2=pred.fc2,
-                    threshold=pred.threshold,
-                )
-        if self._plan is None or self._plan.threshold != pred.threshold:
+        if not isinstance(pred, Predictor) or self.rows_plan is None:
             return None
-        if norm is not None and x.shape[0] > C_NORM_MAX_TOKENS:  # the norm as rms_norm computes it there
-            x, norm = rms_norm(x, *norm), None
-        res = self._plan(x, pred_input.to("cpu"), norm=norm, threads=self.threads)
-        return None if res is None else (res[0], res[2])
+        if not all(uses_c_kernels(m) for m in (pred.fc1, pred.fc2)):
+            return None
+        try:
+            return cpu.SparseFFNPlan(
+                w.up, w.gate, w.down_t, kind=w.kind, up_bias=w.up_bias, fc1=pred.fc1, fc2=pred.fc2,
+                threshold=pred.threshold,
+            )
+        except ValueError:
+            return None
 
+    def _fuses(self, h: torch.Tensor, seq: SequenceState) -> bool:
+        plan = self.fused_plan
+        return (
+            plan is not None
+            and not seq.dense
+            and h.shape[0] < cpu.GEMM_MIN_TOKENS  # a prefill batch's predictor goes to torch's GEMM
+            and plan.threshold == self.predictor.threshold
+        )
 
-def down_projection(down_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """sum_i a[:, i] * down_t[i] -> [T, D]"""
-    if (
-        isinstance(down_t, torch.Tensor)
-        and mask is None
-        and (down_t.dtype == torch.float32 or down_t.device.type != "cpu")
-    ):
-        return (a.to(down_t.dtype) @ down_t).float()
-    return cpu.sparse_axpy(down_t, a, mask)
+    def __call__(self, x: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+        out_device, x = x.device, x.to(CPU)  # the CPU kernels run here even when attention is on a GPU
+        if self.norm is not None and self._fuses(x, seq) and self.norm.folds_into_c(x):
+            return self._apply(x, x, seq, norm=self.norm).to(out_device)
+        h = self.norm(x) if self.norm is not None else x
+        return self._apply(h, x, seq, norm=None).to(out_device)
 
+    def apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+        return self._apply(h.to(CPU), p, seq, norm=None).to(h.device)
 
-@dataclass
-class FFNFactory:
-    """Chosen by the loader: how each layer's FFN is computed."""
+    def _apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState, *, norm: Norm | None):
+        """h: the FFN input, or with `norm` the residual it is the RMS norm of (folded into the C call)."""
+        if seq.dense:
+            return self._dense(h, p, seq, self.up_gate)
+        w = self.weights
+        if self._fuses(h, seq):
+            norm_args = norm.c_args if norm is not None else None
+            out, mask, fired = self.fused_plan(h, p.to(CPU), norm=norm_args, threads=self.threads)
+        else:
+            mask = self.predictor(p).to(CPU)  # [T, F] bool
+            out, fired = sparse_step(w, h, mask, self.rows_plan, self.threads), int(mask.sum())
+        self._record(seq, p, mask, fired)
+        return w.add_down_bias(out)
 
-    dense: bool = False
-    threads: int | None = None
-    make_hybrid: Callable | None = field(default=None, repr=False)
-
-    def __call__(self, layer: int, weights: FFNWeights, predictor) -> Callable:
-        if self.dense or predictor is None or weights.down_t is None:
-            return DenseFFN(weights)
-        if self.make_hybrid is not None:
-            return self.make_hybrid(layer, weights, predictor)
-        return SparseFFN(weights, predictor, threads=self.threads)
+    def _record(self, seq: SequenceState, p: torch.Tensor, mask: torch.Tensor, fired: int) -> None:
+        seq.count(self.layer, fired, mask.numel())
+        if seq.keep_masks and self.expert is None:
+            seq.masks[self.layer] = (p.detach().clone(), mask)

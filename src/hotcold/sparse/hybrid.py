@@ -1,21 +1,23 @@
 """Hybrid FFN: the hot neurons' rows live on the fast device (a compact copy), the CPU keeps the full
 matrices and computes the cold neurons that fire; both parts run at the same time and are added.
 
-Order per call: predictor -> mask; the mask comes to the CPU first (that sync waits only for the
-predictor), then the hot part is launched on the fast device (asynchronous on CUDA), then the CPU
-computes the cold firing rows (the C kernel releases the GIL), then the two are summed. Any device can
-stand in for the GPU: tests use a second "cpu" placement and get the same numbers.
+Order per call: norm and predictor on the layer's device -> mask; the mask comes to the CPU first (that
+sync waits only for the predictor), then the hot part is launched on the fast device (asynchronous on
+CUDA), then the CPU computes the cold firing rows (the C kernel releases the GIL), then the two are
+summed. Both halves are `sparse_step` (gate first, one C call on the CPU); on CUDA the hot half is the
+Triton kernels. Any device can stand in for the GPU: tests use a second "cpu" placement and get the
+same numbers.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
-from hotcold.kernels import cpu
+from hotcold.ops import Norm
 from hotcold.quants import QuantTensor
-from hotcold.sparse.ffn import FFNStats, FFNWeights
+from hotcold.sparse.ffn import CPU, FFN, DenseFFN, FFNWeights, row_plan, sparse_step
+from hotcold.sparse.predictor import Predictor
+from hotcold.state import SequenceState
 
 
 def _rows_to(weight, rows: torch.Tensor, device: torch.device):
@@ -26,23 +28,24 @@ def _rows_to(weight, rows: torch.Tensor, device: torch.device):
     return weight.index_select(0, rows).to(device).contiguous()
 
 
-class HybridFFN:
+class HybridFFN(FFN):
     def __init__(
         self,
         weights: FFNWeights,
-        predictor: Callable[[torch.Tensor], torch.Tensor],
+        predictor: Predictor,
         hot: torch.Tensor,
         device: torch.device | str,
         *,
+        layer: int,
+        norm: Norm | None = None,
         threads: int | None = None,
+        expert: int | None = None,
     ):
         if weights.down_t is None:
             raise ValueError("hybrid FFN needs the PowerInfer layout (ffn_down_t)")
-        self.weights = weights
-        self.predictor = predictor
+        self.weights, self.predictor, self.norm = weights, predictor, norm
+        self.layer, self.expert, self.threads = layer, expert, threads
         self.device = torch.device(device)
-        self.threads = threads
-        self.stats = FFNStats()
         n_ff = weights.n_ff
         hot = torch.as_tensor(hot, dtype=torch.long).sort().values
         self.hot_idx = hot
@@ -59,47 +62,38 @@ class HybridFFN:
             kind=weights.kind,
             activation=weights.activation,
         )
-        self.down_bias = weights.down_bias
+        self.cold_plan = row_plan(weights)
+        self.hot_plan = row_plan(self.hot_weights)  # the CPU stand-in's hot half
+        self.reference = DenseFFN(weights, layer=layer, expert=expert)  # seq.dense: every neuron, on the CPU
 
-    def __call__(self, x: torch.Tensor, pred_input: torch.Tensor) -> torch.Tensor:
-        out_device = x.device
-        mask = self.predictor(pred_input)  # [T, F] bool, on the predictor's device
-        mask_cpu = mask.to("cpu")  # sync point: waits for the predictor only
-        x_cpu = x.to("cpu")  # before the hot launch, so this copy does not wait for the hot kernels
-        hot_out = self._hot(x.to(self.device, non_blocking=True), mask.to(self.device)[:, self.hot_idx_fast])
-        total = mask_cpu.sum()
+    def apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+        out_device = h.device
+        if seq.dense:
+            return self.reference.apply(h.to(CPU), p.to(CPU), seq).to(out_device)
+        mask = self.predictor(p)  # [T, F] bool, on the predictor's device
+        mask_cpu = mask.to(CPU)  # sync point: waits for the predictor only
+        h_cpu = h.to(CPU)  # before the hot launch, so this copy does not wait for the hot kernels
+        hot_out = self._hot(h.to(self.device, non_blocking=True), mask.to(self.device)[:, self.hot_idx_fast])
         if self.all_hot:
             out = hot_out.to(out_device)
         else:
-            cold_mask = mask_cpu & self.cold
-            cold_out = self._cold(x_cpu, cold_mask)
+            cold_out = sparse_step(self.weights, h_cpu, mask_cpu & self.cold, self.cold_plan, self.threads)
             out = cold_out.to(out_device) + hot_out.to(out_device)
-        self.stats.computed += int(total)
-        self.stats.total += mask_cpu.numel()
-        if self.down_bias is not None:
-            out = out + self.down_bias.to(out_device)
-        return out
+        seq.count(self.layer, int(mask_cpu.sum()), mask_cpu.numel())
+        if seq.keep_masks and self.expert is None:
+            seq.masks[self.layer] = (p.detach().clone(), mask_cpu)
+        return self.weights.add_down_bias(out)
 
-    def _hot(self, x: torch.Tensor, mask_hot: torch.Tensor) -> torch.Tensor:
+    def _hot(self, h: torch.Tensor, mask_hot: torch.Tensor) -> torch.Tensor:
         w = self.hot_weights
-        if self.device.type == "cuda":
-            from hotcold.kernels import triton as gpu
+        if self.device.type != "cuda":
+            return sparse_step(w, h, mask_hot, self.hot_plan, self.threads)
+        from hotcold.kernels import triton as gpu
 
-            up = gpu_matvec(gpu, w.up, x, mask_hot)
-            gate = gpu_matvec(gpu, w.gate, x, mask_hot) if w.gate is not None else None
-            a = torch.where(mask_hot, w.combine(up, gate), 0.0)
-            return gpu_axpy(gpu, w.down_t, a, mask_hot)
-        up = cpu.gather_matvec(w.up, x, mask_hot, threads=self.threads)
-        gate = cpu.gather_matvec(w.gate, x, mask_hot, threads=self.threads) if w.gate is not None else None
+        up = gpu_matvec(gpu, w.up, h, mask_hot)
+        gate = gpu_matvec(gpu, w.gate, h, mask_hot) if w.gate is not None else None
         a = torch.where(mask_hot, w.combine(up, gate), 0.0)
-        return cpu.sparse_axpy(w.down_t, a, mask_hot, threads=self.threads)
-
-    def _cold(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        w = self.weights
-        up = cpu.gather_matvec(w.up, x, mask, threads=self.threads)
-        gate = cpu.gather_matvec(w.gate, x, mask, threads=self.threads) if w.gate is not None else None
-        a = torch.where(mask, w.combine(up, gate), 0.0)
-        return cpu.sparse_axpy(w.down_t, a, mask, threads=self.threads)
+        return gpu_axpy(gpu, w.down_t, a, mask_hot)
 
 
 def _triton_args(w):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hotcold.gguf_io import ModelFile
-from hotcold.models.layers import Weight, linear
+from hotcold.ops import Weight, linear
 
 
 class Predictor:
@@ -31,10 +30,3 @@ class Predictor:
     def __call__(self, p: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, F] bool
         return self.logits(p) >= self.threshold
 
-
-def load_predictor(model_file: ModelFile, layer: int, n_embd: int, n_ff: int, threshold: float) -> Predictor:
-    """blk.N.fc1.weight [R, D] and blk.N.fc2.weight [F, R] from a PWRI file; R is free per layer but must agree."""
-    rank = model_file.entry(f"blk.{layer}.fc1.weight").shape[0]
-    fc1 = model_file.tensor(f"blk.{layer}.fc1.weight", (rank, n_embd))
-    fc2 = model_file.tensor(f"blk.{layer}.fc2.weight", (n_ff, rank))
-    return Predictor(fc1, fc2, threshold)

@@ -2,7 +2,7 @@
 
 Predictor = fc2 @ relu(fc1 @ p), no biases; fc1 [R, D], fc2 [F, R]; neuron i is computed iff its logit
 >= the file's `sparse_threshold`. p is the architecture's predictor input (the residual after attention
-for llama), exactly what the DenseFFN observer receives as `pred_input`.
+for llama), exactly what an FFN observer (hotcold.state.Observer) receives as `pred_input`.
 
 Method (CPU-friendly: the model runs once, then the layers are trained one by one):
 1. Run the model densely over the corpus windows and keep, for the layers still to train, every token's
@@ -43,8 +43,7 @@ from tqdm import tqdm
 
 from hotcold.placement.profile import (
     check_relu,
-    dense_ffns,
-    observing,
+    ffn_widths,
     run_windows,
     save_tensor,
     token_windows,
@@ -148,22 +147,17 @@ def collect_samples(
 ) -> dict[int, LayerSamples]:
     """Dense forward over the windows; keeps predictor inputs and firing masks of `layers`."""
     check_relu(llm)
-    ffns = dense_ffns(llm)
+    widths = ffn_widths(llm)
     inputs: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
     masks: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
 
-    def keeper(i: int):
-        def observe(_x: torch.Tensor, p: torch.Tensor | None, a: torch.Tensor) -> None:
-            if p is None:
-                raise ValueError(f"{llm.path}: layer {i} gives no predictor input to observers")
+    def observe(i: int, _x: torch.Tensor, p: torch.Tensor, a: torch.Tensor) -> None:
+        if i in inputs:
             inputs[i].append(p.detach().to("cpu", torch.float16))
             masks[i].append(pack_mask((a != 0).cpu()))
 
-        return observe
-
-    with observing(ffns, [keeper(i) if i in inputs else None for i in range(len(ffns))]):
-        run_windows(llm, windows, desc="collecting activations", progress=progress)
-    return {i: LayerSamples(torch.cat(inputs[i]), torch.cat(masks[i]), ffns[i].weights.n_ff) for i in layers}
+    run_windows(llm, windows, observe, desc="collecting activations", progress=progress)
+    return {i: LayerSamples(torch.cat(inputs[i]), torch.cat(masks[i]), widths[i]) for i in layers}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,153 @@
+"""The file format as data: tensor names and metadata keys, in one table.
+
+Names that upstream GGUF knows come from the `gguf` package's own templates (`blk.{bid}.attn_q`); the
+PowerInfer additions (the transposed down projection, the predictors, the sparse threshold) and hotcold's
+own keys are written here once. Families, the loader, the budget walk and the converters all name tensors
+through this module, so a typo is an AttributeError at import, not a missing tensor at load.
+
+    tensor(ATTN_Q, 3)            -> "blk.3.attn_q.weight"
+    tensor(FFN_UP, 3, expert=1)  -> "blk.3.ffn_up.1.weight"   (one tensor per expert)
+    tensor(FFN_UP, 3, "bias")    -> "blk.3.ffn_up.bias"
+    key(EMBEDDING_LENGTH, "llama") -> "llama.embedding_length"
+"""
+
+from __future__ import annotations
+
+from gguf.constants import MODEL_TENSOR, TENSOR_NAMES, Keys
+
+# --- tensors (templates without the .weight / .bias suffix) ---------------------------------------
+TOKEN_EMBD = TENSOR_NAMES[MODEL_TENSOR.TOKEN_EMBD]
+POS_EMBD = TENSOR_NAMES[MODEL_TENSOR.POS_EMBD]
+OUTPUT = TENSOR_NAMES[MODEL_TENSOR.OUTPUT]
+OUTPUT_NORM = TENSOR_NAMES[MODEL_TENSOR.OUTPUT_NORM]
+ATTN_NORM = TENSOR_NAMES[MODEL_TENSOR.ATTN_NORM]
+ATTN_NORM_2 = TENSOR_NAMES[MODEL_TENSOR.ATTN_NORM_2]
+ATTN_Q = TENSOR_NAMES[MODEL_TENSOR.ATTN_Q]
+ATTN_K = TENSOR_NAMES[MODEL_TENSOR.ATTN_K]
+ATTN_V = TENSOR_NAMES[MODEL_TENSOR.ATTN_V]
+ATTN_QKV = TENSOR_NAMES[MODEL_TENSOR.ATTN_QKV]
+ATTN_OUT = TENSOR_NAMES[MODEL_TENSOR.ATTN_OUT]
+FFN_NORM = TENSOR_NAMES[MODEL_TENSOR.FFN_NORM]
+FFN_UP = TENSOR_NAMES[MODEL_TENSOR.FFN_UP]
+FFN_GATE = TENSOR_NAMES[MODEL_TENSOR.FFN_GATE]
+FFN_DOWN = TENSOR_NAMES[MODEL_TENSOR.FFN_DOWN]
+FFN_ROUTER = TENSOR_NAMES[MODEL_TENSOR.FFN_GATE_INP]  # MoE router [E, D]
+FFN_UP_EXPS = TENSOR_NAMES[MODEL_TENSOR.FFN_UP_EXP]  # stacked experts [E, F, D]
+FFN_GATE_EXPS = TENSOR_NAMES[MODEL_TENSOR.FFN_GATE_EXP]
+FFN_DOWN_EXPS = TENSOR_NAMES[MODEL_TENSOR.FFN_DOWN_EXP]  # [E, D, F]
+# PowerInfer's sparse layout
+FFN_DOWN_T = "blk.{bid}.ffn_down_t"  # [F, D]: row i = neuron i's output direction
+PRED_FC1 = "blk.{bid}.fc1"  # predictor [R, D]
+PRED_FC2 = "blk.{bid}.fc2"  # predictor [F, R]
+# the hot-neuron placement cache (.generated.gpuidx)
+GPU_IDX = "blk.{bid}.gpu_idx"
+GPU_BUCKET = "blk.{bid}.gpu_bucket"
+
+# the FFN's matrices, for classifying a layer's tensors (budget walk, quantizer)
+FFN_MATRICES = (FFN_UP, FFN_GATE, FFN_DOWN, FFN_DOWN_T, FFN_UP_EXPS, FFN_GATE_EXPS, FFN_DOWN_EXPS)
+PREDICTOR_MATRICES = (PRED_FC1, PRED_FC2)
+
+
+def tensor(
+    template: str, bid: int | None = None, suffix: str = "weight", *, expert: int | None = None
+) -> str:
+    """A tensor's full name: template filled with the block id, optional expert index, then the suffix."""
+    name = template.format(bid=bid) if "{bid}" in template else template
+    if expert is not None:
+        name = f"{name}.{expert}"
+    return f"{name}.{suffix}"
+
+
+def bare(template: str, bid: int | None = None) -> str:
+    """A tensor name without a .weight/.bias suffix, as PowerInfer names the placement cache's tensors:
+    bare(GPU_IDX, 3) -> "blk.3.gpu_idx"."""
+    return template.format(bid=bid) if "{bid}" in template else template
+
+
+def template_of(name: str, templates: tuple[str, ...]) -> str | None:
+    """Which of `templates` the full tensor name `name` was made from (any block, expert or suffix)."""
+    parts = name.split(".")
+    if len(parts) < 3 or parts[0] != "blk":
+        return None
+    stem = parts[2]
+    for t in templates:
+        if t.split(".")[-1] == stem:
+            return t
+    return None
+
+
+def block_of(name: str) -> int | None:
+    """The block id of a `blk.N.*` tensor name, else None."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[0] == "blk" and parts[1].isdigit():
+        return int(parts[1])
+    return None
+
+
+# --- metadata keys ---------------------------------------------------------------------------------
+ARCHITECTURE = Keys.General.ARCHITECTURE
+NAME = Keys.General.NAME
+FILE_TYPE = Keys.General.FILE_TYPE
+CONTEXT_LENGTH = Keys.LLM.CONTEXT_LENGTH
+EMBEDDING_LENGTH = Keys.LLM.EMBEDDING_LENGTH
+BLOCK_COUNT = Keys.LLM.BLOCK_COUNT
+FEED_FORWARD_LENGTH = Keys.LLM.FEED_FORWARD_LENGTH
+VOCAB_SIZE = Keys.LLM.VOCAB_SIZE
+EXPERT_COUNT = Keys.LLM.EXPERT_COUNT
+EXPERT_USED_COUNT = Keys.LLM.EXPERT_USED_COUNT
+HEAD_COUNT = Keys.Attention.HEAD_COUNT
+HEAD_COUNT_KV = Keys.Attention.HEAD_COUNT_KV
+KEY_LENGTH = Keys.Attention.KEY_LENGTH
+LAYERNORM_EPS = Keys.Attention.LAYERNORM_EPS
+LAYERNORM_RMS_EPS = Keys.Attention.LAYERNORM_RMS_EPS
+SLIDING_WINDOW = Keys.Attention.SLIDING_WINDOW
+ROPE_DIMENSION_COUNT = Keys.Rope.DIMENSION_COUNT
+ROPE_FREQ_BASE = Keys.Rope.FREQ_BASE
+ROPE_SCALING_TYPE = Keys.Rope.SCALING_TYPE
+ROPE_SCALING_FACTOR = Keys.Rope.SCALING_FACTOR
+ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"  # older llama.cpp files
+# PowerInfer's and hotcold's own keys (other readers ignore them)
+SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
+FFN_ACTIVATION = "hotcold.ffn_activation"  # "relu" on a dense file converted from a ReLU checkpoint
+FFN_KIND = "hotcold.ffn_kind"  # "gated_both": act(gate) * act(up) (TurboSparse dReLU)
+# more upstream keys the converters write
+QUANTIZATION_VERSION = Keys.General.QUANTIZATION_VERSION
+VALUE_LENGTH = Keys.Attention.VALUE_LENGTH
+TENSOR_DATA_LAYOUT = Keys.LLM.TENSOR_DATA_LAYOUT  # Falcon: "jploski" (fused qkv as all q, all k, all v)
+# the placement cache (.generated.gpuidx): PowerInfer's arch and key, then what hotcold solved it from
+GPU_INDEX_ARCH = "generic.gpu_index"  # its block count is key(BLOCK_COUNT, GPU_INDEX_ARCH)
+VRAM_CAPACITY = "split.vram_capacity"  # u64: bytes the solver was given for hot neurons
+HOTCOLD_PREFIX = "hotcold."  # every hotcold key starts so; the cache keeps them all as its source signature
+MODEL_SIZE = "hotcold.model_size"
+MODEL_MTIME_NS = "hotcold.model_mtime_ns"
+ACTIVATION_SHA256 = "hotcold.activation_sha256"
+
+
+def key(template: str, arch: str) -> str:
+    """A per-architecture metadata key: key(EMBEDDING_LENGTH, "llama") -> "llama.embedding_length"."""
+    return template.format(arch=arch)
+
+
+# --- the FFN rules shared by the reader (config.py) and the writers (convert/) ----------------------
+ACTIVATIONS = ("relu", "silu", "gelu")
+FFN_KINDS = ("gated", "gated_both", "plain")
+
+
+def default_activation(arch: str, *, sparse: bool) -> str:
+    """The activation a file implies when it does not declare one (`hotcold.ffn_activation`): PowerInfer files,
+    bamboo and OPT are ReLU; a dense Falcon is GELU; a dense llama/mistral/mixtral is SiLU, as in llama.cpp."""
+    if sparse or arch in ("bamboo", "opt"):
+        return "relu"
+    if arch == "falcon":
+        return "gelu"
+    return "silu"
+
+
+def ffn_kind(arch: str, declared: str | None) -> str:
+    """How a family combines its projections: gated act(gate)*up (llama, mistral, mixtral), gated_both
+    act(gate)*act(up) (bamboo, TurboSparse dReLU via `hotcold.ffn_kind`), plain act(up + b) (falcon, opt)."""
+    if arch in ("falcon", "opt"):
+        return "plain"
+    if arch == "bamboo" or declared == "gated_both":
+        return "gated_both"
+    return "gated"

@@ -1,0 +1,232 @@
+"""The shared math under every family: linear layers over any weight type, norms, RoPE, attention over a
+preallocated KV cache, the token embedding. Functions of tensors, plus two small immutable objects
+(`Norm`, `LinearGroup`). models/, sparse/ and the engine import from here; this module imports only the
+kernels and the quantization formats below it.
+
+A weight lives where the loader put it (hotcold.device decides); these functions compute where their
+inputs are: the C kernels for CPU weights of the kernels' types, torch otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hotcold.kernels import cpu
+from hotcold.quants import QuantTensor
+
+Weight = torch.Tensor | QuantTensor
+
+C_NORM_MAX_TOKENS = 4  # up to this many tokens an RMS norm runs in C (one call, not five ops)
+
+
+def uses_c_kernels(weight: Weight) -> bool:
+    """Whether `linear` multiplies by this weight with the C kernels (CPU, not float32): the one rule."""
+    if isinstance(weight, torch.Tensor):
+        return weight.device.type == "cpu" and weight.dtype != torch.float32
+    return weight.data.device.type == "cpu"
+
+
+def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, D] float32 @ weight[F, D].T (+ bias) -> [T, F] float32, for float and block-quantized weights."""
+    if isinstance(weight, torch.Tensor) and not uses_c_kernels(weight):  # float32 anywhere, or on a GPU
+        out = (
+            F.linear(x, weight)
+            if weight.dtype == torch.float32
+            else F.linear(x.to(weight.dtype), weight).float()
+        )
+    else:
+        out = cpu.matmul(weight, x)
+    if bias is not None:
+        out = out + bias
+    return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= C_NORM_MAX_TOKENS:
+        return cpu.rms_norm(x, weight, eps)  # float64 sum of squares in C; torch for other inputs
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+
+
+@dataclass(frozen=True)
+class Norm:
+    """An RMS norm (llama family) or a LayerNorm with bias (falcon, opt): weight [D], bias [D] or None."""
+
+    weight: torch.Tensor
+    eps: float
+    bias: torch.Tensor | None = None
+    rms: bool = True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rms:
+            return rms_norm(x, self.weight, self.eps)
+        return layer_norm(x, self.weight, self.bias, self.eps)
+
+    def folds_into_c(self, x: torch.Tensor) -> bool:
+        """Whether a C call that multiplies norm(x) may compute the norm itself (same bits as rms_norm)."""
+        return self.rms and x.device.type == "cpu" and x.shape[0] <= C_NORM_MAX_TOKENS
+
+    @property
+    def c_args(self) -> tuple[torch.Tensor, float]:
+        return self.weight, self.eps
+
+    def to(self, device: torch.device) -> Norm:
+        bias = None if self.bias is None else self.bias.to(device)
+        return Norm(self.weight.to(device), self.eps, bias, self.rms)
+
+
+class LinearGroup:
+    """[linear(norm(x), w) for w in weights] with the same bits, for weights that share their input (a
+    layer's q, k, v; an FFN's up and gate): CPU weights that the C kernels multiply go in one call, so
+    their rows stream in one pass of the threads, and for a few tokens the RMS norm runs inside it. The
+    C plan is built here, at load, never on first use from a request thread."""
+
+    def __init__(self, weights: list[Weight]):
+        self.weights = list(weights)
+        self._group = None
+        if all(uses_c_kernels(w) for w in weights) and cpu.backend() == "c":
+            try:
+                self._group = cpu.MatvecGroup(self.weights)
+            except ValueError:  # different widths or types without a kernel: one call each
+                pass
+
+    def __call__(self, x: torch.Tensor, norm: Norm | None = None) -> list[torch.Tensor]:
+        if self._group is not None and x.device.type == "cpu" and x.shape[0] < cpu.GEMM_MIN_TOKENS:
+            if norm is not None and norm.folds_into_c(x):
+                return self._group(x, norm=norm.c_args)
+            return self._group(norm(x) if norm is not None else x)
+        h = norm(x) if norm is not None else x
+        return [linear(h, w) for w in self.weights]
+
+
+def embed(token_embd: Weight, tokens: torch.Tensor) -> torch.Tensor:
+    """Rows `tokens` [T] of the embedding -> [T, D] float32 (block formats dequantize just those rows)."""
+    if isinstance(token_embd, QuantTensor):
+        return token_embd.dequantize(tokens)
+    return token_embd[tokens].float()
+
+
+# ------------------------------------------------------------------------------------------------
+# RoPE and attention
+# ------------------------------------------------------------------------------------------------
+
+
+def rope_tables(n_ctx: int, rope_dim: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, rope_dim/2] for positions 0..n_ctx-1 (linear scaling multiplies positions by `scale`)."""
+    inv_freq = base ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * scale * inv_freq[None, :]
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, neox: bool) -> torch.Tensor:
+    """x [T, H, Dh]; cos/sin [T, R/2]. Normal mode (llama.cpp, GGUF-permuted q/k) rotates adjacent pairs
+    (0,1), (2,3)...; NEOX mode (Falcon, HF rotate-half) rotates (i, i + R/2). Dims past R pass through."""
+    rope_dim = cos.shape[-1] * 2
+    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    if neox:
+        x0, x1 = rot[..., : rope_dim // 2], rot[..., rope_dim // 2 :]
+        out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+    else:
+        x0, x1 = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
+
+
+class RopeTables:
+    """cos/sin tables per device. Built at load for the devices the model uses; a longer context than the
+    tables cover gets a new, longer pair (computed whole, then swapped in: threads only ever read a
+    complete pair)."""
+
+    def __init__(self, config, devices=(torch.device("cpu"),)):
+        self.config = config
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        for device in set(devices):
+            self._tables[device] = self._build(config.n_ctx_train, device)
+
+    def _build(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self.config
+        return tuple(t.to(device) for t in rope_tables(n, c.rope_dim, c.rope_base, c.rope_scale))
+
+    def __call__(self, pos: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        tables = self._tables.get(device)
+        if tables is None or pos + T > tables[0].shape[0]:
+            tables = self._build(max(pos + T, self.config.n_ctx_train), device)
+            self._tables[device] = tables
+        cos, sin = tables
+        return cos[pos : pos + T], sin[pos : pos + T]
+
+
+def rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    neox: bool,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """apply_rope on q and k, then attention(): one C call for a decode step on the CPU."""
+    if q.shape[0] == 1 and q.device.type == "cpu":
+        check_context(pos + 1, k_cache.shape[0])
+        return cpu.attention_decode(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            k_cache,
+            v_cache,
+            pos,
+            cos,
+            sin,
+            neox=neox,
+            sliding_window=sliding_window,
+        )
+    q, k = apply_rope(q, cos, sin, neox=neox), apply_rope(k, cos, sin, neox=neox)
+    return attention(q, k, v, k_cache, v_cache, pos, sliding_window=sliding_window)
+
+
+def check_context(end: int, n_ctx: int) -> None:
+    if end > n_ctx:
+        raise ValueError(f"context overflow: position {end} exceeds the context size {n_ctx}")
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    pos: int,
+    *,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """q [T, H, Dh], k/v [T, Hkv, Dh] for positions pos..pos+T-1; writes k/v into the caches [S, Hkv, Dh]
+    and attends over positions 0..pos+T-1 causally. Returns [T, H*Dh]."""
+    T, H, Dh = q.shape
+    end = pos + T
+    check_context(end, k_cache.shape[0])
+    k_cache[pos:end] = k.to(k_cache.dtype)
+    v_cache[pos:end] = v.to(v_cache.dtype)
+    keys = k_cache[:end].to(q.dtype).transpose(0, 1)[None]  # [1, Hkv, S, Dh]
+    values = v_cache[:end].to(q.dtype).transpose(0, 1)[None]
+    mask = None
+    if T > 1 or sliding_window:
+        q_pos = torch.arange(pos, end, device=q.device)[:, None]
+        k_pos = torch.arange(end, device=q.device)[None, :]
+        mask = k_pos <= q_pos
+        if sliding_window:
+            mask = mask & (k_pos > q_pos - sliding_window)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != H
+    )  # [1, H, T, Dh]
+    return out[0].transpose(0, 1).reshape(T, H * Dh)

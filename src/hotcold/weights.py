@@ -1,0 +1,100 @@
+"""A model file's tensors, each handed out shape-checked and already where the device plan puts it.
+
+Families build their layers from a `TensorSource`; the parts every family shares are read here once: the
+FFN weights of a layer (or of one expert), the predictor, the token embedding and the output head (tied to
+the embedding when the file has no `output.weight`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hotcold import names
+from hotcold.config import ModelConfig
+from hotcold.device import DevicePlan, place, place_vector
+from hotcold.gguf_io import ModelFile
+from hotcold.ops import Norm, Weight
+from hotcold.sparse.ffn import FFNWeights
+from hotcold.sparse.predictor import Predictor
+
+
+class TensorSource:
+    def __init__(self, model_file: ModelFile, config: ModelConfig, plan: DevicePlan):
+        self.file = model_file
+        self.config = config
+        self.plan = plan
+        self.path = model_file.path
+
+    def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
+        return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors
+
+    def raw(self, template: str, layer: int | None, shape: tuple[int, ...], suffix="weight", *, expert=None):
+        """The tensor as stored (zero-copy), on the CPU."""
+        return self.file.tensor(names.tensor(template, layer, suffix, expert=expert), shape)
+
+    def layer_device(self, layer: int) -> torch.device:
+        return self.plan.attention[layer]
+
+    def attention(self, template: str, layer: int, shape: tuple[int, ...], suffix: str = "weight") -> Weight:
+        """An attention matrix (or bias: any shape) of `layer`, on the layer's attention device."""
+        t = self.raw(template, layer, shape, suffix)
+        return place(t, self.layer_device(layer)) if len(shape) > 1 else place_vector(t, self.layer_device(layer))
+
+    def norm(self, template: str, layer: int | None, *, rms: bool, bias: bool = False) -> Norm:
+        """A norm of `layer` (None: the output norm) on the device that computes it."""
+        c = self.config
+        device = self.plan.output if layer is None else self.layer_device(layer)
+        weight = place_vector(self.raw(template, layer, (c.n_embd,)), device)
+        b = place_vector(self.raw(template, layer, (c.n_embd,), "bias"), device) if bias else None
+        return Norm(weight, c.norm_eps, b, rms)
+
+    def ffn(self, layer: int, *, gated: bool, biases: bool = False, expert: int | None = None) -> FFNWeights:
+        """The FFN matrices of `layer` (or of one expert stored as its own tensors), on the layer's FFN
+        device. PowerInfer's layout has `ffn_down_t` [F, D] (row i = neuron i) where dense files have
+        `ffn_down` [D, F]; the down bias keeps the name of whichever is there."""
+        c, device = self.config, self.plan.ffn[layer]
+        D, F = c.n_embd, c.n_ff
+
+        def matrix(template, shape):
+            return place(self.raw(template, layer, shape, expert=expert), device)
+
+        sparse_layout = self.has(names.FFN_DOWN_T, layer, expert=expert)
+        down = names.FFN_DOWN_T if sparse_layout else names.FFN_DOWN
+        return FFNWeights(
+            up=matrix(names.FFN_UP, (F, D)),
+            gate=matrix(names.FFN_GATE, (F, D)) if gated else None,
+            down_t=matrix(names.FFN_DOWN_T, (F, D)) if sparse_layout else None,
+            down=None if sparse_layout else matrix(names.FFN_DOWN, (D, F)),
+            up_bias=place_vector(self.raw(names.FFN_UP, layer, (F,), "bias"), device) if biases else None,
+            down_bias=place_vector(self.raw(down, layer, (D,), "bias"), device) if biases else None,
+            kind=c.ffn_kind,
+            activation=c.ffn_activation,
+        )
+
+    def predictor(self, layer: int, *, expert: int | None = None) -> Predictor | None:
+        """blk.N.fc1 [R, D] and blk.N.fc2 [F, R] (R free per layer but must agree), on the predictor's
+        device; None for a dense file."""
+        c = self.config
+        if not c.sparse:
+            return None
+        fc1_name = names.tensor(names.PRED_FC1, layer, expert=expert)
+        rank = self.file.entry(fc1_name).shape[0]
+        device = self.plan.predictor[layer]
+        fc1 = place(self.raw(names.PRED_FC1, layer, (rank, c.n_embd), expert=expert), device)
+        fc2 = place(self.raw(names.PRED_FC2, layer, (c.n_ff, rank), expert=expert), device)
+        return Predictor(fc1, fc2, c.sparse_threshold)
+
+    def token_embd(self) -> Weight:
+        """The embedding, on the CPU (a step reads one row of it)."""
+        return self.raw(names.TOKEN_EMBD, None, (self.config.n_vocab, self.config.n_embd))
+
+    def output(self) -> Weight:
+        """The output head [V, D] on the output device: `output.weight`, or the tied embedding."""
+        c = self.config
+        tied = not self.has(names.OUTPUT)
+        head = self.raw(names.TOKEN_EMBD if tied else names.OUTPUT, None, (c.n_vocab, c.n_embd))
+        return place(head, self.plan.output)
+
+    def output_norm(self, *, rms: bool, bias: bool = False) -> Norm:
+        return self.norm(names.OUTPUT_NORM, None, rms=rms, bias=bias)
+
