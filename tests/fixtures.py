@@ -122,19 +122,24 @@ def assert_greedy_matches(llm, hf, prompt_text: str = "Line 3: the quick brown f
     assert [next(steps) for _ in range(n)] == ref[0, len(prompt) :].tolist()
 
 
+class _LayerRecord(dict):
+    """{"input": predictor input [T, D], "mask": [T, F]} of one layer's last sparse call, read from the
+    sequence state when the test looks at it."""
+
+    def __init__(self, seq, layer: int):
+        super().__init__()
+        self.seq, self.layer = seq, layer
+
+    def __getitem__(self, key):
+        p, mask = self.seq.masks[self.layer]
+        return {"input": p, "mask": mask}[key]
+
+
 def record_masks(llm) -> list[dict]:
-    """Wrap every layer's predictor: remember what it was given and the mask it returned."""
-    records = []
-    for layer in llm.loaded.model.layers:
-        record, predictor = {}, layer.ffn.predictor
-
-        def wrapped(p, record=record, predictor=predictor):
-            record["input"], record["mask"] = p.clone(), predictor(p)
-            return record["mask"]
-
-        layer.ffn.predictor = wrapped
-        records.append(record)
-    return records
+    """Ask the model's sequence to keep every layer's predictor input and mask (seq.keep_masks)."""
+    seq = llm.engine.seq
+    seq.keep_masks = True
+    return [_LayerRecord(seq, i) for i in range(len(llm.loaded.model.layers))]
 
 
 def ffn_weights(f: int, d: int, kind="gated", dtype=torch.float32, *, seed=0, bias=False, scale=6.0):
@@ -159,3 +164,33 @@ def ffn_state(n_layer: int = 1, *, dense: bool = False, observe=None):
     from hotcold.state import FFNCounts, SequenceState
 
     return SequenceState(None, [FFNCounts() for _ in range(n_layer)], dense=dense, observe=observe)
+
+
+def run_family_checks(path, hf, *, greedy: bool = True, rel: float = 1e-4) -> None:
+    """The checks every family passes, run the same way for each (as mlx-lm's shared model runner):
+    logits == transformers' on 40 random tokens; greedy tokens == transformers' generate (unless greedy is
+    False); cached decode == one full forward; a generation split in two == the same generation in one go
+    (the second half reuses the cached prefix)."""
+    import hotcold
+    from hotcold.sampling import SamplingParams
+
+    llm = hotcold.load(path, device="cpu")
+    assert_logits_match(llm, hf, random_ids(40), rel)
+    if greedy:
+        assert_greedy_matches(llm, hf)
+
+    ids = random_ids(24, seed=2)
+    full = llm.logits(ids)
+    engine = llm.engine
+    engine.cached_ids = []
+    stepwise = [engine.prefill(ids[:10])]
+    for pos in range(10, 24):
+        stepwise.append(engine._forward([ids[pos]], pos, last_only=True)[-1])
+    assert torch.allclose(torch.stack(stepwise), full[9:], atol=rel * full.abs().max())
+
+    prompt = llm.tokenize("Line 12: the")
+    steps = engine.generate_step(prompt, SamplingParams())
+    first = [next(steps) for _ in range(16)]
+    steps.close()
+    steps = engine.generate_step(prompt + first[:8], SamplingParams())
+    assert [next(steps) for _ in range(8)] == first[8:]

@@ -26,6 +26,10 @@ def test_linear_group_with_norm_equals_norm_then_linears(t):
 
 def test_layer_norm_matches_torch():
     gen = torch.Generator().manual_seed(3)
-    w, b, x = torch.randn(64, generator=gen), torch.randn(64, generator=gen), torch.randn(5, 64, generator=gen)
+    w, b, x = (
+        torch.randn(64, generator=gen),
+        torch.randn(64, generator=gen),
+        torch.randn(5, 64, generator=gen),
+    )
     norm = Norm(w, 1e-5, b, rms=False)
     assert torch.allclose(norm(x), torch.nn.functional.layer_norm(x, (64,), w, b, 1e-5))

@@ -141,7 +141,9 @@ def load_model(
     from hotcold.kernels import cpu
 
     cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
-    model = module.build(TensorSource(model_file, config, devices), ffn_maker(devices, dense=dense, threads=threads))
+    model = module.build(
+        TensorSource(model_file, config, devices), ffn_maker(devices, dense=dense, threads=threads)
+    )
     mode = "dense" if dense else "sparse"
     where = "cpu" if fast is None else f"cpu + {fast}"
     notes.insert(
@@ -191,7 +193,13 @@ def ffn_maker(devices: DevicePlan, *, dense: bool, threads: int | None):
 
         # the hybrid FFN norms on the layer's device (where x is) and sends the normed input to both halves
         return HybridFFN(
-            weights, predictor, torch.from_numpy(hot), devices.fast, layer=layer, norm=norm, threads=threads,
+            weights,
+            predictor,
+            torch.from_numpy(hot),
+            devices.fast,
+            layer=layer,
+            norm=norm,
+            threads=threads,
             expert=expert,
         )
 

@@ -38,7 +38,11 @@ class TensorSource:
     def attention(self, template: str, layer: int, shape: tuple[int, ...], suffix: str = "weight") -> Weight:
         """An attention matrix (or bias: any shape) of `layer`, on the layer's attention device."""
         t = self.raw(template, layer, shape, suffix)
-        return place(t, self.layer_device(layer)) if len(shape) > 1 else place_vector(t, self.layer_device(layer))
+        return (
+            place(t, self.layer_device(layer))
+            if len(shape) > 1
+            else place_vector(t, self.layer_device(layer))
+        )
 
     def norm(self, template: str, layer: int | None, *, rms: bool, bias: bool = False) -> Norm:
         """A norm of `layer` (None: the output norm) on the device that computes it."""
@@ -97,4 +101,3 @@ class TensorSource:
 
     def output_norm(self, *, rms: bool, bias: bool = False) -> Norm:
         return self.norm(names.OUTPUT_NORM, None, rms=rms, bias=bias)
-

@@ -16,12 +16,11 @@ from hotcold.convert import convert
 from hotcold.gguf_io import ModelFile
 from tests.fixtures import (
     TOKENIZER_VOCAB,
-    assert_greedy_matches,
-    assert_logits_match,
     hf_logits,
     make_llama,
     random_ids,
     record_masks,
+    run_family_checks,
     save_checkpoint,
     scale_matrices,
     write_predictors,
@@ -92,19 +91,10 @@ def converted(request, tmp_path_factory, spm_model_file):
     return request.param, hf, convert(folder / "hf", None, folder / "model.gguf", outtype="f32")
 
 
-def test_logits_match_transformers(converted):
-    _, hf, path = converted
-    llm = hotcold.load(path, device="cpu")
-    ids = random_ids(40)
-    assert_logits_match(llm, hf, ids)
-
-
-def test_greedy_tokens_match_transformers(converted):
+def test_family_runner(converted):
     case, hf, path = converted
-    if case == "mistral-silu-dense":
-        pytest.skip("covered by the logits test here and by the SiLU LLaMA cases of test_llama.py")
-    llm = hotcold.load(path, device="cpu")
-    assert_greedy_matches(llm, hf)
+    # the dense SiLU case's greedy run is covered by the SiLU LLaMA cases of test_llama.py
+    run_family_checks(path, hf, greedy=case != "mistral-silu-dense")
 
 
 def test_file_keys(converted):

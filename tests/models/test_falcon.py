@@ -14,11 +14,10 @@ from hotcold.convert.falcon import jploski
 from hotcold.gguf_io import ModelFile
 from tests.fixtures import (
     TOKENIZER_VOCAB,
-    assert_greedy_matches,
-    assert_logits_match,
     hf_logits,
     random_ids,
     record_masks,
+    run_family_checks,
     save_checkpoint,
     write_predictors,
 )
@@ -71,17 +70,9 @@ def converted(request, tmp_path_factory, spm_model_file):
     return hf, convert(folder / "hf", None, folder / "model.gguf", outtype="f32")
 
 
-def test_logits_match_transformers(converted):
+def test_family_runner(converted):
     hf, path = converted
-    llm = hotcold.load(path, device="cpu")
-    ids = random_ids(40)
-    assert_logits_match(llm, hf, ids)
-
-
-def test_greedy_tokens_match_transformers(converted):
-    hf, path = converted
-    llm = hotcold.load(path, device="cpu")
-    assert_greedy_matches(llm, hf)
+    run_family_checks(path, hf)
 
 
 def test_info_reports_falcon(converted):

@@ -7,13 +7,7 @@ import torch
 
 import hotcold
 from hotcold.convert import convert
-from hotcold.sampling import SamplingParams
-from tests.fixtures import (
-    assert_logits_match,
-    hf_logits,
-    make_llama,
-    write_predictors,
-)
+from tests.fixtures import hf_logits, make_llama, run_family_checks, write_predictors
 
 CASES = {
     "relu-mha-1e4": dict(hidden_act="relu"),
@@ -31,52 +25,9 @@ def converted(request, tmp_path_factory, spm_model_file):
     return hf, out
 
 
-def test_logits_match_transformers(converted):
+def test_family_runner(converted):
     hf, path = converted
-    llm = hotcold.load(path, device="cpu")
-    ids = torch.randint(3, hf.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1)).tolist()
-    assert_logits_match(llm, hf, ids)
-
-
-def test_greedy_tokens_match_transformers(converted):
-    hf, path = converted
-    llm = hotcold.load(path, device="cpu")
-    prompt = llm.tokenize("Line 3: the quick brown fox")
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32)[
-            0, len(prompt) :
-        ].tolist()
-    steps = llm.engine.generate_step(prompt, SamplingParams())
-    ours = [next(steps) for _ in range(32)]
-    assert ours == ref
-
-
-def test_cached_decode_equals_full_forward(converted):
-    _, path = converted
-    llm = hotcold.load(path, device="cpu")
-    ids = torch.randint(3, 500, (24,), generator=torch.Generator().manual_seed(2)).tolist()
-    full = llm.logits(ids)
-    engine = llm.engine
-    engine.cached_ids = []
-    last = engine.prefill(ids[:10])
-    stepwise = [last]
-    for pos in range(10, 24):
-        stepwise.append(engine._forward([ids[pos]], pos, last_only=True)[-1])
-    stepwise = torch.stack(stepwise)
-    assert torch.allclose(stepwise, full[9:], atol=1e-4 * full.abs().max())
-
-
-def test_split_generation_equals_one_shot(converted):
-    _, path = converted
-    llm = hotcold.load(path, device="cpu")
-    prompt = llm.tokenize("Line 12: the")
-    steps = llm.engine.generate_step(prompt, SamplingParams())
-    first = [next(steps) for _ in range(16)]
-    steps.close()
-    # continue from the prompt + first half: the prefix cache is reused, the result must not change
-    steps2 = llm.engine.generate_step(prompt + first[:8], SamplingParams())
-    second = [next(steps2) for _ in range(8)]
-    assert second == first[8:]
+    run_family_checks(path, hf)
 
 
 def test_sparse_file_with_all_firing_predictors_equals_transformers(tmp_path, spm_model_file):

@@ -14,11 +14,10 @@ from hotcold.convert.checkpoint import ConvertError
 from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
 from tests.fixtures import (
     TOKENIZER_VOCAB,
-    assert_greedy_matches,
-    assert_logits_match,
     hf_logits,
     random_ids,
     record_masks,
+    run_family_checks,
     save_checkpoint,
     write_predictors,
 )
@@ -61,17 +60,9 @@ def dense(tmp_path_factory, spm_model_file):
     return hf, convert(folder / "hf", None, folder / "model.gguf", outtype="f32")
 
 
-def test_logits_match_transformers(dense):
+def test_family_runner(dense):
     hf, path = dense
-    llm = hotcold.load(path, device="cpu")
-    ids = random_ids(40)
-    assert_logits_match(llm, hf, ids)
-
-
-def test_greedy_tokens_match_transformers(dense):
-    hf, path = dense
-    llm = hotcold.load(path, device="cpu")
-    assert_greedy_matches(llm, hf)
+    run_family_checks(path, hf)
 
 
 def test_info_reports_opt(dense):

@@ -91,7 +91,9 @@ def test_prefill_batch_equals_token_by_token():
     batch = SparseFFN(w, lambda p: mask, layer=0).apply(x, x, ffn_state())
     single = torch.cat(
         [
-            SparseFFN(w, lambda p, t=t: mask[t : t + 1], layer=0).apply(x[t : t + 1], x[t : t + 1], ffn_state())
+            SparseFFN(w, lambda p, t=t: mask[t : t + 1], layer=0).apply(
+                x[t : t + 1], x[t : t + 1], ffn_state()
+            )
             for t in range(12)
         ]
     )

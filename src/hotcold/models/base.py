@@ -54,4 +54,3 @@ class Head:
 def new_sequence(config: ModelConfig, plan: DevicePlan, n_ctx: int) -> SequenceState:
     """A sequence's state with each layer's KV cache on that layer's attention device, in its dtype."""
     return SequenceState.new(config, plan.attention, plan.kv_dtypes(), n_ctx)
-

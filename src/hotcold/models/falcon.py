@@ -67,7 +67,11 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> Falcon:
     layers = []
     for i in range(c.n_layer):
         ffn_norm = src.norm(names.ATTN_NORM, i, rms=False, bias=True)
-        attn_norm = src.norm(names.ATTN_NORM_2, i, rms=False, bias=True) if src.has(names.ATTN_NORM_2, i) else ffn_norm
+        attn_norm = (
+            src.norm(names.ATTN_NORM_2, i, rms=False, bias=True)
+            if src.has(names.ATTN_NORM_2, i)
+            else ffn_norm
+        )
         layers.append(
             FalconLayer(
                 attn_norm=attn_norm,

@@ -67,7 +67,9 @@ def attention_block(src: TensorSource, i: int) -> dict:
     """Layer i's attention norm and matrices, shape-checked, on the layer's device (shared with mixtral.py)."""
     c = src.config
     D, qd, kvd = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    wq, wk, wv = (src.attention(t, i, (n, D)) for t, n in ((names.ATTN_Q, qd), (names.ATTN_K, kvd), (names.ATTN_V, kvd)))
+    wq, wk, wv = (
+        src.attention(t, i, (n, D)) for t, n in ((names.ATTN_Q, qd), (names.ATTN_K, kvd), (names.ATTN_V, kvd))
+    )
     return dict(
         attn_norm=src.norm(names.ATTN_NORM, i, rms=True),
         qkv=LinearGroup([wq, wk, wv]),

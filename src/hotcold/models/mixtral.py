@@ -44,7 +44,11 @@ def expert_weights(src: TensorSource, i: int) -> list[FFNWeights]:
     if src.has(names.FFN_UP_EXPS, i):
         stacked = {
             t: src.raw(t, i, shape)
-            for t, shape in ((names.FFN_GATE_EXPS, (E, F, D)), (names.FFN_UP_EXPS, (E, F, D)), (names.FFN_DOWN_EXPS, (E, D, F)))
+            for t, shape in (
+                (names.FFN_GATE_EXPS, (E, F, D)),
+                (names.FFN_UP_EXPS, (E, F, D)),
+                (names.FFN_DOWN_EXPS, (E, D, F)),
+            )
         }
         device = src.plan.ffn[i]
 
@@ -83,7 +87,8 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> Mixtral:
         # the experts get normed inputs from the MoE layer, which owns the norm; a layer index is all
         # make_ffn knows of placement
         experts = [
-            make_ffn(i, w, src.predictor(i, expert=e), None, expert=e) for e, w in enumerate(expert_weights(src, i))
+            make_ffn(i, w, src.predictor(i, expert=e), None, expert=e)
+            for e, w in enumerate(expert_weights(src, i))
         ]
         norm = src.norm(names.FFN_NORM, i, rms=True)
         router = src.attention(names.FFN_ROUTER, i, (E, D))

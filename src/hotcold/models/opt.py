@@ -43,7 +43,13 @@ class OPTLayer:
 
 class OPT:
     def __init__(
-        self, config: ModelConfig, token_embd: Weight, position_embd: torch.Tensor, layers: list[OPTLayer], head, plan
+        self,
+        config: ModelConfig,
+        token_embd: Weight,
+        position_embd: torch.Tensor,
+        layers: list[OPTLayer],
+        head,
+        plan,
     ):
         self.config = config
         self.token_embd = token_embd
@@ -76,7 +82,9 @@ class OPT:
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
             q, k, v = layer.qkv(x, layer.attn_norm)
-            q, k, v = ((t + b).view(T, H, Dh) for t, b in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias)))
+            q, k, v = (
+                (t + b).view(T, H, Dh) for t, b in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias))
+            )
             x = x + linear(attention(q, k, v, seq.kv.k[i], seq.kv.v[i], pos), layer.wo, layer.wo_bias)
             x = x + layer.ffn(x, seq)
         return self.head(x, last_only=last_only)
@@ -89,7 +97,9 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> OPT:
         raise GGUFError(f"{src.path}: OPT has no grouped KV heads (head_count_kv {c.n_head_kv})")
     layers = []
     for i in range(c.n_layer):
-        w = {t: src.attention(t, i, (D, D)) for t in (names.ATTN_Q, names.ATTN_K, names.ATTN_V, names.ATTN_OUT)}
+        w = {
+            t: src.attention(t, i, (D, D)) for t in (names.ATTN_Q, names.ATTN_K, names.ATTN_V, names.ATTN_OUT)
+        }
         b = {t: src.attention(t, i, (D,), "bias") for t in w}
         ffn_norm = src.norm(names.FFN_NORM, i, rms=False, bias=True)
         layers.append(
@@ -107,6 +117,8 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> OPT:
         )
     positions = src.file.entry(names.tensor(names.POS_EMBD)).shape[0]
     position_embd = src.raw(names.POS_EMBD, None, (positions, D))
-    position_embd = position_embd.dequantize() if isinstance(position_embd, QuantTensor) else position_embd.float()
+    position_embd = (
+        position_embd.dequantize() if isinstance(position_embd, QuantTensor) else position_embd.float()
+    )
     head = Head(src.output_norm(rms=False, bias=True), src.output())
     return OPT(c, src.token_embd(), position_embd, layers, head, src.plan)

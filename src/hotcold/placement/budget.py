@@ -92,7 +92,11 @@ def placed_sizes(model_file: ModelFile, device_type: str) -> dict[str, int]:
 def output_tensors(model_file: ModelFile) -> list[str]:
     """The head's tensors; a tied head needs its own copy of the embedding on the GPU."""
     out = [names.tensor(names.OUTPUT_NORM), names.tensor(names.OUTPUT_NORM, suffix="bias")]
-    head = names.tensor(names.OUTPUT) if names.tensor(names.OUTPUT) in model_file.tensors else names.tensor(names.TOKEN_EMBD)
+    head = (
+        names.tensor(names.OUTPUT)
+        if names.tensor(names.OUTPUT) in model_file.tensors
+        else names.tensor(names.TOKEN_EMBD)
+    )
     return [n for n in [*out, head] if n in model_file.tensors]
 
 

@@ -132,7 +132,9 @@ def window_ctx(requested: int | None, n_ctx_train: int) -> int:
 def ffn_widths(llm) -> list[int]:
     """n_ff of every layer whose FFN the dense pass observes (MoE experts are not observed one by one)."""
     if llm.config.n_expert:
-        raise ValueError(f"{llm.path}: observing the activations of mixture-of-experts layers is not supported")
+        raise ValueError(
+            f"{llm.path}: observing the activations of mixture-of-experts layers is not supported"
+        )
     layers = getattr(llm.loaded.model, "layers", None)
     if not layers:
         raise ValueError(f"{llm.path}: the model has no per-layer FFNs to observe")

@@ -165,7 +165,9 @@ class FFN:
 class DenseFFN(FFN):
     """Every neuron: the reference path (`--dense`) and the path for dense GGUF files."""
 
-    def __init__(self, weights: FFNWeights, *, layer: int, norm: Norm | None = None, expert: int | None = None):
+    def __init__(
+        self, weights: FFNWeights, *, layer: int, norm: Norm | None = None, expert: int | None = None
+    ):
         self.weights, self.norm, self.layer, self.expert = weights, norm, layer, expert
         self.up_gate = LinearGroup([weights.up, weights.gate]) if weights.gate is not None else None
 
@@ -206,7 +208,13 @@ class SparseFFN(FFN):
             return None
         try:
             return cpu.SparseFFNPlan(
-                w.up, w.gate, w.down_t, kind=w.kind, up_bias=w.up_bias, fc1=pred.fc1, fc2=pred.fc2,
+                w.up,
+                w.gate,
+                w.down_t,
+                kind=w.kind,
+                up_bias=w.up_bias,
+                fc1=pred.fc1,
+                fc2=pred.fc2,
                 threshold=pred.threshold,
             )
         except ValueError:

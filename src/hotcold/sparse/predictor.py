@@ -29,4 +29,3 @@ class Predictor:
 
     def __call__(self, p: torch.Tensor) -> torch.Tensor:  # [T, D] -> [T, F] bool
         return self.logits(p) >= self.threshold
-
