@@ -18,6 +18,8 @@ import time
 import hotcold
 from hotcold.cli.bench import measure
 from hotcold.models import llama
+from hotcold.models.base import Head
+from hotcold.ops import LinearGroup
 
 
 class Timers:
@@ -35,19 +37,6 @@ class Timers:
         return timed
 
 
-class TimedObject:
-    """A callable object (a layer's q/k/v group) whose calls are timed; attributes pass through."""
-
-    def __init__(self, obj, timed_call):
-        self._obj, self._timed_call = obj, timed_call
-
-    def __call__(self, *args, **kwargs):
-        return self._timed_call(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self._obj, name)
-
-
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="model file; omitted: the bundled demo model")
@@ -59,35 +48,24 @@ def main(argv: list[str] | None = None) -> dict:
     if not isinstance(model, llama.Llama):
         ap.error(f"this profile follows the llama forward; {type(model).__name__} is not one")
     timers = Timers()
-    output = model.output
-    linear = llama.linear
-
-    def linear_by_role(x, weight, bias=None):
-        name = "output head" if weight is output else "attention output projection"
-        return timers.wrap(name, linear)(x, weight, bias)
-
-    saved = (llama.rms_norm, llama.rope_attention, llama.linear)
-    llama.rms_norm = timers.wrap("rms norms", llama.rms_norm)
-    llama.rope_attention = timers.wrap("rope + attention", llama.rope_attention)
-    llama.linear = linear_by_role
-    originals = [layer.qkv for layer in model.layers]
-    for layer in model.layers:
-        layer.qkv = TimedObject(layer.qkv, timers.wrap("q, k, v", layer.qkv))
-    # FFNs are timed through their class (the forward picks its path by the FFN's type)
-    ffn_classes = {type(layer.ffn) for layer in model.layers}
-    ffn_calls = {cls: cls.__call__ for cls in ffn_classes}
-    for cls in ffn_classes:
-        cls.__call__ = timers.wrap("ffn (norm, predictor and FFN)", cls.__call__)
+    # model objects are immutable: time the steps through the classes and module functions they call
+    patches = [
+        (llama, "rope_attention", "rope + attention"),
+        (llama, "linear", "attention output projection"),
+        (LinearGroup, "__call__", "q, k, v (attention norm folded in)"),
+        (Head, "__call__", "output norm + head"),
+    ]
+    patches += [(type(layer.ffn), "__call__", "ffn (norm, predictor and FFN)") for layer in model.layers[:1]]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    for owner, name, label in patches:
+        setattr(owner, name, timers.wrap(label, getattr(owner, name)))
     try:
         measure(llm, "tg", 8)  # warm-up
         timers.seconds.clear()
         seconds, firing = measure(llm, "tg", args.n_gen)
     finally:
-        llama.rms_norm, llama.rope_attention, llama.linear = saved
-        for layer, qkv in zip(model.layers, originals, strict=True):
-            layer.qkv = qkv
-        for cls, call in ffn_calls.items():
-            cls.__call__ = call
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
     per_token = {k: round(v / args.n_gen * 1e3, 3) for k, v in timers.seconds.items()}
     per_token["other"] = round(seconds / args.n_gen * 1e3 - sum(per_token.values()), 3)
     res = {

@@ -108,6 +108,8 @@ class LinearGroup:
 def embed(token_embd: Weight, tokens: torch.Tensor) -> torch.Tensor:
     """Rows `tokens` [T] of the embedding -> [T, D] float32 (block formats dequantize just those rows)."""
     if isinstance(token_embd, QuantTensor):
+        if token_embd.data.device.type == "cpu":
+            return cpu.dequantize_rows(token_embd, index=tokens)
         return token_embd.dequantize(tokens)
     return token_embd[tokens].float()
 

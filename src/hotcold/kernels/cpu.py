@@ -76,11 +76,8 @@ def _run_row_kernel(fn, qtype, data, stride: int, f: int, d: int, inp, mask, out
 def gather_matvec(
     weight: Weight, x: torch.Tensor, rows: torch.Tensor | None, *, threads: int | None = None
 ) -> torch.Tensor:
-    """out[t, i] = dot(W[i], x[t]) where rows is None or rows[t, i], exactly 0 elsewhere.
-
-    weight [F, D]; x [T, D] (or [D]) float32; rows None, bool [T, F] or bool [F] -> float32 [T, F]
-    (or [F]).
-    """
+    """out[t, i] = dot(W[i], x[t]) where rows is None or rows[t, i], exactly 0 elsewhere: weight [F, D];
+    x [T, D] (or [D]) float32; rows None, bool [T, F] or bool [F] -> float32 [T, F] (or [F])."""
     return _row_op(False, weight, x, rows, threads)
 
 
@@ -98,6 +95,7 @@ def sparse_axpy(
 
 
 def _row_op(axpy: bool, weight: Weight, inp: torch.Tensor, rows, threads) -> torch.Tensor:
+    """gather_matvec (inp = x [T, D]) or sparse_axpy (inp = a [T, F]): checks, then C or torch."""
     qtype, data, stride, f, d = weight_view(weight)
     inp2, one = as_tokens(inp, f, "a") if axpy else as_tokens(inp, d, "x")
     t = inp2.shape[0]
@@ -221,10 +219,8 @@ class SparseFFNPlan:
                 raise ValueError(f"up_bias has shape {tuple(self.bias.shape)}, expected [{f}]")
         self.kind = _FFN_KINDS[kind]
         self.threshold = threshold
-        ref = ctypes.byref
-        self._args = tuple(
-            None if w is None else ref(w) for w in (self.fc1, self.fc2, self.up, self.gate, self.down_t)
-        )
+        structs = (self.fc1, self.fc2, self.up, self.gate, self.down_t)
+        self._args = tuple(None if w is None else ctypes.byref(w) for w in structs)
 
     def __call__(
         self,
@@ -277,8 +273,7 @@ class SparseFFNPlan:
             g = torch.relu(gather_matvec(gate, x, mask, threads=threads))
             live = mask & (g != 0)  # NaN stays alive, as in C
         v = gather_matvec(up, x, live, threads=threads)
-        if self.bias is not None:
-            v = v + self.bias
+        v = v if self.bias is None else v + self.bias
         a = g * v if self.kind == 0 else g * torch.relu(v) if self.kind == 1 else torch.relu(v)
         a = torch.where(live, a, torch.zeros(()))
         return sparse_axpy(down_t, a, live, threads=threads), mask, int(mask.sum())
@@ -341,7 +336,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
     """x [T, H, Dh], cos/sin [T, R/2]: normal mode rotates pairs (2j, 2j+1), neox (j, j + R/2); dims past R
-    pass through (rope_head in _cpu_kernels.c, models.layers.apply_rope)."""
+    pass through (as rope_head in _cpu_kernels.c and the models' torch RoPE)."""
     r = cos.shape[-1] * 2
     rot, rest = x[..., :r], x[..., r:]
     cos, sin = cos[:, None, :], sin[:, None, :]
@@ -395,7 +390,7 @@ def attention_decode(
 
 
 def _torch_attention_decode(q, k, v, k_cache, v_cache, pos, cos, sin, neox, window) -> torch.Tensor:
-    """attention_decode in torch (models.layers.attention for one token, the window as a slice)."""
+    """attention_decode in torch: the models' torch attention for one token (the window as a slice)."""
     cos, sin = cos.reshape(1, -1), sin.reshape(1, -1)
     qr, kr = _rope(q, cos, sin, neox), _rope(k, cos, sin, neox)
     q.copy_(qr)
@@ -428,6 +423,8 @@ def dequantize_rows(
         if start != 0 or stop is not None:
             raise ValueError("give either a row range or an index, not both")
         idx = index.cpu().reshape(-1)
+        if idx.dtype == torch.bool and idx.numel() != f:
+            raise ValueError(f"a bool row mask has {idx.numel()} entries for a weight of {f} rows")
         idx = idx.nonzero().squeeze(1) if idx.dtype == torch.bool else idx.long()
         if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < f):
             raise ValueError(f"row index out of range for a weight of {f} rows")

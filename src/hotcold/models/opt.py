@@ -19,6 +19,7 @@ import torch
 from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.gguf_io import GGUFError
+from hotcold.kernels import cpu
 from hotcold.models.base import FFNMaker, Head, new_sequence
 from hotcold.ops import LinearGroup, Norm, Weight, attention, check_context, embed, linear
 from hotcold.quants import QuantTensor
@@ -118,7 +119,9 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> OPT:
     positions = src.file.entry(names.tensor(names.POS_EMBD)).shape[0]
     position_embd = src.raw(names.POS_EMBD, None, (positions, D))
     position_embd = (
-        position_embd.dequantize() if isinstance(position_embd, QuantTensor) else position_embd.float()
+        cpu.dequantize_rows(position_embd)
+        if isinstance(position_embd, QuantTensor)
+        else position_embd.float()
     )
     head = Head(src.output_norm(rms=False, bias=True), src.output())
     return OPT(c, src.token_embd(), position_embd, layers, head, src.plan)
