@@ -159,11 +159,20 @@ def ffn_weights(f: int, d: int, kind="gated", dtype=torch.float32, *, seed=0, bi
     )
 
 
-def ffn_state(n_layer: int = 1, *, dense: bool = False, observe=None):
-    """A sequence state for calling FFNs directly (no KV cache: FFNs never touch it)."""
-    from hotcold.state import FFNCounts, SequenceState
+class _FFNState:
+    """A one-sequence batch for calling FFNs directly (no KV cache: FFNs never touch it); `.counts` are the
+    sequence's per-layer neuron counts."""
 
-    return SequenceState(None, [FFNCounts() for _ in range(n_layer)], dense=dense, observe=observe)
+    def __new__(cls, n_layer: int = 1, *, dense: bool = False, observe=None):
+        from hotcold.state import Batch, FFNCounts, SequenceState
+
+        seq = SequenceState(None, [FFNCounts() for _ in range(n_layer)], dense=dense, observe=observe)
+        batch = Batch.single(seq, 0, 0)
+        batch.counts = seq.counts
+        return batch
+
+
+ffn_state = _FFNState
 
 
 def run_family_checks(path, hf, *, greedy: bool = True, rel: float = 1e-4) -> None:

@@ -1,52 +1,20 @@
 """One generation path for the API, CLI, server and benchmarks: prefill, then one token per step over a
-preallocated KV cache. `generate_step` yields token ids; `stream` adds text, stop strings and stats."""
+preallocated KV cache. `generate_step` yields token ids; `stream` adds text, stop strings and stats (the
+per-request logic lives in generation.Generation, which the batched scheduler drives too)."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
+from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats
 from hotcold.sampling import SamplingParams, make_generator, sample
-from hotcold.state import Observer
-from hotcold.tokenizer import StreamingDetokenizer, Tokenizer
+from hotcold.state import Batch, Observer
+from hotcold.tokenizer import Tokenizer
 
-PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the activation memory of long prompts
-
-
-@dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    prompt_seconds: float = 0.0
-    prompt_computed: int = 0  # prompt tokens actually run (the rest came from the prefix cache)
-    generate_seconds: float = 0.0
-    neurons_computed: int = 0
-    neurons_total: int = 0
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_computed / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
-
-    @property
-    def generate_tps(self) -> float:
-        # the first generated token comes from the prefill logits, so decode time covers the rest
-        steps = max(self.generated_tokens - 1, 0)
-        return steps / self.generate_seconds if self.generate_seconds > 0 else 0.0
-
-    @property
-    def firing_rate(self) -> float:
-        return self.neurons_computed / self.neurons_total if self.neurons_total else 1.0
-
-
-@dataclass
-class Chunk:
-    text: str
-    token: int | None = None
-    finish_reason: str | None = None  # "stop" (eos or stop string) or "length"
-    stats: GenerationStats = field(default_factory=GenerationStats)
+__all__ = ["PREFILL_CHUNK", "Chunk", "Engine", "GenerationStats"]
 
 
 class Engine:
@@ -64,7 +32,7 @@ class Engine:
 
     def _forward(self, ids: Sequence[int], pos: int, *, last_only: bool) -> torch.Tensor:
         tokens = torch.tensor(ids, dtype=torch.long)
-        logits = self.model.forward(tokens, pos, self.seq, last_only=last_only)
+        logits = self.model.forward(tokens, Batch.single(self.seq, pos, len(ids)), last_only=last_only)
         self.cached_ids[pos:] = list(ids)
         return logits
 
@@ -151,58 +119,13 @@ class Engine:
     ) -> Iterator[Chunk]:
         """Text as it is generated. Text that could be the start of a stop string is held back until it
         is known not to be one; the final chunk has finish_reason and the stats."""
-        if max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        stop = [s for s in stop if s]
-        self.check_length(len(prompt_ids))
-        stats = GenerationStats()
-        before = self.seq.neuron_totals()  # this sequence's own counts: no other request adds to them
-        detok = StreamingDetokenizer(self.tokenizer, prompt_ids=prompt_ids)  # keeps the first token's space
-        pending = ""  # text not yet emitted (may hold the start of a stop string)
-        finish = "length"
-        if max_tokens > 0:
-            steps = self.generate_step(prompt_ids, params, stats)
-            for token in steps:
-                if not ignore_eos and self.tokenizer.is_eog(token):
-                    finish = "stop"
-                    break
-                pending += detok.add(token)
-                hit = _find_stop(pending, stop)
-                if hit is not None:
-                    pending = pending[:hit]
-                    finish = "stop"
-                    break
-                safe = len(pending) - _stop_prefix_len(pending, stop)
-                if safe > 0:
-                    yield Chunk(pending[:safe], token, None, stats)
-                    pending = pending[safe:]
-                if (
-                    stats.generated_tokens >= max_tokens
-                    or len(prompt_ids) + stats.generated_tokens >= self.ctx_size
-                ):
-                    break
-            steps.close()
-            if finish == "length":
-                pending += detok.flush()
-                hit = _find_stop(pending, stop)
-                if hit is not None:
-                    pending, finish = pending[:hit], "stop"
-        after = self.seq.neuron_totals()
-        stats.neurons_computed, stats.neurons_total = after[0] - before[0], after[1] - before[1]
-        yield Chunk(pending, None, finish, stats)
-
-
-def _find_stop(text: str, stop: Sequence[str]) -> int | None:
-    hits = [text.find(s) for s in stop if s in text]
-    return min(hits) if hits else None
-
-
-def _stop_prefix_len(text: str, stop: Sequence[str]) -> int:
-    """Length of the longest suffix of text that is a proper prefix of some stop string."""
-    best = 0
-    for s in stop:
-        for n in range(min(len(s) - 1, len(text)), best, -1):
-            if text.endswith(s[:n]):
-                best = n
-                break
-    return best
+        gen = Generation(
+            self, prompt_ids, max_tokens=max_tokens, params=params, stop=stop, ignore_eos=ignore_eos
+        )
+        yield from gen.drain()
+        while not gen.done:
+            ids, pos = gen.want()
+            with torch.inference_mode():
+                logits = self._forward(ids, pos, last_only=True)[-1]
+            gen.take(logits)
+            yield from gen.drain()

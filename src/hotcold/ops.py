@@ -19,7 +19,10 @@ from hotcold.quants import QuantTensor
 
 Weight = torch.Tensor | QuantTensor
 
-C_NORM_MAX_TOKENS = 4  # up to this many tokens an RMS norm runs in C (one call, not five ops)
+# Below this many tokens (decode steps and decode batches) RMS norms run in C, alone or folded into the
+# call that follows: one call instead of five ops, and each row's bits do not depend on the other rows
+# (a batch of requests equals each request alone). Prefill chunks use torch.
+C_NORM_MAX_TOKENS = cpu.GEMM_MIN_TOKENS - 1
 
 
 def uses_c_kernels(weight: Weight) -> bool:

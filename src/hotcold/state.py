@@ -83,3 +83,98 @@ class SequenceState:
     def neuron_totals(self) -> tuple[int, int]:
         """(computed, total) over every layer so far."""
         return sum(c.computed for c in self.counts), sum(c.total for c in self.counts)
+
+
+class Batch:
+    """What one forward runs: the input's rows in segments, segment j = `lengths[j]` tokens of sequence
+    `seqs[j]` at positions `starts[j]`..; every segment attends over its own sequence's cache, and what
+    the layers report (neurons computed, routing, masks) goes to the segment's own sequence.
+
+    A dense reference forward (`dense`) or an observed one (`observe`) is a single-sequence batch."""
+
+    def __init__(self, seqs: Sequence[SequenceState], starts: Sequence[int], lengths: Sequence[int]):
+        if not (len(seqs) == len(starts) == len(lengths)) or not seqs:
+            raise ValueError("a batch needs one start and one length per sequence, and at least one sequence")
+        self.seqs, self.starts, self.lengths = list(seqs), list(starts), list(lengths)
+        ends, row = [], 0
+        for n in self.lengths:
+            row += n
+            ends.append(row)
+        self.rows = row
+        self.bounds = [(e - n, e) for e, n in zip(ends, self.lengths)]  # [row0, row1) of each segment
+        if len(self.seqs) > 1 and any(s.dense or s.observe is not None for s in self.seqs):
+            raise ValueError("a dense or observed forward runs one sequence at a time")
+        first = self.seqs[0]
+        self.dense, self.observe = first.dense, first.observe
+        self.keep_masks = any(s.keep_masks for s in self.seqs)
+
+    @classmethod
+    def single(cls, seq: SequenceState, pos: int, n: int) -> Batch:
+        return cls([seq], [pos], [n])
+
+    def segments(self):
+        """(row0, row1, seq, pos) for every segment."""
+        for (a, b), seq, pos in zip(self.bounds, self.seqs, self.starts):
+            yield a, b, seq, pos
+
+    def last_rows(self) -> list[int]:
+        return [b - 1 for _, b in self.bounds]
+
+    def count(self, layer: int, mask: torch.Tensor, fired: int | None = None, rows=None) -> None:
+        """Neurons computed in `layer`: mask [T, F] over the batch's rows, or over `rows` of them (a MoE
+        expert's tokens); fired: the mask's sum, when the kernel already counted it."""
+        if len(self.seqs) == 1:
+            self.seqs[0].count(layer, int(mask.sum()) if fired is None else fired, mask.numel())
+            return
+        seg = self._segment_of_row() if rows is None else self._segment_of_row()[rows]
+        n = len(self.seqs)
+        computed = torch.bincount(seg, weights=mask.sum(1, dtype=torch.float64), minlength=n)
+        tokens = torch.bincount(seg, minlength=n)
+        for j, seq in enumerate(self.seqs):
+            seq.count(layer, int(computed[j]), int(tokens[j]) * mask.shape[1])
+
+    def count_all(self, layer: int, activation: torch.Tensor, rows=None) -> None:
+        """Every neuron of `layer` computed (a dense FFN's activation [T, F]) for every row, or for `rows`."""
+        per_row = activation.shape[-1]
+        if len(self.seqs) == 1:
+            self.seqs[0].count(layer, activation.numel(), activation.numel())
+            return
+        seg = self._segment_of_row() if rows is None else self._segment_of_row()[rows]
+        tokens = torch.bincount(seg, minlength=len(self.seqs))
+        for j, seq in enumerate(self.seqs):
+            seq.count(layer, int(tokens[j]) * per_row, int(tokens[j]) * per_row)
+
+    def _segment_of_row(self) -> torch.Tensor:
+        return torch.repeat_interleave(torch.arange(len(self.seqs)), torch.tensor(self.lengths))
+
+    def subset(self, rows: torch.Tensor) -> _Rows:
+        """The context of an FFN that runs on some of the batch's rows (a MoE expert's tokens)."""
+        return _Rows(self, rows)
+
+    def keep(self, layer: int, p: torch.Tensor, mask: torch.Tensor) -> None:
+        for a, b, seq, _ in self.segments():
+            if seq.keep_masks:
+                seq.masks[layer] = (p[a:b].detach().clone(), mask[a:b])
+
+    def route(self, layer: int, ids: torch.Tensor) -> None:
+        for a, b, seq, _ in self.segments():
+            seq.routing[layer] = ids[a:b]
+
+
+class _Rows:
+    """Some rows of a batch, as a MoE expert sees them: counts go to the rows' own sequences; experts are
+    not observed or recorded one by one."""
+
+    dense = False
+    observe = None
+    keep_masks = False
+
+    def __init__(self, batch: Batch, rows: torch.Tensor):
+        self.batch, self.rows = batch, rows
+        self.dense = batch.dense
+
+    def count(self, layer: int, mask: torch.Tensor, fired: int | None = None) -> None:
+        self.batch.count(layer, mask, fired, rows=self.rows)
+
+    def count_all(self, layer: int, activation: torch.Tensor) -> None:
+        self.batch.count_all(layer, activation, rows=self.rows)

@@ -2,7 +2,8 @@
 
 A family module (llama.py, falcon.py, opt.py, mixtral.py) describes math only: `build(src, make_ffn)`
 reads its tensors from a `TensorSource` (already on the devices the plan chose) and asks `make_ffn` for
-each layer's FFN; `forward(tokens, pos, seq, last_only=...)` runs the layers.
+each layer's FFN; `forward(tokens, ctx, last_only=...)` runs the layers over a batch (state.Batch) of one or more
+sequences.
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ import torch
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan
 from hotcold.ops import Norm, Weight, linear
-from hotcold.state import SequenceState
+from hotcold.state import Batch, SequenceState
 
-# make_ffn(layer, weights, predictor or None, norm or None, expert=None) -> an FFN: ffn(x, seq) / ffn.apply(h, p, seq)
+# make_ffn(layer, weights, predictor or None, norm or None, expert=None) -> an FFN: ffn(x, ctx) / ffn.apply(h, p, ctx)
 FFNMaker = Callable[..., Callable]
 
 
@@ -28,9 +29,7 @@ class Decoder(Protocol):
 
     def new_sequence(self, n_ctx: int) -> SequenceState: ...
 
-    def forward(
-        self, tokens: torch.Tensor, pos: int, seq: SequenceState, *, last_only: bool = False
-    ) -> torch.Tensor: ...
+    def forward(self, tokens: torch.Tensor, ctx: Batch, *, last_only: bool = False) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -44,11 +43,19 @@ class Head:
     def device(self) -> torch.device:
         return self.norm.weight.device
 
-    def __call__(self, x: torch.Tensor, *, last_only: bool) -> torch.Tensor:
-        if last_only:
-            x = x[-1:]
+    def __call__(self, x: torch.Tensor, ctx: Batch, *, last_only: bool) -> torch.Tensor:
+        if last_only:  # each segment's last row
+            x = x[-1:] if len(ctx.seqs) == 1 else x[ctx.last_rows()]
         x = x.to(self.device)
         return linear(self.norm(x), self.weight).float().cpu()
+
+
+def per_sequence(ctx: Batch, attend) -> torch.Tensor:
+    """attend(row0, row1, seq, pos) -> [rows, H*Dh] for each segment, stacked in row order: attention is
+    the one step where the rows of a batch see different caches."""
+    if len(ctx.seqs) == 1:
+        return attend(0, ctx.rows, ctx.seqs[0], ctx.starts[0])
+    return torch.cat([attend(a, b, seq, pos) for a, b, seq, pos in ctx.segments()])
 
 
 def new_sequence(config: ModelConfig, plan: DevicePlan, n_ctx: int) -> SequenceState:

@@ -15,9 +15,9 @@ import torch
 
 from hotcold import names
 from hotcold.config import ModelConfig
-from hotcold.models.base import FFNMaker, Head, new_sequence
+from hotcold.models.base import FFNMaker, Head, new_sequence, per_sequence
 from hotcold.ops import Norm, RopeTables, Weight, embed, linear, rope_attention
-from hotcold.state import SequenceState
+from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
 
@@ -42,23 +42,27 @@ class Falcon:
     def new_sequence(self, n_ctx: int) -> SequenceState:
         return new_sequence(self.config, self.plan, n_ctx)
 
-    def forward(
-        self, tokens: torch.Tensor, pos: int, seq: SequenceState, *, last_only: bool = False
-    ) -> torch.Tensor:
-        """tokens [T] at positions pos..pos+T-1 -> logits [T, V] (or [1, V] with last_only)."""
+    def forward(self, tokens: torch.Tensor, ctx: Batch, *, last_only: bool = False) -> torch.Tensor:
+        """tokens [T]: the batch's segments -> logits [T, V] (with last_only: each segment's last row)."""
         c = self.config
         T = tokens.shape[0]
         H, Hkv, Dh = c.n_head, c.n_head_kv, c.head_dim
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
-            cos, sin = self.rope(pos, T, layer.device)
             qkv = linear(layer.attn_norm(x), layer.wqkv)  # [T, (H + 2*Hkv)*Dh]
             q, k, v = qkv.split((H * Dh, Hkv * Dh, Hkv * Dh), dim=-1)
             q, k, v = q.reshape(T, H, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dh)
-            attn = rope_attention(q, k, v, seq.kv.k[i], seq.kv.v[i], pos, cos, sin, neox=True)
-            x = x + linear(attn, layer.wo) + layer.ffn(x, seq)  # parallel residual off the layer input
-        return self.head(x, last_only=last_only)
+
+            def attend(a, b, seq, pos, i=i, q=q, k=k, v=v, device=layer.device):
+                cos, sin = self.rope(pos, b - a, device)
+                return rope_attention(
+                    q[a:b], k[a:b], v[a:b], seq.kv.k[i], seq.kv.v[i], pos, cos, sin, neox=True
+                )
+
+            attn = per_sequence(ctx, attend)
+            x = x + linear(attn, layer.wo) + layer.ffn(x, ctx)  # parallel residual off the layer input
+        return self.head(x, ctx, last_only=last_only)
 
 
 def build(src: TensorSource, make_ffn: FFNMaker) -> Falcon:

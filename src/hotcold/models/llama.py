@@ -14,9 +14,9 @@ import torch
 from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan
-from hotcold.models.base import FFNMaker, Head, new_sequence
+from hotcold.models.base import FFNMaker, Head, new_sequence, per_sequence
 from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear, rope_attention
-from hotcold.state import SequenceState
+from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
 
@@ -41,26 +41,37 @@ class Llama:
     def new_sequence(self, n_ctx: int) -> SequenceState:
         return new_sequence(self.config, self.plan, n_ctx)
 
-    def forward(
-        self, tokens: torch.Tensor, pos: int, seq: SequenceState, *, last_only: bool = False
-    ) -> torch.Tensor:
-        """tokens [T] at positions pos..pos+T-1 -> logits [T, V] (or [1, V] with last_only)."""
+    def forward(self, tokens: torch.Tensor, ctx: Batch, *, last_only: bool = False) -> torch.Tensor:
+        """tokens [T]: the batch's segments, each at its own sequence's positions -> logits [T, V] (with
+        last_only: [segments, V], each segment's last row)."""
         c = self.config
         T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
-            cos, sin = self.rope(pos, T, layer.device)
             q, k, v = layer.qkv(x, layer.attn_norm)
             q = q.view(T, c.n_head, c.head_dim)
             k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
-            kv = seq.kv
-            attn = rope_attention(
-                q, k, v, kv.k[i], kv.v[i], pos, cos, sin, neox=False, sliding_window=c.sliding_window
-            )
-            x = x + linear(attn, layer.wo)
-            x = x + layer.ffn(x, seq)
-        return self.head(x, last_only=last_only)
+
+            def attend(a, b, seq, pos, i=i, q=q, k=k, v=v, device=layer.device):
+                cos, sin = self.rope(pos, b - a, device)
+                kv = seq.kv
+                return rope_attention(
+                    q[a:b],
+                    k[a:b],
+                    v[a:b],
+                    kv.k[i],
+                    kv.v[i],
+                    pos,
+                    cos,
+                    sin,
+                    neox=False,
+                    sliding_window=c.sliding_window,
+                )
+
+            x = x + linear(per_sequence(ctx, attend), layer.wo)
+            x = x + layer.ffn(x, ctx)
+        return self.head(x, ctx, last_only=last_only)
 
 
 def attention_block(src: TensorSource, i: int) -> dict:

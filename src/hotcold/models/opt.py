@@ -20,10 +20,10 @@ from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.gguf_io import GGUFError
 from hotcold.kernels import cpu
-from hotcold.models.base import FFNMaker, Head, new_sequence
+from hotcold.models.base import FFNMaker, Head, new_sequence, per_sequence
 from hotcold.ops import LinearGroup, Norm, Weight, attention, check_context, embed, linear
 from hotcold.quants import QuantTensor
-from hotcold.state import SequenceState
+from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
 POSITION_OFFSET = 2  # OPT's learned positions start at row 2
@@ -66,29 +66,34 @@ class OPT:
     def new_sequence(self, n_ctx: int) -> SequenceState:
         return new_sequence(self.config, self.plan, n_ctx)
 
-    def forward(
-        self, tokens: torch.Tensor, pos: int, seq: SequenceState, *, last_only: bool = False
-    ) -> torch.Tensor:
-        """tokens [T] at positions pos..pos+T-1 -> logits [T, V] (or [1, V] with last_only)."""
+    def forward(self, tokens: torch.Tensor, ctx: Batch, *, last_only: bool = False) -> torch.Tensor:
+        """tokens [T]: the batch's segments -> logits [T, V] (with last_only: each segment's last row)."""
         c = self.config
         T = tokens.shape[0]
         H, Dh = c.n_head, c.head_dim
-        if pos + T > self.max_positions:
-            raise ValueError(
-                f"context overflow: position {pos + T} exceeds OPT's {self.max_positions} learned positions"
-            )
-        check_context(pos + T, seq.kv.n_ctx)
-        rows = slice(pos + POSITION_OFFSET, pos + T + POSITION_OFFSET)
-        x = embed(self.token_embd, tokens) + self.position_embd[rows]
+        rows = []
+        for _, _, seq, pos in ctx.segments():
+            n = ctx.lengths[len(rows)]
+            if pos + n > self.max_positions:
+                raise ValueError(
+                    f"context overflow: position {pos + n} exceeds OPT's {self.max_positions} learned positions"
+                )
+            check_context(pos + n, seq.kv.n_ctx)
+            rows.append(self.position_embd[pos + POSITION_OFFSET : pos + n + POSITION_OFFSET])
+        x = embed(self.token_embd, tokens) + (rows[0] if len(rows) == 1 else torch.cat(rows))
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
             q, k, v = layer.qkv(x, layer.attn_norm)
             q, k, v = (
                 (t + b).view(T, H, Dh) for t, b in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias))
             )
-            x = x + linear(attention(q, k, v, seq.kv.k[i], seq.kv.v[i], pos), layer.wo, layer.wo_bias)
-            x = x + layer.ffn(x, seq)
-        return self.head(x, last_only=last_only)
+
+            def attend(a, b, seq, pos, i=i, q=q, k=k, v=v):
+                return attention(q[a:b], k[a:b], v[a:b], seq.kv.k[i], seq.kv.v[i], pos)
+
+            x = x + linear(per_sequence(ctx, attend), layer.wo, layer.wo_bias)
+            x = x + layer.ffn(x, ctx)
+        return self.head(x, ctx, last_only=last_only)
 
 
 def build(src: TensorSource, make_ffn: FFNMaker) -> OPT:

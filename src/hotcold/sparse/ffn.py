@@ -1,9 +1,10 @@
 """The FFN block of every family, computed densely (the reference) or sparsely (only firing neurons).
 
-One call for every kind: `ffn(x, seq)` with x the residual stream [T, D] and seq the sequence's state;
+One call for every kind: `ffn(x, ctx)` with x the residual stream [T, D] and ctx the forward's batch
+(state.Batch: which rows belong to which sequence);
 the FFN applies its own norm (as an mlx-lm block owns its post-attention norm), feeds the un-normed x to
 its predictor (every family's predictor input is the residual the FFN receives: reference §0 fact 5),
-counts what it computed into seq, and returns its output [T, D] on x's device. `ffn.apply(h, p, seq)`
+counts what it computed into each row's sequence, and returns its output [T, D] on x's device. `ffn.apply(h, p, ctx)`
 takes an already-normed input (MoE experts). A family says how gate and up combine (`kind`) and which
 activation it uses; the loader chooses dense, sparse or hybrid. Neuron i is row i of up, gate and down_t.
 """
@@ -20,7 +21,7 @@ from hotcold.kernels import cpu
 from hotcold.names import FFN_KINDS
 from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
 from hotcold.sparse.predictor import Predictor
-from hotcold.state import SequenceState
+from hotcold.state import Batch
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu,
@@ -134,9 +135,9 @@ def _device(weight: Weight) -> torch.device:
 
 
 class FFN:
-    """Base of every FFN kind: `ffn(x, seq)` norms x and calls `apply(h, p, seq)`.
+    """Base of every FFN kind: `ffn(x, ctx)` norms x and calls `apply(h, p, ctx)`.
 
-    layer: the layer index (seq's counts and records are per layer); expert: the expert index inside a
+    layer: the layer index (ctx's counts and records are per layer); expert: the expert index inside a
     MoE layer (experts are not observed one by one, and their masks are not kept)."""
 
     weights: FFNWeights
@@ -144,21 +145,21 @@ class FFN:
     layer: int
     expert: int | None
 
-    def __call__(self, x: torch.Tensor, seq: SequenceState) -> torch.Tensor:
-        return self.apply(self.norm(x) if self.norm is not None else x, x, seq)
+    def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
+        return self.apply(self.norm(x) if self.norm is not None else x, x, ctx)
 
-    def apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+    def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         raise NotImplementedError
 
     @property
     def n_ff(self) -> int:
         return self.weights.n_ff
 
-    def _dense(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState, up_gate: LinearGroup):
+    def _dense(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, up_gate: LinearGroup):
         out, a = dense_step(self.weights, h, up_gate)
-        if seq.observe is not None and self.expert is None:
-            seq.observe(self.layer, h, p, a)
-        seq.count(self.layer, a.numel(), a.numel())
+        if ctx.observe is not None and self.expert is None:
+            ctx.observe(self.layer, h, p, a)
+        ctx.count_all(self.layer, a)
         return self.weights.add_down_bias(out)
 
 
@@ -171,8 +172,8 @@ class DenseFFN(FFN):
         self.weights, self.norm, self.layer, self.expert = weights, norm, layer, expert
         self.up_gate = LinearGroup([weights.up, weights.gate]) if weights.gate is not None else None
 
-    def apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState) -> torch.Tensor:
-        return self._dense(h, p, seq, self.up_gate)
+    def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
+        return self._dense(h, p, ctx, self.up_gate)
 
 
 class SparseFFN(FFN):
@@ -220,40 +221,40 @@ class SparseFFN(FFN):
         except ValueError:
             return None
 
-    def _fuses(self, h: torch.Tensor, seq: SequenceState) -> bool:
+    def _fuses(self, h: torch.Tensor, ctx: Batch) -> bool:
         plan = self.fused_plan
         return (
             plan is not None
-            and not seq.dense
+            and not ctx.dense
             and h.shape[0] < cpu.GEMM_MIN_TOKENS  # a prefill batch's predictor goes to torch's GEMM
             and plan.threshold == self.predictor.threshold
         )
 
-    def __call__(self, x: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
         out_device, x = x.device, x.to(CPU)  # the CPU kernels run here even when attention is on a GPU
-        if self.norm is not None and self._fuses(x, seq) and self.norm.folds_into_c(x):
-            return self._apply(x, x, seq, norm=self.norm).to(out_device)
+        if self.norm is not None and self._fuses(x, ctx) and self.norm.folds_into_c(x):
+            return self._apply(x, x, ctx, norm=self.norm).to(out_device)
         h = self.norm(x) if self.norm is not None else x
-        return self._apply(h, x, seq, norm=None).to(out_device)
+        return self._apply(h, x, ctx, norm=None).to(out_device)
 
-    def apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState) -> torch.Tensor:
-        return self._apply(h.to(CPU), p, seq, norm=None).to(h.device)
+    def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
+        return self._apply(h.to(CPU), p, ctx, norm=None).to(h.device)
 
-    def _apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState, *, norm: Norm | None):
+    def _apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, *, norm: Norm | None):
         """h: the FFN input, or with `norm` the residual it is the RMS norm of (folded into the C call)."""
-        if seq.dense:
-            return self._dense(h, p, seq, self.up_gate)
+        if ctx.dense:
+            return self._dense(h, p, ctx, self.up_gate)
         w = self.weights
-        if self._fuses(h, seq):
+        if self._fuses(h, ctx):
             norm_args = norm.c_args if norm is not None else None
             out, mask, fired = self.fused_plan(h, p.to(CPU), norm=norm_args, threads=self.threads)
         else:
             mask = self.predictor(p).to(CPU)  # [T, F] bool
             out, fired = sparse_step(w, h, mask, self.rows_plan, self.threads), int(mask.sum())
-        self._record(seq, p, mask, fired)
+        self._record(ctx, p, mask, fired)
         return w.add_down_bias(out)
 
-    def _record(self, seq: SequenceState, p: torch.Tensor, mask: torch.Tensor, fired: int) -> None:
-        seq.count(self.layer, fired, mask.numel())
-        if seq.keep_masks and self.expert is None:
-            seq.masks[self.layer] = (p.detach().clone(), mask)
+    def _record(self, ctx: Batch, p: torch.Tensor, mask: torch.Tensor, fired: int) -> None:
+        ctx.count(self.layer, mask, fired)
+        if ctx.keep_masks and self.expert is None:
+            ctx.keep(self.layer, p, mask)

@@ -17,7 +17,7 @@ from hotcold.ops import Norm
 from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn import CPU, FFN, DenseFFN, FFNWeights, row_plan, sparse_step
 from hotcold.sparse.predictor import Predictor
-from hotcold.state import SequenceState
+from hotcold.state import Batch
 
 
 def _rows_to(weight, rows: torch.Tensor, device: torch.device):
@@ -64,12 +64,12 @@ class HybridFFN(FFN):
         )
         self.cold_plan = row_plan(weights)
         self.hot_plan = row_plan(self.hot_weights)  # the CPU stand-in's hot half
-        self.reference = DenseFFN(weights, layer=layer, expert=expert)  # seq.dense: every neuron, on the CPU
+        self.reference = DenseFFN(weights, layer=layer, expert=expert)  # ctx.dense: every neuron, on the CPU
 
-    def apply(self, h: torch.Tensor, p: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+    def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         out_device = h.device
-        if seq.dense:
-            return self.reference.apply(h.to(CPU), p.to(CPU), seq).to(out_device)
+        if ctx.dense:
+            return self.reference.apply(h.to(CPU), p.to(CPU), ctx).to(out_device)
         mask = self.predictor(p)  # [T, F] bool, on the predictor's device
         mask_cpu = mask.to(CPU)  # sync point: waits for the predictor only
         h_cpu = h.to(CPU)  # before the hot launch, so this copy does not wait for the hot kernels
@@ -79,9 +79,9 @@ class HybridFFN(FFN):
         else:
             cold_out = sparse_step(self.weights, h_cpu, mask_cpu & self.cold, self.cold_plan, self.threads)
             out = cold_out.to(out_device) + hot_out.to(out_device)
-        seq.count(self.layer, int(mask_cpu.sum()), mask_cpu.numel())
-        if seq.keep_masks and self.expert is None:
-            seq.masks[self.layer] = (p.detach().clone(), mask_cpu)
+        ctx.count(self.layer, mask_cpu)
+        if ctx.keep_masks and self.expert is None:
+            ctx.keep(self.layer, p, mask_cpu)
         return self.weights.add_down_bias(out)
 
     def _hot(self, h: torch.Tensor, mask_hot: torch.Tensor) -> torch.Tensor:

@@ -8,13 +8,13 @@ import torch
 
 from hotcold.ops import Norm, Weight, linear
 from hotcold.sparse.ffn import FFN
-from hotcold.state import SequenceState
+from hotcold.state import Batch
 
 
 class MoEFFN:
     def __init__(self, router: Weight, experts: list[FFN], n_used: int, *, layer: int, norm: Norm):
         self.router = router  # [E, D]
-        self.experts = experts  # FFNs called with apply(h, p, seq) on their tokens
+        self.experts = experts  # FFNs called with apply(h, p, ctx) on their tokens
         self.n_used = n_used
         self.layer = layer
         self.norm = norm
@@ -25,13 +25,13 @@ class MoEFFN:
         top, ids = torch.topk(logits, self.n_used, dim=-1)
         return ids, torch.softmax(top, dim=-1)
 
-    def __call__(self, x: torch.Tensor, seq: SequenceState) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
         h = self.norm(x)
         ids, weights = self.route(h)
-        seq.routing[self.layer] = ids
+        ctx.route(self.layer, ids)
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tokens, slot = torch.where(ids == e)
-            y = self.experts[e].apply(h[tokens], x[tokens], seq)  # [t, D]
+            y = self.experts[e].apply(h[tokens], x[tokens], ctx.subset(tokens))  # [t, D]
             out.index_add_(0, tokens, y.to(out.device) * weights[tokens, slot, None])
         return out

@@ -1,0 +1,59 @@
+"""Continuous batching: one forward for every running generation.
+
+Each step runs every decoding generation's next token in one forward (the weights are read once for
+all of them; in the sparse FFN the rows fired by any of the tokens are read once), plus the next chunk
+of at most one prefilling generation (chunked prefill: a long prompt holds the others up for one chunk
+at a time, never for its whole prefill).
+
+Output does not depend on the batch. Below `cpu.GEMM_MIN_TOKENS` rows every CPU kernel computes each
+row with the same arithmetic whatever the other rows are (the C kernels' contract), attention runs per
+sequence over its own cache, and sampling uses each generation's own generator; so decode rows go in
+groups under that size, and a prefill chunk joins them only when the whole forward stays under it (a
+larger chunk runs alone, as it would without other requests). The GPU paths do not promise this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from hotcold.generation import Generation
+from hotcold.kernels import cpu
+from hotcold.state import Batch
+
+MAX_ROWS = cpu.GEMM_MIN_TOKENS - 1  # rows per forward for which every row's bits are its own
+
+
+def step(model, generations: Sequence[Generation]) -> None:
+    """Advance every generation that is not done by one forward's worth: decoders by one token, the
+    first prefilling one by one chunk. Chunks pile up in each generation (`drain()`)."""
+    live = [g for g in generations if not g.done]
+    decoding = [g for g in live if not g.prefilling]
+    prefill = next((g for g in live if g.prefilling), None)
+    groups = [decoding[i : i + MAX_ROWS] for i in range(0, len(decoding), MAX_ROWS)]
+    if prefill is not None:
+        n = len(prefill.want()[0])
+        if groups and n + len(groups[-1]) <= MAX_ROWS:
+            groups[-1].append(prefill)
+        else:
+            groups.append([prefill])
+    for group in groups:
+        run(model, group)
+
+
+@torch.inference_mode()
+def run(model, group: Sequence[Generation]) -> None:
+    """One forward over the generations' next inputs; each takes its own last row's logits."""
+    wants = [g.want() for g in group]
+    tokens = torch.tensor([t for ids, _ in wants for t in ids], dtype=torch.long)
+    ctx = Batch([g.engine.seq for g in group], [pos for _, pos in wants], [len(ids) for ids, _ in wants])
+    logits = model.forward(tokens, ctx, last_only=True)  # [len(group), V]
+    for j, g in enumerate(group):
+        g.take(logits[j])
+
+
+def generate_all(model, generations: Sequence[Generation]) -> None:
+    """Run the generations together to the end (the Python API's batch call)."""
+    while any(not g.done for g in generations):
+        step(model, generations)

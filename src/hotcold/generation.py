@@ -1,0 +1,200 @@
+"""One request's generation as a state machine: the caller runs the forwards, so one forward can serve
+many generations (continuous batching, hotcold.batching) or just this one (Engine.stream).
+
+    gen = Generation(engine, prompt_ids, max_tokens=..., params=..., stop=...)
+    while not gen.done:
+        ids, pos = gen.want()            # the next prefill chunk, or the last sampled token
+        gen.take(logits of the last of those rows)
+        for chunk in gen.drain(): ...    # text, held back while it may be the start of a stop string
+
+Each generation samples with its own generator (its seed) from its own logits, so its tokens do not
+depend on what else ran in the same forward.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from hotcold.sampling import SamplingParams, make_generator, sample
+from hotcold.tokenizer import StreamingDetokenizer
+
+PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the activation memory of long prompts
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prompt_seconds: float = 0.0
+    prompt_computed: int = 0  # prompt tokens actually run (the rest came from the prefix cache)
+    generate_seconds: float = 0.0
+    neurons_computed: int = 0
+    neurons_total: int = 0
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.prompt_computed / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def generate_tps(self) -> float:
+        # the first generated token comes from the prefill logits, so decode time covers the rest
+        steps = max(self.generated_tokens - 1, 0)
+        return steps / self.generate_seconds if self.generate_seconds > 0 else 0.0
+
+    @property
+    def firing_rate(self) -> float:
+        return self.neurons_computed / self.neurons_total if self.neurons_total else 1.0
+
+
+@dataclass
+class Chunk:
+    text: str
+    token: int | None = None
+    finish_reason: str | None = None  # "stop" (eos or stop string) or "length"
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class Generation:
+    """A generation on one engine (its sequence state and KV cache); see the module docstring."""
+
+    def __init__(
+        self,
+        engine,
+        prompt_ids: Sequence[int],
+        *,
+        max_tokens: int = 128,
+        params: SamplingParams = SamplingParams(),
+        stop: Sequence[str] = (),
+        ignore_eos: bool = False,
+    ):
+        if max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        engine.check_length(len(prompt_ids))
+        self.engine = engine
+        self.prompt = list(prompt_ids)
+        self.max_tokens = max_tokens
+        self.params = params
+        self.stop = [s for s in stop if s]
+        self.ignore_eos = ignore_eos
+        self.stats = GenerationStats()
+        self.done = False
+        self.finish_reason: str | None = None
+        self._out: list[Chunk] = []
+        self._pending = ""  # text not yet emitted (may hold the start of a stop string)
+        if max_tokens == 0:
+            self._finish("length", flush=False)
+            return
+        if not self.prompt:
+            raise ValueError("the prompt is empty (no tokens)")
+        self._detok = StreamingDetokenizer(engine.tokenizer, prompt_ids=self.prompt)  # keeps the first space
+        self._history = list(self.prompt)
+        self._generator = make_generator(params.seed)
+        self._before = engine.seq.neuron_totals()  # this sequence's own counts: nobody else adds to them
+        # reuse the cached prefix this prompt shares with the engine's last sequence; recompute at least the
+        # last prompt token to get its logits
+        start = min(common_prefix(engine.cached_ids, self.prompt), len(self.prompt) - 1)
+        engine.cached_ids = engine.cached_ids[:start]
+        engine.last_prefill_computed = len(self.prompt) - start
+        self.stats.prompt_tokens = len(self.prompt)
+        self.stats.prompt_computed = len(self.prompt) - start
+        self._next = start  # next prompt position to prefill
+        self._t0 = time.perf_counter()
+        self._decode_t0 = 0.0
+
+    @property
+    def prefilling(self) -> bool:
+        return self._next < len(self.prompt)
+
+    def want(self) -> tuple[list[int], int]:
+        """(token ids, first position) of the next forward this generation needs."""
+        if self.done:
+            raise RuntimeError("the generation is finished")
+        if self.prefilling:
+            s = self._next
+            return self.prompt[s : s + PREFILL_CHUNK], s
+        return [self._history[-1]], len(self._history) - 1
+
+    def take(self, logits: torch.Tensor) -> None:
+        """The logits [V] of the last row of what `want()` asked for, once that forward has run."""
+        ids, pos = self.want()
+        self.engine.cached_ids[pos:] = ids
+        now = time.perf_counter()
+        if self.prefilling:
+            self._next = pos + len(ids)
+            if self.prefilling:
+                return
+            self.stats.prompt_seconds = now - self._t0
+            self._decode_t0 = now
+        else:
+            self.stats.generate_seconds = now - self._decode_t0
+        self._accept(sample(logits, self.params, self._history, self._generator))
+
+    def drain(self) -> list[Chunk]:
+        """The chunks produced since the last drain; the last one of a finished generation has its
+        finish_reason and stats."""
+        out, self._out = self._out, []
+        return out
+
+    def _accept(self, token: int) -> None:
+        s = self.stats
+        self._history.append(token)
+        s.generated_tokens += 1
+        if not self.ignore_eos and self.engine.tokenizer.is_eog(token):
+            return self._finish("stop", flush=False)
+        self._pending += self._detok.add(token)
+        hit = _find_stop(self._pending, self.stop)
+        if hit is not None:
+            self._pending = self._pending[:hit]
+            return self._finish("stop", flush=False)
+        safe = len(self._pending) - _stop_prefix_len(self._pending, self.stop)
+        if safe > 0:
+            self._out.append(Chunk(self._pending[:safe], token, None, s))
+            self._pending = self._pending[safe:]
+        if (
+            s.generated_tokens >= self.max_tokens
+            or len(self.prompt) + s.generated_tokens >= self.engine.ctx_size
+        ):
+            self._finish("length", flush=True)
+
+    def _finish(self, reason: str, *, flush: bool) -> None:
+        if flush:
+            self._pending += self._detok.flush()
+            hit = _find_stop(self._pending, self.stop)
+            if hit is not None:
+                self._pending, reason = self._pending[:hit], "stop"
+        if self.max_tokens > 0:
+            after = self.engine.seq.neuron_totals()
+            self.stats.neurons_computed = after[0] - self._before[0]
+            self.stats.neurons_total = after[1] - self._before[1]
+        self.done, self.finish_reason = True, reason
+        self._out.append(Chunk(self._pending, None, reason, self.stats))
+        self._pending = ""
+
+
+def _find_stop(text: str, stop: Sequence[str]) -> int | None:
+    hits = [text.find(s) for s in stop if s in text]
+    return min(hits) if hits else None
+
+
+def _stop_prefix_len(text: str, stop: Sequence[str]) -> int:
+    """Length of the longest suffix of text that is a proper prefix of some stop string."""
+    best = 0
+    for s in stop:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
