@@ -268,12 +268,12 @@ def check_slot_is_free(url: str, scheduler: Scheduler, *, cancelled: int) -> Non
 
 
 def test_errors_inside_are_500_json_and_the_server_carries_on(llm):
-    class Broken:
-        cached_ids: list[int] = []
+    class Broken:  # a model whose forward fails: the batch step's error reaches the clients
+        def __getattr__(self, name):
+            return getattr(llm.loaded.model, name)
 
-        def stream(self, *args, **kwargs):
+        def forward(self, *args, **kwargs):
             raise RuntimeError("kernel exploded")
-            yield
 
     stub = SimpleNamespace(
         path=llm.path,
@@ -284,7 +284,7 @@ def test_errors_inside_are_500_json_and_the_server_carries_on(llm):
         detokenize=lambda ids: 1 / 0,
         chat_prompt_ids=llm.chat_prompt_ids,
     )
-    with running(create_app(stub, scheduler=Scheduler([Broken()]))) as url:
+    with running(create_app(stub, scheduler=Scheduler([Engine(Broken(), llm.tokenizer, llm.ctx_size)]))) as url:
         r = post(url, "/detokenize", {"tokens": [1, 2]})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         r = post(url, "/v1/completions", {"prompt": "x"})

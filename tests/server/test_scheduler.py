@@ -1,4 +1,5 @@
-"""The scheduler over fake engines: FIFO order, cancellation (queued and running), errors, prefix affinity."""
+"""The batching scheduler over the bundled model: FIFO order, cancellation (queued and running), errors,
+prefix affinity, and every request's tokens equal to running it alone, whatever else is in the batch."""
 
 from __future__ import annotations
 
@@ -7,211 +8,290 @@ import threading
 import time
 
 import pytest
+import torch
 
-from hotcold.engine import Chunk, GenerationStats
+import hotcold
+from hotcold.engine import Engine
+from hotcold.sampling import SamplingParams
 from hotcold.server.scheduler import GenerationRequest, QueueFull, Scheduler, SchedulerClosed
 
-TIMEOUT_S = 10
+TIMEOUT_S = 60
+PROMPTS = [
+    "In the beginning God created the heaven and the earth.",
+    "And God said",
+    "The LORD is my shepherd; I shall not want. He maketh me to lie down in green pastures",
+    "Blessed are the meek",
+    "And the LORD spake unto Moses, saying, Speak unto the children of Israel",
+    "For God so loved the world",
+    "Now the serpent was more subtil than any beast of the field",
+    "Let there be light",
+]
 
 
-class FakeEngine:
-    """Yields one chunk per 'token' ("t0", "t1", ...), `delay` seconds apart; records what it ran."""
+@pytest.fixture(scope="module", params=["sparse", "dense"])
+def llm(request):
+    return hotcold.load(device="cpu", threads=2, dense=request.param == "dense", ctx_size=256)
 
-    def __init__(self, delay: float = 0.0, fail_on: int | None = None):
-        self.delay = delay
-        self.fail_on = fail_on
-        self.cached_ids: list[int] = []
-        self.started: list[int] = []  # first prompt id of each request, in the order they started
-        self.produced = 0
 
-    def stream(self, prompt_ids, *, max_tokens, params, stop, ignore_eos):
-        self.started.append(prompt_ids[0])
-        if prompt_ids[0] == self.fail_on:
+class Model:
+    """The real model behind a forward hook: an optional delay per forward, a token that makes the forward
+    fail, and a record of the prompt chunks prefilled (segments of more than one token), in order."""
+
+    def __init__(self, model, delay: float = 0.0, fail_on: int | None = None):
+        self._model, self.delay, self.fail_on = model, delay, fail_on
+        self.started: list[int] = []
+        self.forwards = 0
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def forward(self, tokens, ctx, **kwargs):
+        self.forwards += 1
+        row = 0
+        for n in ctx.lengths:
+            if n > 1:
+                self.started.append(tokens[row : row + n].tolist())
+            row += n
+        if self.fail_on is not None and self.fail_on in tokens.tolist():
             raise RuntimeError("kernel exploded")
-        self.cached_ids = list(prompt_ids)
-        stats = GenerationStats(prompt_tokens=len(prompt_ids))
-        for i in range(max_tokens):
-            time.sleep(self.delay)
-            stats.generated_tokens += 1
-            self.produced += 1
-            yield Chunk(f"t{i}", i, None, stats)
-        yield Chunk("", None, "length", stats)
+        time.sleep(self.delay)
+        return self._model.forward(tokens, ctx, **kwargs)
 
 
-def request(first_id: int, n: int = 3, prompt_len: int = 2) -> GenerationRequest:
-    return GenerationRequest([first_id] + [7] * (prompt_len - 1), n)
+def scheduler(llm, n_slots: int, model=None, **kwargs) -> Scheduler:
+    model = model or Model(llm.loaded.model)
+    return Scheduler([Engine(model, llm.tokenizer, llm.ctx_size) for _ in range(n_slots)], **kwargs)
 
 
-async def collect(job) -> str:
-    return "".join([c.text async for c in job])
+def request(
+    llm, i: int, n: int = 8, params: SamplingParams = SamplingParams(), ids=None
+) -> GenerationRequest:
+    return GenerationRequest(ids or llm.tokenize(PROMPTS[i % len(PROMPTS)]), n, params, ignore_eos=True)
+
+
+def started(model: Model, reqs: list[GenerationRequest]) -> list[int]:
+    """Which requests began prefilling, in order (a chunk is the end of its prompt: the rest was cached)."""
+    return [next(i for i, r in enumerate(reqs) if r.prompt_ids[-len(c) :] == c) for c in model.started]
+
+
+def alone(llm, r: GenerationRequest) -> tuple[str, list[int]]:
+    engine = Engine(llm.loaded.model, llm.tokenizer, llm.ctx_size)
+    chunks = list(engine.stream(r.prompt_ids, max_tokens=r.max_tokens, params=r.params, ignore_eos=True))
+    return "".join(c.text for c in chunks), [c.token for c in chunks if c.token is not None]
+
+
+async def collect(job) -> tuple[str, list[int]]:
+    chunks = [c async for c in job]
+    return "".join(c.text for c in chunks), [c.token for c in chunks if c.token is not None]
 
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
-def test_one_slot_serves_requests_first_in_first_out():
-    engine = FakeEngine(delay=0.005)
-    sched = Scheduler([engine])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batch_of_mixed_requests_equals_each_alone(llm, threads):
+    """8 requests of different prompts, lengths and arrival times, greedy and seeded sampling, in one
+    batch: each gets exactly the tokens it gets alone; the batch really ran them together."""
+    torch.set_num_threads(threads)
+    try:
+        reqs = [
+            request(llm, i, n=6 + 3 * i, params=SamplingParams(0.9, seed=i) if i % 2 else SamplingParams())
+            for i in range(8)
+        ]
+        refs = [alone(llm, r) for r in reqs]
+        model = Model(llm.loaded.model)
+        sched = scheduler(llm, 8, model)
+
+        async def main():
+            jobs = []
+            for i, r in enumerate(reqs):
+                jobs.append(sched.submit(r))
+                if i in (2, 5):
+                    await asyncio.sleep(0.05)  # later arrivals join a running batch
+            return await asyncio.gather(*(collect(j) for j in jobs))
+
+        try:
+            got = run(main())
+        finally:
+            sched.close()
+        assert got == refs
+        total_tokens = sum(r.max_tokens for r in reqs)
+        assert model.forwards < total_tokens / 2  # several requests per forward
+    finally:
+        torch.set_num_threads(2)
+
+
+def test_request_arriving_while_seven_decode_and_a_cancelled_one(llm):
+    reqs = [request(llm, i, n=24) for i in range(7)]
+    late = request(llm, 7, n=10)
+    refs = [alone(llm, r) for r in reqs]
+    late_ref = alone(llm, late)
+    sched = scheduler(llm, 8)
 
     async def main():
-        jobs = [sched.submit(request(i)) for i in range(5)]
-        assert sched.queue_depth == 4 and sched.busy == 1
+        jobs = [sched.submit(r) for r in reqs]
+        async for _ in jobs[3]:
+            break  # its client reads one chunk and goes away: the others must not notice
+        jobs[3].cancel()
+        await asyncio.sleep(0.05)
+        late_job = sched.submit(late)
+        others = await asyncio.gather(*(collect(j) for i, j in enumerate(jobs) if i != 3))
+        return others, await collect(late_job)
+
+    try:
+        others, got_late = run(main())
+    finally:
+        sched.close()
+    assert others == [ref for i, ref in enumerate(refs) if i != 3]
+    assert got_late == late_ref
+    assert sched.cancelled == 1
+
+
+def test_one_slot_serves_requests_first_in_first_out(llm):
+    model = Model(llm.loaded.model)
+    sched = scheduler(llm, 1, model)
+    reqs = [request(llm, i, n=3) for i in range(4)]
+
+    async def main():
+        jobs = [sched.submit(r) for r in reqs]
+        assert sched.queue_depth == 3 and sched.busy == 1
         return await asyncio.gather(*(collect(j) for j in jobs))
 
     try:
-        texts = run(main())
+        got = run(main())
     finally:
         sched.close()
-    assert texts == ["t0t1t2"] * 5
-    assert engine.started == [0, 1, 2, 3, 4]
-
-
-def test_many_slots_run_side_by_side_and_all_finish():
-    engines = [FakeEngine(delay=0.01) for _ in range(3)]
-    sched = Scheduler(engines)
-
-    async def main():
-        jobs = [sched.submit(request(i, n=5)) for i in range(9)]
-        await asyncio.sleep(0.02)
-        assert sched.busy == 3  # every slot took a request before any finished
-        return await asyncio.gather(*(collect(j) for j in jobs))
-
-    try:
-        texts = run(main())
-    finally:
-        sched.close()
-    assert texts == ["t0t1t2t3t4"] * 9
-    assert sorted(i for e in engines for i in e.started) == list(range(9))
+    assert got == [alone(llm, r) for r in reqs]
+    assert started(model, reqs) == [0, 1, 2, 3]
     assert sched.queue_depth == 0 and sched.busy == 0
 
 
-def test_cancelled_running_job_stops_and_frees_its_slot():
-    engine = FakeEngine(delay=0.01)
-    sched = Scheduler([engine])
+def test_cancelled_running_job_stops_and_frees_its_slot(llm):
+    model = Model(llm.loaded.model, delay=0.01)
+    sched = scheduler(llm, 1, model)
+    waiting_req = request(llm, 1, n=2)
 
     async def main():
-        long = sched.submit(request(0, n=10_000))
-        waiting = sched.submit(request(1, n=2))
+        long = sched.submit(request(llm, 0, n=200))
+        waiting = sched.submit(waiting_req)
         async for _ in long:
             break  # the client read one chunk and went away
         long.cancel()
         return await collect(waiting)
 
     try:
-        start = time.monotonic()
-        assert run(main()) == "t0t1"
-        assert time.monotonic() - start < 5
+        assert run(main()) == alone(llm, waiting_req)
     finally:
         sched.close()
-    assert engine.produced < 100  # the long generation stopped at its next chunk
+    assert model.forwards < 60  # the long generation left the batch at the next step
     assert sched.cancelled == 1
 
 
-def test_cancelled_queued_job_never_runs():
-    engine = FakeEngine(delay=0.01)
-    sched = Scheduler([engine])
+def test_cancelled_queued_job_never_runs(llm):
+    model = Model(llm.loaded.model)
+    sched = scheduler(llm, 1, model)
+    first, queued, last = (request(llm, i, n=3) for i in (0, 1, 3))
 
     async def main():
-        first = sched.submit(request(0, n=5))
-        queued = sched.submit(request(1, n=5))
-        last = sched.submit(request(2, n=1))
-        queued.cancel()
+        jobs = [sched.submit(r) for r in (first, queued, last)]
+        jobs[1].cancel()
         assert sched.queue_depth == 1
-        return await asyncio.gather(collect(first), collect(last))
+        return await asyncio.gather(collect(jobs[0]), collect(jobs[2]))
 
     try:
-        assert run(main()) == ["t0t1t2t3t4", "t0"]
+        assert run(main()) == [alone(llm, first), alone(llm, last)]
     finally:
         sched.close()
-    assert engine.started == [0, 2]
+    assert started(model, [first, queued, last]) == [0, 2]
 
 
-def test_cancel_after_the_end_is_not_counted():
-    sched = Scheduler([FakeEngine()])
+def test_cancel_after_the_end_is_not_counted(llm):
+    sched = scheduler(llm, 1)
 
     async def main():
-        job = sched.submit(request(0, n=2))
+        job = sched.submit(request(llm, 0, n=2))
         text = await collect(job)
         job.cancel()
         return text
 
     try:
-        assert run(main()) == "t0t1"
+        run(main())
     finally:
         sched.close()
     assert sched.cancelled == 0
 
 
-def test_engine_error_reaches_the_client_and_the_slot_carries_on():
-    sched = Scheduler([FakeEngine(fail_on=13)])
+def test_forward_error_reaches_the_client_and_the_server_carries_on(llm):
+    marker = llm.tokenize("zebra", add_bos=False)[0]
+    sched = scheduler(llm, 1, Model(llm.loaded.model, fail_on=marker))
+    good = request(llm, 1, n=2)
 
     async def main():
-        bad = sched.submit(request(13))
+        bad = sched.submit(request(llm, 0, ids=llm.tokenize("zebra zebra")))
         with pytest.raises(RuntimeError, match="kernel exploded"):
             await collect(bad)
-        return await collect(sched.submit(request(1, n=2)))
+        return await collect(sched.submit(good))
 
     try:
-        assert run(main()) == "t0t1"
+        assert run(main()) == alone(llm, good)
     finally:
         sched.close()
 
 
-def test_free_slot_with_the_longest_shared_prefix_is_chosen():
-    a, b = FakeEngine(), FakeEngine()
-    a.cached_ids, b.cached_ids = [5, 1, 2], [5, 9, 9, 9]
-    sched = Scheduler([a, b])
+def test_free_slot_with_the_longest_shared_prefix_is_chosen(llm):
+    engines = [Engine(llm.loaded.model, llm.tokenizer, llm.ctx_size) for _ in range(2)]
+    a_ids, b_ids = llm.tokenize(PROMPTS[0]), llm.tokenize(PROMPTS[2])
+    engines[0].cached_ids, engines[1].cached_ids = a_ids[:3], b_ids[:5]  # pretend earlier requests
+    sched = Scheduler(engines)
 
     async def main():
-        await collect(sched.submit(GenerationRequest([5, 9, 9, 4], 1)))
-        await collect(sched.submit(GenerationRequest([5, 1, 2, 3], 1)))
+        await collect(sched.submit(GenerationRequest(b_ids, 1)))
+        await collect(sched.submit(GenerationRequest(a_ids, 1)))
 
     try:
         run(main())
     finally:
         sched.close()
-    assert b.started == [5] and a.started == [5]
-    assert b.cached_ids == [5, 9, 9, 4] and a.cached_ids == [5, 1, 2, 3]
+    assert engines[1].cached_ids[: len(b_ids)] == b_ids and engines[0].cached_ids[: len(a_ids)] == a_ids
 
 
-def test_full_queue_is_refused_and_close_fails_queued_jobs():
+def test_full_queue_is_refused_and_close_fails_queued_jobs(llm):
     release = threading.Event()
 
-    class Blocking(FakeEngine):
-        def stream(self, prompt_ids, **kwargs):
+    class Blocking(Model):
+        def forward(self, *args, **kwargs):
             release.wait(TIMEOUT_S)
-            yield from super().stream(prompt_ids, **kwargs)
+            return super().forward(*args, **kwargs)
 
-    sched = Scheduler([Blocking()], max_queue=2)
+    sched = scheduler(llm, 1, Blocking(llm.loaded.model), max_queue=2)
 
     async def main():
-        running = sched.submit(request(0, n=1))
+        sched.submit(request(llm, 0, n=1))
         await asyncio.sleep(0.05)  # the slot picks it up
-        queued = [sched.submit(request(i, n=1)) for i in (1, 2)]
+        queued = [sched.submit(request(llm, i, n=1)) for i in (1, 2)]
         with pytest.raises(QueueFull):
-            sched.submit(request(3, n=1))
+            sched.submit(request(llm, 3, n=1))
         sched.close()
         with pytest.raises(SchedulerClosed):
             await collect(queued[0])
         with pytest.raises(SchedulerClosed):
-            sched.submit(request(4, n=1))
+            sched.submit(request(llm, 4, n=1))
         release.set()
-        return running
 
     run(main())
 
 
-def test_without_a_queue_only_free_slots_take_requests():
-    sched = Scheduler([FakeEngine(delay=0.01)], max_queue=0)
+def test_without_a_queue_only_free_slots_take_requests(llm):
+    sched = scheduler(llm, 1, max_queue=0)
 
     async def main():
-        job = sched.submit(request(0, n=20))
+        job = sched.submit(request(llm, 0, n=4))
         with pytest.raises(QueueFull):
-            sched.submit(request(1, n=1))
+            sched.submit(request(llm, 1, n=1))
         return await collect(job)
 
     try:
-        assert run(main()).startswith("t0t1")
+        run(main())
     finally:
         sched.close()

@@ -1,27 +1,27 @@
-"""Request scheduling: N slots, each an `Engine` (its own KV cache over the shared weights) driven by its
-own worker thread, and one FIFO queue in front of them.
+"""Request scheduling with continuous batching: N slots (each an `Engine`: its own KV cache over the
+shared weights), one FIFO queue in front of them, and one batch thread that runs every running request
+in one forward per step (hotcold.batching), admitting queued requests into free slots at every step and
+dropping finished or cancelled ones at once.
 
 The head of the queue always gets the next free slot, so no request waits behind one that arrived
 later; among free slots it takes the one whose cached tokens share the longest prefix with its prompt
-(a chat's next turn lands where its history already is). Generation runs in the worker threads (torch
-and the C kernels release the GIL); chunks reach the event loop through `call_soon_threadsafe`. A
-cancelled job (its client went away) leaves the queue at once, or stops at its next chunk and frees
-its slot.
-
-Requests run side by side, one forward per request: decoding several sequences in one batched forward
-would need a batched KV cache in the engine."""
+(a chat's next turn lands where its history already is, and skips that part of the prefill). Chunks
+reach the event loop through `call_soon_threadsafe`. A cancelled job (its client went away) leaves the
+queue at once, or leaves the batch at the next step and frees its slot. A request's tokens do not
+depend on what else is in the batch (see hotcold.batching)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
 import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
+from hotcold import batching
 from hotcold.engine import Chunk, Engine
+from hotcold.generation import Generation, common_prefix
 from hotcold.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -81,53 +81,16 @@ class Job:
             yield item
 
 
-class _Slot:
-    def __init__(self, index: int, engine: Engine, scheduler: Scheduler):
-        self.index = index
-        self.engine = engine
-        self.scheduler = scheduler
-        self.job: Job | None = None
-        self._inbox: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
-        self.thread = threading.Thread(target=self._work, name=f"hotcold-slot-{index}", daemon=True)
-
-    def assign(self, job: Job | None) -> None:
-        self._inbox.put(job)
-
-    def _work(self) -> None:
-        while (job := self._inbox.get()) is not None:
-            try:
-                self._run(job)
-            finally:
-                self.scheduler._release(self)
-
-    def _run(self, job: Job) -> None:
-        if job.cancelled.is_set():
-            return
-        r = job.request
-        on_tokens = self.scheduler.on_tokens
-        steps = self.engine.stream(
-            r.prompt_ids, max_tokens=r.max_tokens, params=r.params, stop=r.stop, ignore_eos=r.ignore_eos
-        )
-        counted = 0
-        try:
-            for chunk in steps:
-                job.generated = chunk.stats.generated_tokens
-                if on_tokens is not None and job.generated > counted:
-                    on_tokens(job.generated - counted)
-                    counted = job.generated
-                if job.cancelled.is_set():
-                    log.info("slot %d: request cancelled after %d tokens", self.index, job.generated)
-                    return
-                job._put(chunk)
-        except Exception as exc:  # the client gets a 500; the slot carries on
-            log.exception("slot %d: generation failed", self.index)
-            job._put(exc)
-        finally:
-            steps.close()
+@dataclass
+class _Running:
+    job: Job
+    engine: Engine
+    generation: Generation
+    counted: int = 0  # tokens already reported to on_tokens
 
 
 class Scheduler:
-    """`submit()` from the event loop; `parallel` = number of engines = requests generating at once."""
+    """`submit()` from the event loop; `parallel` = number of engines = the batch capacity (-np)."""
 
     def __init__(
         self,
@@ -138,20 +101,26 @@ class Scheduler:
     ):
         if not engines:
             raise ValueError("the scheduler needs at least one engine (--parallel >= 1)")
+        models = {id(e.model) for e in engines}
+        if len(models) != 1:
+            raise ValueError("the scheduler's engines must share one model (one batched forward)")
+        self.model = engines[0].model
         self.max_queue = max_queue
-        self.on_tokens = on_tokens  # called from workers with each count of newly generated tokens
-        self._lock = threading.Lock()
+        self.on_tokens = on_tokens  # called from the batch thread with each count of new tokens
+        self._engines = list(engines)
+        self._cond = threading.Condition()
         self._pending: deque[Job] = deque()
-        self._slots = [_Slot(i, e, self) for i, e in enumerate(engines)]
-        self._idle = list(self._slots)
+        self._running: list[_Running] = []
+        self._free = list(self._engines)
         self._closed = False
         self.cancelled = 0  # jobs cancelled by their clients, queued or running
-        for slot in self._slots:
-            slot.thread.start()
+        self.steps = 0  # batched forwards run
+        self._thread = threading.Thread(target=self._loop, name="hotcold-batch", daemon=True)
+        self._thread.start()
 
     @property
     def parallel(self) -> int:
-        return len(self._slots)
+        return len(self._engines)
 
     @property
     def queue_depth(self) -> int:
@@ -159,62 +128,112 @@ class Scheduler:
 
     @property
     def busy(self) -> int:
-        return len(self._slots) - len(self._idle)
+        return len(self._running)
+
+    def kv_usage(self) -> float:
+        """Share of the slots' KV cache positions holding tokens (vllm:gpu_cache_usage_perc's meaning)."""
+        used = sum(len(e.cached_ids) for e in self._engines)
+        return used / sum(e.ctx_size for e in self._engines)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Job:
         job = Job(request, loop or asyncio.get_running_loop(), self)
-        with self._lock:
+        with self._cond:
             if self._closed:
                 raise SchedulerClosed("the server is shutting down")
-            if not self._idle and len(self._pending) >= self.max_queue:
+            if not self._free and len(self._pending) >= self.max_queue:
                 raise QueueFull(f"the server is busy: {len(self._pending)} requests are already queued")
             self._pending.append(job)
-            self._dispatch()
+            self._admit()
+            self._cond.notify()
         return job
 
     def close(self) -> None:
-        """Stop the workers after their current jobs; fail the queued ones."""
-        with self._lock:
+        """Stop the batch after this step (running jobs are cancelled); fail the queued ones."""
+        with self._cond:
             self._closed = True
             pending, self._pending = list(self._pending), deque()
-            for slot in self._slots:
-                if slot.job is not None:
-                    slot.job.cancelled.set()
-                slot.assign(None)
+            for r in self._running:
+                r.job.cancelled.set()
+            self._cond.notify()
         for job in pending:
             job._put(SchedulerClosed("the server is shutting down"))
 
-    def _dispatch(self) -> None:
-        # caller holds the lock
-        while self._pending and self._idle:
-            job = self._pending.popleft()
-            ids = job.request.prompt_ids
-            slot = max(self._idle, key=lambda s: _common_prefix(s.engine.cached_ids, ids))
-            self._idle.remove(slot)
-            slot.job = job
-            slot.assign(job)
+    # --- the batch thread ---------------------------------------------------------------------------
 
-    def _release(self, slot: _Slot) -> None:
-        with self._lock:
-            slot.job = None
-            if self._closed:
-                return
-            self._idle.append(slot)
-            self._dispatch()
+    def _admit(self) -> None:
+        """Queued jobs into free slots, head of the queue first (caller holds the lock)."""
+        while self._pending and self._free:
+            job = self._pending.popleft()
+            if job.cancelled.is_set():
+                continue
+            r = job.request
+            engine = max(self._free, key=lambda e: common_prefix(e.cached_ids, r.prompt_ids))
+            try:
+                gen = Generation(
+                    engine,
+                    r.prompt_ids,
+                    max_tokens=r.max_tokens,
+                    params=r.params,
+                    stop=r.stop,
+                    ignore_eos=r.ignore_eos,
+                )
+            except Exception as exc:  # a prompt the engine refuses: this request fails, the others go on
+                job._put(exc)
+                continue
+            self._free.remove(engine)
+            self._running.append(_Running(job, engine, gen))
+
+    def _release(self, r: _Running) -> None:
+        # caller holds the lock
+        self._running.remove(r)
+        self._free.append(r.engine)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                for r in [r for r in self._running if r.job.cancelled.is_set()]:
+                    log.info("request cancelled after %d tokens", r.job.generated)
+                    self._release(r)
+                if not self._closed:
+                    self._admit()
+                while not self._running and not self._closed and not self._pending:
+                    self._cond.wait()
+                    self._admit()
+                if self._closed and not self._running:
+                    return
+                batch = list(self._running)
+            if not batch:
+                continue
+            try:
+                batching.step(self.model, [r.generation for r in batch])
+                self.steps += 1
+            except Exception as exc:  # the clients of this step get a 500; the server carries on
+                log.exception("batched step failed")
+                with self._cond:
+                    for r in batch:
+                        r.job._put(exc)
+                        self._release(r)
+                continue
+            with self._cond:
+                for r in batch:
+                    self._deliver(r)
+
+    def _deliver(self, r: _Running) -> None:
+        gen, job = r.generation, r.job
+        job.generated = gen.stats.generated_tokens
+        if self.on_tokens is not None and job.generated > r.counted:
+            self.on_tokens(job.generated - r.counted)
+            r.counted = job.generated
+        if not job.cancelled.is_set():
+            for chunk in gen.drain():
+                job._put(chunk)
+        if gen.done or job.cancelled.is_set():
+            self._release(r)
 
     def _forget(self, job: Job) -> None:
-        with self._lock:
+        with self._cond:
             self.cancelled += 1
             try:
                 self._pending.remove(job)
             except ValueError:
-                pass  # already running (it stops at its next chunk) or done
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+                pass  # already running (it leaves the batch at the next step) or done
