@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Iterator, Sequence
 
 import torch
 
+from hotcold import batching
 from hotcold.engine import Chunk, Engine
+from hotcold.generation import Generation
 from hotcold.loader import LoadedModel, load_model
 from hotcold.sampling import SamplingParams
 
 
 class Model:
-    """A loaded model with one generation context. Use one Model per thread."""
+    """A loaded model and its own generation context (a KV cache with prefix reuse). Safe to share between
+    threads: calls that use the context take their turn (one stream runs at a time; a second thread's
+    call waits for it). For several generations at once use `generate_batch`, which runs them in one
+    batch, or give each thread its own `Engine(llm.loaded.model, ...)`: the model itself is never
+    written by a forward."""
 
     def __init__(self, loaded: LoadedModel, load_seconds: float = 0.0):
         self.loaded = loaded
@@ -24,6 +31,21 @@ class Model:
         self.load_seconds = load_seconds
         self.engine = Engine(loaded.model, loaded.tokenizer, loaded.ctx_size)
         self.last_stats = None
+        self._turn = threading.Lock()  # the engine's context: one user at a time
+        self._owner: int | None = None
+
+    def _take_turn(self):
+        if self._owner == threading.get_ident():
+            raise RuntimeError(
+                "this thread is already generating with this Model (a stream not yet finished or closed): "
+                "finish or close it first, or use generate_batch for several generations at once"
+            )
+        self._turn.acquire()
+        self._owner = threading.get_ident()
+
+    def _end_turn(self):
+        self._owner = None
+        self._turn.release()
 
     @property
     def ctx_size(self) -> int:
@@ -36,7 +58,11 @@ class Model:
         return self.tokenizer.decode(ids)
 
     def logits(self, ids: Sequence[int]) -> torch.Tensor:
-        return self.engine.logits(list(ids))
+        self._take_turn()
+        try:
+            return self.engine.logits(list(ids))
+        finally:
+            self._end_turn()
 
     def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
         return self.tokenize(prompt) if isinstance(prompt, str) else list(prompt)
@@ -57,12 +83,17 @@ class Model:
     ) -> Iterator[Chunk]:
         params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed=seed)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
-        for chunk in self.engine.stream(
-            self._prompt_ids(prompt), max_tokens=max_tokens, params=params, stop=stops, ignore_eos=ignore_eos
-        ):
-            if chunk.finish_reason is not None:
-                self.last_stats = chunk.stats
-            yield chunk
+        ids = self._prompt_ids(prompt)
+        self._take_turn()
+        try:
+            for chunk in self.engine.stream(
+                ids, max_tokens=max_tokens, params=params, stop=stops, ignore_eos=ignore_eos
+            ):
+                if chunk.finish_reason is not None:
+                    self.last_stats = chunk.stats
+                yield chunk
+        finally:
+            self._end_turn()
 
     def stream(self, prompt: str | Sequence[int], **kwargs) -> Iterator[str]:
         for chunk in self.stream_chunks(prompt, **kwargs):
@@ -71,6 +102,50 @@ class Model:
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> str:
         return "".join(self.stream(prompt, **kwargs))
+
+    def generate_batch(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        *,
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | None = None,
+        repeat_penalty: float = 1.0,
+        seed: int | Sequence[int | None] | None = None,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+    ) -> list[str]:
+        """Generate for every prompt at once, one forward per step for all of them (continuous batching:
+        finished ones leave, weights are read once per step). Each result equals `generate` of that prompt
+        alone with the same arguments; `seed` may be one per prompt. Statistics of each generation are in
+        `last_batch_stats`."""
+        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
+        if len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        engines = [Engine(self.loaded.model, self.tokenizer, self.ctx_size) for _ in prompts]
+        gens = [
+            Generation(
+                e,
+                self._prompt_ids(p),
+                max_tokens=max_tokens,
+                stop=stops,
+                ignore_eos=ignore_eos,
+                params=SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed=s),
+            )
+            for e, p, s in zip(engines, prompts, seeds)
+        ]
+        texts = ["" for _ in gens]
+        while any(not g.done for g in gens):
+            batching.step(self.loaded.model, gens)
+            for i, g in enumerate(gens):
+                texts[i] += "".join(c.text for c in g.drain())
+        for i, g in enumerate(gens):
+            texts[i] += "".join(c.text for c in g.drain())  # generations done before the first step
+        self.last_batch_stats = [g.stats for g in gens]
+        return texts
 
     def chat(self, messages: Sequence[dict], **kwargs) -> str:
         return "".join(self.stream_chat(messages, **kwargs))

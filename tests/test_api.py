@@ -1,0 +1,57 @@
+"""hotcold.api.Model: shared between threads, and batched generation equal to one at a time."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+import hotcold
+
+PROMPTS = ["In the beginning", "And God said, Let there be", "Blessed are the meek: for they", "Jesus wept"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return hotcold.load(device="cpu", threads=2)
+
+
+def test_generate_batch_equals_generate_alone(llm):
+    kwargs = dict(max_tokens=20, temperature=0.8, seed=[1, 2, 3, 4], ignore_eos=True)
+    batch = llm.generate_batch(PROMPTS, **kwargs)
+    alone = [
+        llm.generate(p, max_tokens=20, temperature=0.8, seed=s, ignore_eos=True)
+        for p, s in zip(PROMPTS, [1, 2, 3, 4])
+    ]
+    assert batch == alone and len(set(batch)) == len(PROMPTS)
+    stats = llm.last_batch_stats
+    assert [s.generated_tokens for s in stats] == [20] * 4
+    assert all(0 < s.firing_rate < 1 for s in stats)
+    assert llm.generate_batch(PROMPTS[:2], max_tokens=0) == ["", ""]
+
+
+def test_threads_sharing_one_model_each_get_their_own_text(llm):
+    """generate from several threads on one Model: the calls take turns on its context, never mix."""
+    alone = [llm.generate(p, max_tokens=16) for p in PROMPTS]
+    got = [None] * len(PROMPTS)
+    start = threading.Barrier(len(PROMPTS))
+
+    def worker(i):
+        start.wait()
+        got[i] = llm.generate(PROMPTS[i], max_tokens=16)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert got == alone
+
+
+def test_a_second_stream_on_the_same_thread_is_refused(llm):
+    first = llm.stream(PROMPTS[0], max_tokens=8)
+    next(first)
+    with pytest.raises(RuntimeError, match="already generating"):
+        llm.generate(PROMPTS[1], max_tokens=2)
+    first.close()
+    assert llm.generate(PROMPTS[1], max_tokens=2)  # the turn was given back
