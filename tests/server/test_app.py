@@ -222,6 +222,12 @@ def test_metrics_count_requests_and_tokens(server_url):
     assert values["hotcold_generated_tokens_total"] >= 3 and values["hotcold_prompt_tokens_total"] >= 1
     assert values["hotcold_queue_depth"] == 0 and values["hotcold_slots_total"] == 4
     assert "hotcold_tokens_per_second" in values
+    # the router-facing names, with their meanings: nothing running or waiting now; the slot that served
+    # the request keeps its tokens cached (prefix reuse), so the KV usage is above 0 and below 1
+    assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
+    assert 0 < values["vllm:gpu_cache_usage_perc"] < 1
+    assert values["llamacpp:tokens_predicted_total"] == values["hotcold_generated_tokens_total"]
+    assert values["llamacpp:prompt_tokens_total"] == values["hotcold_prompt_tokens_total"]
 
 
 def test_api_key_is_required_everywhere_but_health(llm):
@@ -284,7 +290,9 @@ def test_errors_inside_are_500_json_and_the_server_carries_on(llm):
         detokenize=lambda ids: 1 / 0,
         chat_prompt_ids=llm.chat_prompt_ids,
     )
-    with running(create_app(stub, scheduler=Scheduler([Engine(Broken(), llm.tokenizer, llm.ctx_size)]))) as url:
+    with running(
+        create_app(stub, scheduler=Scheduler([Engine(Broken(), llm.tokenizer, llm.ctx_size)]))
+    ) as url:
         r = post(url, "/detokenize", {"tokens": [1, 2]})
         assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
         r = post(url, "/v1/completions", {"prompt": "x"})

@@ -112,7 +112,11 @@ def create_app(
     async def metrics_text():
         s = server.scheduler
         text = metrics.render(
-            queue_depth=s.queue_depth, busy=s.busy, parallel=s.parallel, cancelled=s.cancelled
+            queue_depth=s.queue_depth,
+            busy=s.busy,
+            parallel=s.parallel,
+            cancelled=s.cancelled,
+            kv_usage=s.kv_usage(),
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -44,7 +44,9 @@ class Metrics:
         while self._recent and self._recent[0][0] < now - WINDOW_S:
             self._recent.popleft()
 
-    def render(self, *, queue_depth: int, busy: int, parallel: int, cancelled: int) -> str:
+    def render(
+        self, *, queue_depth: int, busy: int, parallel: int, cancelled: int, kv_usage: float = 0.0
+    ) -> str:
         tps = self.tokens_per_second()
         with self._lock:
             requests = sorted(self.requests.items())
@@ -74,5 +76,22 @@ class Metrics:
             "# HELP hotcold_requests_cancelled_total Generations stopped because their client went away.",
             "# TYPE hotcold_requests_cancelled_total counter",
             f"hotcold_requests_cancelled_total {cancelled}",
+            # the names routers and orchestrators already read (vLLM's for the Gateway API inference
+            # extension and Ray Serve LLM, llama.cpp's for its users' dashboards), with their meanings
+            "# HELP vllm:num_requests_running Requests in the running batch.",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running {busy}",
+            "# HELP vllm:num_requests_waiting Requests waiting to join the batch.",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting {queue_depth}",
+            "# HELP vllm:gpu_cache_usage_perc KV cache usage, 1 = full (positions held over all slots; CPU or GPU).",
+            "# TYPE vllm:gpu_cache_usage_perc gauge",
+            f"vllm:gpu_cache_usage_perc {kv_usage:.4f}",
+            "# HELP llamacpp:prompt_tokens_total Prompt tokens of generation requests.",
+            "# TYPE llamacpp:prompt_tokens_total counter",
+            f"llamacpp:prompt_tokens_total {prompt}",
+            "# HELP llamacpp:tokens_predicted_total Tokens generated.",
+            "# TYPE llamacpp:tokens_predicted_total counter",
+            f"llamacpp:tokens_predicted_total {generated}",
         ]
         return "\n".join(lines) + "\n"
