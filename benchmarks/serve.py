@@ -7,10 +7,13 @@ to first token and per-client tokens/s. The single-request figure without HTTP (
 measured alongside, so the server's overhead shows as a ratio. Prints JSON and appends a dated section to
 benchmarks/RESULTS.md.
 
-    python benchmarks/serve.py [MODEL] [--clients 1,4,8] [--max-tokens 32] [-t THREADS]
+    python benchmarks/serve.py [MODEL] [--clients 1,4,8] [--max-tokens 32] [-t THREADS] [--modes sparse,dense]
+        [--llama-server BIN --anchor-model DENSE.gguf]
 
-Each slot runs its own forward (no batched decoding across requests), so on a memory-bound model the
-aggregate figure shows how well concurrent forwards share the cores, not batching gains.
+The server batches: every running request's next token goes in one forward (continuous batching), so the
+aggregate grows with the clients while the weights are read once per step. With --llama-server, upstream
+llama.cpp's server (continuous batching, -np = the most clients, same threads) runs the same loads on the
+same weights in the dense layout (`benchmarks/synth.py --dense` with the same seed), in the same run.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import os
 import platform
 import shlex
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -84,19 +88,20 @@ def one_client(url: str, prompt: str, max_tokens: int, start: threading.Barrier,
     start.wait()
     t0 = time.perf_counter()
     first = None
-    tokens = 0
+    tokens = chunks = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             obj = json.loads(line[6:])
-            if obj.get("choices") and obj["choices"][0]["text"] and first is None:
-                first = time.perf_counter()
+            if obj.get("choices") and obj["choices"][0].get("text"):
+                first = first or time.perf_counter()
+                chunks += 1
             if obj.get("usage"):
                 tokens = obj["usage"]["completion_tokens"]
     end = time.perf_counter()
-    out.update(start=t0, first=first or end, end=end, tokens=tokens)
+    out.update(start=t0, first=first or end, end=end, tokens=tokens or chunks)
 
 
 def run_clients(url: str, n: int, max_tokens: int) -> dict:
@@ -133,25 +138,73 @@ def results_section(res: dict, cmd: str, label: str) -> str:
     m = res["machine"]
     lines = [
         "",
-        f"## Server throughput (issue #7) — {res['date'][:10]}",
+        f"## Server throughput, continuous batching (issue #14) — {res['date'][:16]}",
         "",
         f"Command: `{cmd}`",
         f"Model: {label}",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
-        f"load average before {m['loadavg_before']}, after {m['loadavg_after']} (other jobs were running).",
+        f"load average before {m['loadavg_before']}, after {m['loadavg_after']}.",
         f"Each client streams {res['max_tokens']} tokens (temperature 0, ignore_eos) from its own prompt; "
-        f"--parallel {res['parallel']}. Single request without HTTP (`llm.generate`): "
-        f"{res['direct_tokens_per_s']} tokens/s (best of 3, in a thread as the slots run).",
+        f"--parallel {res['parallel']}.",
         "",
-        "| clients | aggregate tokens/s | per-client tokens/s | mean / max time to first token | wall |",
-        "| --- | --- | --- | --- | --- |",
+        "| server | clients | aggregate tokens/s | per-client tokens/s | mean / max time to first token | wall |",
+        "| --- | --- | --- | --- | --- | --- |",
     ]
-    for r in res["runs"]:
-        lines.append(
-            f"| {r['clients']} | {r['aggregate_tokens_per_s']} | {r['per_client_tokens_per_s_mean']} "
-            f"| {r['ttft_s_mean']} s / {r['ttft_s_max']} s | {r['wall_s']} s |"
-        )
+    for name, runs in res["servers"].items():
+        for r in runs:
+            lines.append(
+                f"| {name} | {r['clients']} | {r['aggregate_tokens_per_s']} | {r['per_client_tokens_per_s_mean']} "
+                f"| {r['ttft_s_mean']} s / {r['ttft_s_max']} s | {r['wall_s']} s |"
+            )
+    for name, tps in res["direct_tokens_per_s"].items():
+        lines.append(f"\nSingle request without HTTP, {name} (`llm.generate`, best of 3): {tps} tokens/s.")
     return "\n".join(lines) + "\n"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def llama_server_runs(binary: str, model: str, *, parallel: int, threads: int, clients, max_tokens: int):
+    """The same loads against upstream llama-server (continuous batching, -np parallel)."""
+    port = free_port()
+    cmd = [
+        binary,
+        "-m",
+        model,
+        "-np",
+        str(parallel),
+        "-t",
+        str(threads),
+        "-tb",
+        str(threads),
+        "-c",
+        str(parallel * 256),
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+    ]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError(f"llama-server did not start: {shlex.join(cmd)}")
+            time.sleep(0.5)
+        run_clients(url, 1, 4)  # warm up
+        return [run_clients(url, n, max_tokens) for n in clients]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -162,7 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--parallel", type=int, default=None, help="server slots (default: the most clients)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="torch / kernel threads")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--dense", action="store_true")
+    ap.add_argument("--modes", default="sparse", help="hotcold modes to run, in order: sparse,dense")
+    ap.add_argument("--llama-server", default=None, help="upstream llama-server binary to run the same loads")
+    ap.add_argument(
+        "--anchor-model", default=None, help="the same weights in the dense layout, for llama-server"
+    )
     ap.add_argument("--label", default=None, help="how to name the model in RESULTS.md")
     ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -173,23 +230,6 @@ def main(argv: list[str] | None = None) -> dict:
     parallel = args.parallel or max(clients)
 
     loadavg_before = [round(v, 2) for v in os.getloadavg()]
-    llm = hotcold.load(path, threads=args.threads, device=args.device, dense=args.dense)
-    prompt = "Client 0: once upon a time"
-    llm.generate(prompt, max_tokens=4, ignore_eos=True)  # warm up kernels
-    direct = [0.0]
-
-    def direct_run() -> None:
-        for _ in range(3):  # best of 3: the machine may be shared
-            t0 = time.perf_counter()
-            llm.generate(prompt, max_tokens=args.max_tokens, ignore_eos=True)
-            direct[0] = max(direct[0], args.max_tokens / (time.perf_counter() - t0))
-
-    # in a worker thread, as the server's slots run: on a loaded machine torch's main-thread parallel
-    # regions were measured several times slower than the same work from another thread
-    worker = threading.Thread(target=direct_run)
-    worker.start()
-    worker.join()
-
     res: dict = {
         "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
         "model": str(path),
@@ -197,20 +237,49 @@ def main(argv: list[str] | None = None) -> dict:
             "cpu": cpu_name(),
             "cores": os.cpu_count(),
             "torch": torch.__version__.split("+")[0],
-            "torch_threads": torch.get_num_threads(),
-            "device": llm.loaded.device,
             "loadavg_before": loadavg_before,
         },
         "max_tokens": args.max_tokens,
         "parallel": parallel,
-        "direct_tokens_per_s": round(direct[0], 2),
-        "runs": [],
+        "direct_tokens_per_s": {},
+        "servers": {},
     }
-    with Server(create_app(llm, parallel=parallel)) as url:
-        run_clients(url, 1, 4)  # warm up the HTTP path
-        for n in clients:
-            res["runs"].append(run_clients(url, n, args.max_tokens))
-            print(f"# {n} clients done", file=sys.stderr, flush=True)
+    prompt = "Client 0: once upon a time"
+    for mode in args.modes.split(","):
+        llm = hotcold.load(path, threads=args.threads, device=args.device, dense=mode == "dense")
+        res["machine"]["torch_threads"] = torch.get_num_threads()
+        llm.generate(prompt, max_tokens=4, ignore_eos=True)  # warm up kernels
+        direct = [0.0]
+
+        def direct_run(llm=llm, direct=direct) -> None:
+            for _ in range(3):  # best of 3: the machine may be shared
+                t0 = time.perf_counter()
+                llm.generate(prompt, max_tokens=args.max_tokens, ignore_eos=True)
+                direct[0] = max(direct[0], args.max_tokens / (time.perf_counter() - t0))
+
+        # in a worker thread, as the server's batch thread runs
+        worker = threading.Thread(target=direct_run)
+        worker.start()
+        worker.join()
+        res["direct_tokens_per_s"][f"hotcold {mode}"] = round(direct[0], 2)
+        runs = []
+        with Server(create_app(llm, parallel=parallel)) as url:
+            run_clients(url, 1, 4)  # warm up the HTTP path
+            for n in clients:
+                runs.append(run_clients(url, n, args.max_tokens))
+                print(f"# hotcold {mode}: {n} clients done", file=sys.stderr, flush=True)
+        res["servers"][f"hotcold {mode}"] = runs
+        del llm
+    if args.llama_server:
+        threads = args.threads or torch.get_num_threads()
+        res["servers"]["llama-server (dense)"] = llama_server_runs(
+            args.llama_server,
+            args.anchor_model,
+            parallel=parallel,
+            threads=threads,
+            clients=clients,
+            max_tokens=args.max_tokens,
+        )
     res["machine"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     print(json.dumps(res, indent=1))
     if not args.no_results:

@@ -25,6 +25,12 @@ def add_args(p) -> None:
     p.add_argument(
         "--mode", choices=("both", "sparse", "dense"), default="both", help="which paths to measure"
     )
+    p.add_argument(
+        "-b",
+        "--batch",
+        default="1",
+        help="comma-separated batch sizes for tg (e.g. 1,4,8): B sequences decoding together, one forward a step",
+    )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
 
 
@@ -74,6 +80,46 @@ def measure(llm, test: str, n: int) -> tuple[float, float]:
     return seconds, (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
 
 
+def measure_batch(llm, n: int, batch: int) -> tuple[float, float, float]:
+    """B sequences (different random prompts of 2 tokens) decoding n tokens each in one forward per step
+    (hotcold.batching): seconds, the firing rate per token, and the union firing rate per step (the share
+    of each layer's neurons fired by any token of the batch: the rows the sparse kernels read)."""
+    from hotcold import batching
+    from hotcold.engine import Engine
+    from hotcold.generation import Generation
+
+    model = llm.loaded.model
+    gen = torch.Generator().manual_seed(batch)
+    bos = llm.tokenizer.bos_id or 1
+    engines = [Engine(model, llm.tokenizer, n + 4) for _ in range(batch)]
+    prompts = [[bos, int(t)] for t in torch.randint(3, llm.config.n_vocab, (batch,), generator=gen)]
+    gens = [Generation(e, p, max_tokens=n, ignore_eos=True) for e, p in zip(engines, prompts)]
+    batching.step(model, gens)  # the prefills (untimed) and the first token
+    before = [e.seq.neuron_totals() for e in engines]
+    start = time.perf_counter()
+    while any(not g.done for g in gens):
+        batching.step(model, gens)
+    seconds = time.perf_counter() - start
+    after = [e.seq.neuron_totals() for e in engines]
+    computed = sum(a[0] - b[0] for a, b in zip(after, before))
+    total = sum(a[1] - b[1] for a, b in zip(after, before))
+    # the union, measured apart (recording masks costs time): a few more steps with masks kept
+    union = []
+    gens = [Generation(e, p, max_tokens=4, ignore_eos=True) for e, p in zip(engines, prompts)]
+    for e in engines:
+        e.seq.keep_masks = True
+    while any(not g.done for g in gens):
+        batching.step(model, gens)
+        layers = engines[0].seq.masks.keys()
+        for layer in layers:
+            masks = [e.seq.masks[layer][1] for e in engines if layer in e.seq.masks]
+            union.append(float(torch.stack([m.any(0) for m in masks]).any(0).float().mean()))
+        for e in engines:
+            e.seq.masks.clear()
+    rate = computed / total if total else 1.0
+    return seconds, rate, (sum(union) / len(union) if union else 1.0)
+
+
 def run_bench(
     path,
     *,
@@ -84,6 +130,7 @@ def run_bench(
     device="auto",
     vram_budget=None,
     mode="both",
+    batches=(1,),
 ):
     """Rows of results. On the CPU the modes are interleaved run by run (weights are mapped once, so both
     models cost nothing extra); on a GPU each mode is loaded, measured and freed in turn, with the same
@@ -103,6 +150,8 @@ def run_bench(
         )
 
     first = load("sparse")
+    if (longest := max(n_prompt, n_gen) + 1) > first.config.n_ctx_train:
+        print(f"hotcold: warning: {context_warning(longest, first.config.n_ctx_train)}", file=sys.stderr)
     modes = (
         ["dense"]
         if not first.config.sparse
@@ -113,20 +162,32 @@ def run_bench(
     file_size = mf.path.stat().st_size
     n_params = sum(math.prod(e.shape) for e in mf.tensors.values())
     tests = [("pp", n_prompt)] if n_prompt > 0 else []
-    tests += [("tg", n_gen)] if n_gen > 0 else []
+    tests += [("tg", n_gen)] if n_gen > 0 and 1 in batches else []
+    tests += [(f"tgx{b}", n_gen) for b in batches if b > 1 and n_gen > 0]
     samples = {(m, t): [] for m in modes for t, _ in tests}
     rates = {(m, t): [] for m in modes for t, _ in tests}
+    unions = {(m, t): [] for m in modes for t, _ in tests}
+
+    def one(llm, test, n):
+        if test.startswith("tgx"):
+            b = int(test[3:])
+            seconds, rate, union = measure_batch(llm, n, b)
+            return b * n / seconds, rate, union
+        seconds, rate = measure(llm, test, n)
+        return n / seconds, rate, rate
+
     groups = [[m] for m in modes] if on_gpu else [modes]
     for group in groups:
         models = {m: first if m == "sparse" and first.config.sparse else load(m) for m in group}
         for test, n in tests:
             for m in group:  # warm-up: page in the weights, compile kernels
-                measure(models[m], test, min(n, 8))
+                one(models[m], test, min(n, 8))
             for _ in range(repetitions):  # interleaved so machine noise hits both modes alike
                 for m in group:
-                    seconds, rate = measure(models[m], test, n)
-                    samples[m, test].append(n / seconds)
+                    tps, rate, union = one(models[m], test, n)
+                    samples[m, test].append(tps)
                     rates[m, test].append(rate)
+                    unions[m, test].append(union)
         device_name = first.loaded.device
         del models
         first = None
@@ -137,8 +198,11 @@ def run_bench(
         for m in modes:
             tps = statistics.median(samples[m, test])
             rate = statistics.mean(rates[m, test]) if m == "sparse" else 1.0
-            bytes_per_token = (
-                sizes["other"] + sizes["ffn"] * rate + (sizes["predictor"] if m == "sparse" else 0)
+            union = statistics.mean(unions[m, test]) if m == "sparse" else 1.0
+            batch = int(test[3:]) if test.startswith("tgx") else 1
+            # a decode step reads every needed weight once, for the whole batch (the union of fired rows)
+            bytes_per_step = (
+                sizes["other"] + sizes["ffn"] * union + (sizes["predictor"] if m == "sparse" else 0)
             )
             rows.append(
                 {
@@ -146,12 +210,15 @@ def run_bench(
                     "size_bytes": file_size,
                     "params": n_params,
                     "mode": m,
-                    "test": f"{test}{n}",
-                    "tokens_per_s": tps,
+                    "test": f"tg{n}x{batch}" if batch > 1 else f"{test}{n}",
+                    "batch": batch,
+                    "tokens_per_s": tps,  # aggregate over the batch
+                    "tokens_per_s_per_sequence": tps / batch,
                     "tokens_per_s_all": samples[m, test],
                     "firing_rate": rate,
-                    # decode reads every needed weight once per token; prefill reuses them across the batch
-                    "effective_gb_s": tps * bytes_per_token / 1e9 if test == "tg" else None,
+                    "union_firing_rate": union,
+                    # decode reads every needed weight once per step; prefill reuses them across the prompt
+                    "effective_gb_s": tps / batch * bytes_per_step / 1e9 if test.startswith("tg") else None,
                     "threads": threads or torch.get_num_threads(),
                     "device": device_name,
                 }
@@ -162,6 +229,11 @@ def run_bench(
 def run(args) -> int:
     if args.n_prompt < 0 or args.n_gen < 0 or args.repetitions < 1:
         raise ValueError("-p and -n must be >= 0 and -r >= 1")
+    try:
+        if min(int(b) for b in args.batch.split(",")) < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"-b/--batch must be comma-separated sizes >= 1, got {args.batch!r}") from None
     rows = run_bench(
         args.model,
         n_prompt=args.n_prompt,
@@ -171,18 +243,19 @@ def run(args) -> int:
         device=args.device,
         vram_budget=args.vram_budget,
         mode=args.mode,
+        batches=[int(b) for b in args.batch.split(",")],
     )
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()
         return 0
-    header = f"| {'model':30s} | {'size':>9s} | {'params':>8s} | {'mode':6s} | {'test':6s} | {'t/s':>9s} | {'GB/s':>6s} | {'firing':>6s} |"
+    header = f"| {'model':30s} | {'size':>9s} | {'params':>8s} | {'mode':6s} | {'test':8s} | {'t/s':>9s} | {'GB/s':>6s} | {'firing':>6s} | {'union':>6s} |"
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         gbs = f"{r['effective_gb_s']:.1f}" if r["effective_gb_s"] is not None else "-"
         print(
-            f"| {r['model'][:30]:30s} | {r['size_bytes'] / 2**30:7.2f} G | {r['params'] / 1e6:7.1f}M | {r['mode']:6s} | {r['test']:6s}"
-            f" | {r['tokens_per_s']:9.2f} | {gbs:>6s} | {100 * r['firing_rate']:5.1f}% |"
+            f"| {r['model'][:30]:30s} | {r['size_bytes'] / 2**30:7.2f} G | {r['params'] / 1e6:7.1f}M | {r['mode']:6s} | {r['test']:8s}"
+            f" | {r['tokens_per_s']:9.2f} | {gbs:>6s} | {100 * r['firing_rate']:5.1f}% | {100 * r['union_firing_rate']:5.1f}% |"
         )
     return 0
