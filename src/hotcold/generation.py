@@ -9,6 +9,14 @@ many generations (continuous batching, hotcold.batching) or just this one (Engin
 
 Each generation samples with its own generator (its seed) from its own logits, so its tokens do not
 depend on what else ran in the same forward.
+
+Log-probabilities (`logprobs=k`, None: none computed, the hot path does no extra work): every sampled
+token but an end-of-generation one gets a `TokenLogprob`, from `log_softmax` of the model's raw logits
+(before the repeat penalty, temperature and the top-k/p and min-p filters: what OpenAI and vLLM report
+by default), with the k most likely tokens of that distribution. Entries are per token, text is per
+chunk: a chunk carries the entries of the tokens sampled since the previous chunk, whose text may still
+be partly held back (a possible stop string, an unfinished UTF-8 character) for a later chunk. Tokens
+that complete a stop string keep their entries though their text is cut.
 """
 
 from __future__ import annotations
@@ -51,11 +59,22 @@ class GenerationStats:
 
 
 @dataclass
+class TokenLogprob:
+    """One sampled token's log-probability under the model's raw logits, and the `k` most likely tokens
+    of that distribution (most likely first)."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+@dataclass
 class Chunk:
     text: str
     token: int | None = None
     finish_reason: str | None = None  # "stop" (eos or stop string) or "length"
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None  # with `logprobs` asked for: the tokens since the last chunk
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -79,9 +98,12 @@ class Generation:
         params: SamplingParams = SamplingParams(),
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
+        logprobs: int | None = None,
     ):
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
+        if logprobs is not None and logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {logprobs}")
         engine.check_length(len(prompt_ids))
         self.engine = engine
         self.prompt = list(prompt_ids)
@@ -94,6 +116,8 @@ class Generation:
         self.finish_reason: str | None = None
         self._out: list[Chunk] = []
         self._pending = ""  # text not yet emitted (may hold the start of a stop string)
+        self.logprobs = logprobs
+        self._lp: list[TokenLogprob] = []  # entries not yet handed out in a chunk
         if max_tokens == 0:
             self._finish("length", flush=False)
             return
@@ -140,7 +164,7 @@ class Generation:
             self._decode_t0 = now
         else:
             self.stats.generate_seconds = now - self._decode_t0
-        self._accept(sample(logits, self.params, self._history, self._generator))
+        self._accept(sample(logits, self.params, self._history, self._generator), logits)
 
     def drain(self) -> list[Chunk]:
         """The chunks produced since the last drain; the last one of a finished generation has its
@@ -148,12 +172,14 @@ class Generation:
         out, self._out = self._out, []
         return out
 
-    def _accept(self, token: int) -> None:
+    def _accept(self, token: int, logits: torch.Tensor) -> None:
         s = self.stats
         self._history.append(token)
         s.generated_tokens += 1
         if not self.ignore_eos and self.engine.tokenizer.is_eog(token):
             return self._finish("stop", flush=False)
+        if self.logprobs is not None:
+            self._lp.append(self._logprob(logits, token))
         self._pending += self._detok.add(token)
         hit = _find_stop(self._pending, self.stop)
         if hit is not None:
@@ -161,7 +187,7 @@ class Generation:
             return self._finish("stop", flush=False)
         safe = len(self._pending) - _stop_prefix_len(self._pending, self.stop)
         if safe > 0:
-            self._out.append(Chunk(self._pending[:safe], token, None, s))
+            self._out.append(Chunk(self._pending[:safe], token, None, s, self._take_logprobs()))
             self._pending = self._pending[safe:]
         if (
             s.generated_tokens >= self.max_tokens
@@ -180,8 +206,22 @@ class Generation:
             self.stats.neurons_computed = after[0] - self._before[0]
             self.stats.neurons_total = after[1] - self._before[1]
         self.done, self.finish_reason = True, reason
-        self._out.append(Chunk(self._pending, None, reason, self.stats))
+        self._out.append(Chunk(self._pending, None, reason, self.stats, self._take_logprobs()))
         self._pending = ""
+
+    def _logprob(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        lp = torch.log_softmax(logits.float(), -1)
+        top: list[tuple[int, float]] = []
+        if self.logprobs:
+            values, ids = torch.topk(lp, min(self.logprobs, lp.shape[-1]))
+            top = list(zip(ids.tolist(), values.tolist()))
+        return TokenLogprob(token, float(lp[token]), top)
+
+    def _take_logprobs(self) -> list[TokenLogprob] | None:
+        if self.logprobs is None:
+            return None
+        out, self._lp = self._lp, []
+        return out
 
 
 def _find_stop(text: str, stop: Sequence[str]) -> int | None:

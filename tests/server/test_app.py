@@ -145,7 +145,18 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": 7}, 400, "prompt"),
     ("/v1/completions", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
     ("/v1/completions", {"prompt": "x", "temperature": -0.5}, 400, "temperature"),
-    ("/v1/completions", {"prompt": "x", "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "n": 9}, 400, "n"),  # above 8
+    ("/v1/completions", {"prompt": "x", "n": 5}, 400, "n"),  # above --parallel (4)
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 5}, 400, "n"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "logprobs": 1, "echo": True}, 400, "logprobs"),
+    ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
     ("/v1/completions", {"prompt": [1, 10**6]}, 400, "prompt"),
     ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     ("/v1/completions", [1, 2, 3], 400, None),

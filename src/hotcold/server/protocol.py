@@ -1,21 +1,39 @@
 """Wire formats: request models (pydantic, strict types) and the JSON each route answers with, for the
 OpenAI routes (`/v1/completions`, `/v1/chat/completions`) and llama.cpp's `/completion`.
 
-Pure data in, data out: the app turns requests into a `GenerationRequest` and feeds chunks of text to
-a `Format`, which says what goes on the wire."""
+Pure data in, data out: the app turns requests into `GenerationRequest`s and feeds chunks of text to
+a `Format`, which says what goes on the wire.
+
+`n` choices (1..8, at most --parallel) run as n sequences of one batch. Choice i samples with seed
+`seed + i` (mod 2**64) when the request has a seed, so choice i equals a request with n=1 and seed
+`seed + i`; without a seed each choice gets its own random generator; at temperature 0 every choice
+is the greedy answer. Usage counts the prompt once and the completion tokens of every choice.
+
+Logprobs (completions `logprobs: k`, chat `logprobs: true` + `top_logprobs: k`, k in 0..20) are
+`log_softmax` of the model's raw logits, before the repeat penalty, temperature and top-k/p/min-p (what
+OpenAI and vLLM report by default), one entry per sampled token except an end-of-generation token;
+tokens that complete a stop string keep their entries though their text is cut. Streamed, a chunk
+carries the entries of the tokens sampled since the previous chunk (their text may come in a later
+chunk when it is held back as a possible stop string or an unfinished UTF-8 character). See
+hotcold.generation."""
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from hotcold.engine import GenerationStats
+from hotcold.generation import TokenLogprob
 
 StopWord = Annotated[str, StringConstraints(max_length=1024)]
 StopList = Annotated[list[StopWord], Field(max_length=16)]
+MAX_CHOICES = 8  # `n` at most (and at most the server's --parallel slots)
+MAX_LOGPROBS = 20  # alternatives per token at most, as OpenAI allows
 
 
 class ApiError(Exception):
@@ -65,7 +83,7 @@ class _OpenAISampling(_Request):
     stop: StopWord | StopList | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)  # only 1 is served: checked with a clear message
+    n: int = Field(1, ge=1, le=MAX_CHOICES)  # and at most --parallel (the app says so)
     # extensions, named as vLLM / llama.cpp name them
     top_k: int | None = Field(None, ge=0)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -77,7 +95,7 @@ class CompletionRequest(_OpenAISampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = Field(16, ge=0)  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = None  # not supported: a non-null value is refused
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # alternatives per token (legacy format)
     suffix: str | None = None  # not supported: a non-empty value is refused
 
 
@@ -96,6 +114,8 @@ class ChatCompletionRequest(_OpenAISampling):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: int | None = Field(None, ge=0)  # None: until the context (or the server's ceiling) ends
     max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name for max_tokens
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
 
 
 class LlamaCompletionRequest(_Request):
@@ -150,39 +170,71 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
 # ------------------------------------------------------------------------------------------------
 
 
-def usage(stats: GenerationStats) -> dict:
-    return {
-        "prompt_tokens": stats.prompt_tokens,
-        "completion_tokens": stats.generated_tokens,
-        "total_tokens": stats.prompt_tokens + stats.generated_tokens,
-    }
+@dataclass
+class Choice:
+    """One choice's whole answer, gathered from its chunks."""
+
+    text: str = ""
+    finish_reason: str | None = None
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None
+
+
+def usage(stats: Sequence[GenerationStats]) -> dict:
+    """The prompt counted once, the completion tokens of every choice summed."""
+    prompt = stats[0].prompt_tokens if stats else 0
+    completion = sum(s.generated_tokens for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _finite(x: float) -> float:
+    return max(x, -9999.0)  # JSON has no -Infinity (vLLM's floor too)
 
 
 class Format:
-    """What one route sends: `chunk` per piece of streamed text, `end` after the last, `whole` when
-    not streaming. `done` is the closing SSE line (OpenAI's `[DONE]`; llama.cpp sends none)."""
+    """What one route sends for its choices (index 0..n-1): `start` first, `chunk` per piece of streamed
+    text (with the logprob entries of the tokens sampled since the last one), `end` when a choice
+    finishes, `tail` after the last; `whole` when not streaming. `done` is the closing SSE line
+    (OpenAI's `[DONE]`; llama.cpp sends none). `token_bytes(id)`: a token's bytes in the text (the
+    tokenizer's), for the token strings of logprobs; they are decoded as UTF-8, a byte of an unfinished
+    character as U+FFFD, as the text is (chat's `bytes` field keeps the raw bytes)."""
 
     done: str | None = "[DONE]"
 
-    def __init__(self, model: str, *, include_usage: bool = False, prefix: str = "cmpl"):
+    def __init__(
+        self,
+        model: str,
+        *,
+        include_usage: bool = False,
+        prefix: str = "cmpl",
+        token_bytes: Callable[[int], bytes] = lambda token: b"",
+    ):
         self.model = model
         self.include_usage = include_usage
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
+        self.token_bytes = token_bytes
 
-    def start(self) -> list[dict]:
+    def start(self, n: int) -> list[dict]:
         return []
 
-    def chunk(self, text: str) -> dict:
+    def chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> dict:
         raise NotImplementedError
 
-    def end(self, finish_reason: str, stats: GenerationStats) -> list[dict]:
+    def end(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
         raise NotImplementedError
 
-    def whole(self, text: str, finish_reason: str, stats: GenerationStats) -> dict:
+    def tail(self, stats: Sequence[GenerationStats]) -> list[dict]:
+        return []
+
+    def whole(self, choices: Sequence[Choice]) -> dict:
         raise NotImplementedError
 
-    def _usage_chunk(self, stats: GenerationStats, obj: str) -> list[dict]:
+    def _token(self, token: int) -> tuple[str, bytes]:
+        data = self.token_bytes(token)
+        return data.decode("utf-8", errors="hotcold.per_byte"), data  # the detokenizer's rule
+
+    def _usage_chunk(self, stats: Sequence[GenerationStats], obj: str) -> list[dict]:
         if not self.include_usage:
             return []
         return [self._head(obj) | {"choices": [], "usage": usage(stats)}]
@@ -192,63 +244,125 @@ class Format:
 
 
 class CompletionFormat(Format):
-    def __init__(self, model: str, *, include_usage: bool = False, echo: str = ""):
-        super().__init__(model, include_usage=include_usage, prefix="cmpl")
+    """OpenAI's legacy logprobs: `tokens`, `token_logprobs`, `top_logprobs` (per token a dict of the k
+    most likely token strings plus the sampled one, so up to k+1 entries, as OpenAI documents) and
+    `text_offset`: the echoed prompt's length plus the lengths of the previous tokens' strings (vLLM's
+    rule), which is where the token's text starts except after a character split over several tokens
+    (its tokens' strings are U+FFFD per byte)."""
+
+    def __init__(self, model: str, *, include_usage: bool = False, echo: str = "", **kwargs):
+        super().__init__(model, include_usage=include_usage, prefix="cmpl", **kwargs)
         self.echo = echo
+        self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
 
-    def _choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"text": text, "index": 0, "logprobs": None, "finish_reason": finish_reason}
+    def _logprobs(self, entries: list[TokenLogprob] | None, index: int) -> dict | None:
+        if entries is None:
+            return None
+        out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        offset = self._offsets.get(index, len(self.echo))
+        for e in entries:
+            token = self._token(e.token)[0]
+            out["tokens"].append(token)
+            out["text_offset"].append(offset)
+            offset += len(token)
+            out["token_logprobs"].append(_finite(e.logprob))
+            top: dict[str, float] = {}
+            for token, logprob in sorted([*e.top, (e.token, e.logprob)], key=lambda t: -t[1]):
+                top.setdefault(self._token(token)[0], _finite(logprob))
+            out["top_logprobs"].append(top)
+        self._offsets[index] = offset
+        return out
 
-    def start(self) -> list[dict]:
-        return [self.chunk(self.echo)] if self.echo else []
+    def _choice(self, index: int, text: str, finish_reason: str | None, logprobs=None) -> dict:
+        lp = self._logprobs(logprobs, index)
+        return {"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}
 
-    def chunk(self, text: str) -> dict:
-        return self._head("text_completion") | {"choices": [self._choice(text, None)]}
+    def start(self, n: int) -> list[dict]:
+        return [self._chunk_obj(self._choice(i, self.echo, None)) for i in range(n)] if self.echo else []
 
-    def end(self, finish_reason: str, stats: GenerationStats) -> list[dict]:
-        last = self._head("text_completion") | {"choices": [self._choice("", finish_reason)]}
-        return [last, *self._usage_chunk(stats, "text_completion")]
+    def _chunk_obj(self, choice: dict) -> dict:
+        return self._head("text_completion") | {"choices": [choice]}
 
-    def whole(self, text: str, finish_reason: str, stats: GenerationStats) -> dict:
+    def chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> dict:
+        return self._chunk_obj(self._choice(index, text, None, logprobs))
+
+    def end(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
+        return [self._chunk_obj(self._choice(index, "", finish_reason))]
+
+    def tail(self, stats: Sequence[GenerationStats]) -> list[dict]:
+        return self._usage_chunk(stats, "text_completion")
+
+    def whole(self, choices: Sequence[Choice]) -> dict:
         return self._head("text_completion") | {
-            "choices": [self._choice(self.echo + text, finish_reason)],
-            "usage": usage(stats),
+            "choices": [
+                self._choice(i, self.echo + c.text, c.finish_reason, c.logprobs)
+                for i, c in enumerate(choices)
+            ],
+            "usage": usage([c.stats for c in choices]),
         }
 
 
 class ChatFormat(Format):
-    def __init__(self, model: str, *, include_usage: bool = False):
-        super().__init__(model, include_usage=include_usage, prefix="chatcmpl")
+    """OpenAI's chat logprobs: `{"content": [{token, logprob, bytes, top_logprobs: [{token, logprob,
+    bytes}]}]}`, the k most likely tokens in `top_logprobs`."""
 
-    def _delta(self, delta: dict, finish_reason: str | None) -> dict:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
-        return self._head("chat.completion.chunk") | {"choices": [choice]}
+    def __init__(self, model: str, *, include_usage: bool = False, **kwargs):
+        super().__init__(model, include_usage=include_usage, prefix="chatcmpl", **kwargs)
 
-    def start(self) -> list[dict]:
-        return [self._delta({"role": "assistant", "content": ""}, None)]
+    def _entry(self, token: int, logprob: float) -> dict:
+        text, data = self._token(token)
+        return {"token": text, "logprob": _finite(logprob), "bytes": list(data)}
 
-    def chunk(self, text: str) -> dict:
-        return self._delta({"content": text}, None)
+    def _logprobs(self, entries: list[TokenLogprob] | None) -> dict | None:
+        if entries is None:
+            return None
+        content = [
+            self._entry(e.token, e.logprob) | {"top_logprobs": [self._entry(t, lp) for t, lp in e.top]}
+            for e in entries
+        ]
+        return {"content": content}
 
-    def end(self, finish_reason: str, stats: GenerationStats) -> list[dict]:
-        return [self._delta({}, finish_reason), *self._usage_chunk(stats, "chat.completion.chunk")]
-
-    def whole(self, text: str, finish_reason: str, stats: GenerationStats) -> dict:
+    def _delta(self, index: int, delta: dict, finish_reason: str | None, logprobs=None) -> dict:
         choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
+            "index": index,
+            "delta": delta,
+            "logprobs": self._logprobs(logprobs),
             "finish_reason": finish_reason,
         }
-        return self._head("chat.completion") | {"choices": [choice], "usage": usage(stats)}
+        return self._head("chat.completion.chunk") | {"choices": [choice]}
+
+    def start(self, n: int) -> list[dict]:
+        return [self._delta(i, {"role": "assistant", "content": ""}, None) for i in range(n)]
+
+    def chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> dict:
+        return self._delta(index, {"content": text}, None, logprobs)
+
+    def end(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
+        return [self._delta(index, {}, finish_reason)]
+
+    def tail(self, stats: Sequence[GenerationStats]) -> list[dict]:
+        return self._usage_chunk(stats, "chat.completion.chunk")
+
+    def whole(self, choices: Sequence[Choice]) -> dict:
+        out = [
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": self._logprobs(c.logprobs),
+                "finish_reason": c.finish_reason,
+            }
+            for i, c in enumerate(choices)
+        ]
+        return self._head("chat.completion") | {"choices": out, "usage": usage([c.stats for c in choices])}
 
 
 class LlamaFormat(Format):
-    """llama.cpp's `/completion`: {"content", "stop", ...}; the last object carries the timings."""
+    """llama.cpp's `/completion` (one choice): {"content", "stop", ...}; the last object carries the
+    timings."""
 
     done = None
 
-    def chunk(self, text: str) -> dict:
+    def chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> dict:
         return {"content": text, "stop": False}
 
     def _final(self, content: str, finish_reason: str, stats: GenerationStats) -> dict:
@@ -269,11 +383,12 @@ class LlamaFormat(Format):
             },
         }
 
-    def end(self, finish_reason: str, stats: GenerationStats) -> list[dict]:
+    def end(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
         return [self._final("", finish_reason, stats)]
 
-    def whole(self, text: str, finish_reason: str, stats: GenerationStats) -> dict:
-        return self._final(text, finish_reason, stats)
+    def whole(self, choices: Sequence[Choice]) -> dict:
+        (c,) = choices
+        return self._final(c.text, c.finish_reason or "stop", c.stats)
 
 
 def model_list(model_id: str, created: int) -> dict:

@@ -34,6 +34,7 @@ class GenerationRequest:
     params: SamplingParams = field(default_factory=SamplingParams)
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None  # top alternatives per token (Generation's logprobs); None: no logprobs
 
 
 class QueueFull(RuntimeError):
@@ -136,16 +137,25 @@ class Scheduler:
         return used / sum(e.ctx_size for e in self._engines)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Job:
-        job = Job(request, loop or asyncio.get_running_loop(), self)
+        return self.submit_all([request], loop)[0]
+
+    def submit_all(
+        self, requests: Sequence[GenerationRequest], loop: asyncio.AbstractEventLoop | None = None
+    ) -> list[Job]:
+        """Queue the requests together (one request's `n` choices): all of them or, when the queue has
+        no room for all, none (QueueFull). They are admitted in order, into one batch when the slots are
+        free (each takes the free slot sharing the longest prefix with its prompt)."""
+        loop = loop or asyncio.get_running_loop()
+        jobs = [Job(r, loop, self) for r in requests]
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("the server is shutting down")
-            if not self._free and len(self._pending) >= self.max_queue:
+            if len(self._pending) + len(jobs) - len(self._free) > self.max_queue:
                 raise QueueFull(f"the server is busy: {len(self._pending)} requests are already queued")
-            self._pending.append(job)
+            self._pending.extend(jobs)
             self._admit()
             self._cond.notify()
-        return job
+        return jobs
 
     def close(self) -> None:
         """Stop the batch after this step (running jobs are cancelled); fail the queued ones."""
@@ -176,6 +186,7 @@ class Scheduler:
                     params=r.params,
                     stop=r.stop,
                     ignore_eos=r.ignore_eos,
+                    logprobs=r.logprobs,
                 )
             except Exception as exc:  # a prompt the engine refuses: this request fails, the others go on
                 job._put(exc)
