@@ -1,8 +1,11 @@
-"""Shared builders for tests: tiny Hugging Face checkpoints with real tokenizers, made offline."""
+"""Shared builders for tests, made offline: tiny Hugging Face checkpoints with real tokenizers, tiny model
+files written directly, and the layout of a GGUF header (to break one field on purpose)."""
 
 from __future__ import annotations
 
 import json
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -203,3 +206,164 @@ def run_family_checks(path, hf, *, greedy: bool = True, rel: float = 1e-4) -> No
     steps.close()
     steps = engine.generate_step(prompt + first[:8], SamplingParams())
     assert [next(steps) for _ in range(8)] == first[8:]
+
+
+# ---------------------------------------------------------------------------------------------------
+# GGUF layout: where every header field of a valid file is (to break one on purpose)
+
+
+@dataclass(frozen=True)
+class GGUFField:
+    offset: int
+    fmt: str  # struct format of the field: "Q", "I", "f", ...
+    role: str  # "version", "count", "length", "type", "value" (a scalar key), "item" (an array element),
+    # "n_dims", "dim", "offset"
+    label: str
+
+
+def gguf_layout(data: bytes) -> tuple[list[GGUFField], int]:
+    """Every field of the file's header, and where its data section starts."""
+    fields: list[GGUFField] = []
+    pos = 4
+
+    def read(fmt: str, role: str, label: str):
+        nonlocal pos
+        value = struct.unpack_from("<" + fmt, data, pos)[0]
+        fields.append(GGUFField(pos, fmt, role, label))
+        pos += struct.calcsize("<" + fmt)
+        return value
+
+    def string(label: str) -> bytes:
+        nonlocal pos
+        n = read("Q", "length", label)
+        s = data[pos : pos + n]
+        pos += n
+        return s
+
+    scalar = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+    read("I", "version", "version")
+    n_tensors = read("Q", "count", "tensor count")
+    n_kv = read("Q", "count", "kv count")
+    alignment = 32
+    for _ in range(n_kv):
+        key = string("key").decode()
+        vtype = read("I", "type", f"{key} type")
+        if vtype == 8:
+            string(f"{key} string")
+        elif vtype in scalar:
+            value = read(scalar[vtype], "value", key)
+            if key == "general.alignment":
+                alignment = value
+        else:  # array
+            itype = read("I", "type", f"{key} item type")
+            count = read("Q", "count", f"{key} count")
+            for j in range(count):
+                if itype == 8:
+                    string(f"{key}[{j}]")
+                else:
+                    read(scalar[itype], "item", f"{key}[{j}]")
+    for _ in range(n_tensors):
+        name = string("tensor name").decode()
+        n_dims = read("I", "n_dims", f"{name} n_dims")
+        for d in range(n_dims):
+            read("Q", "dim", f"{name} dim {d}")
+        read("I", "type", f"{name} type")
+        read("Q", "offset", f"{name} offset")
+    return fields, pos + (-pos % alignment)
+
+
+def set_field(buf: bytearray, field: GGUFField, value) -> None:
+    fmt = "<" + field.fmt
+    if field.fmt in "BHIQ":
+        value = int(value) % (1 << (8 * struct.calcsize(fmt)))
+    elif field.fmt in "bhiq":
+        bits = 8 * struct.calcsize(fmt)
+        value = (int(value) + (1 << (bits - 1))) % (1 << bits) - (1 << (bits - 1))
+    elif field.fmt == "?":
+        value = int(value) & 0xFF
+        fmt = "<B"
+    struct.pack_into(fmt, buf, field.offset, value)
+
+
+def get_field(data: bytes, field: GGUFField):
+    return struct.unpack_from("<" + field.fmt, data, field.offset)[0]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A tiny model file written directly (no Hugging Face checkpoint): fast to make, for file-level tests
+
+
+def tiny_gguf(path: Path, *, sparse: bool) -> Path:
+    """A 2-layer llama (n_embd 32, 4 heads, 2 KV heads, n_ff 64) with a 270-token SentencePiece-style
+    vocabulary, tensors in several types (F32, F16, Q8_0, Q4_0), written by hotcold's own writer."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import GGUFValueType as V
+
+    from hotcold import quants
+    from hotcold.gguf_io import TensorSpec, write_model_file
+
+    rng = torch.Generator().manual_seed(1 + sparse)
+    D, F, H, HKV, L = 32, 64, 4, 2, 2
+    Dh = D // H
+    pieces = ["▁the", "▁a", "▁fox", "▁dog", "e", "t", "a", "o", "▁", "s", "h"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0, 0.0, 0.0] + [0.0] * 256 + [-float(i) for i in range(len(pieces))]
+    n_vocab = len(tokens)
+    meta = [
+        ("general.name", "fuzz", V.STRING),
+        ("llama.block_count", L, V.UINT32),
+        ("llama.context_length", 64, V.UINT32),
+        ("llama.embedding_length", D, V.UINT32),
+        ("llama.feed_forward_length", F, V.UINT32),
+        ("llama.attention.head_count", H, V.UINT32),
+        ("llama.attention.head_count_kv", HKV, V.UINT32),
+        ("llama.attention.layer_norm_rms_epsilon", 1e-5, V.FLOAT32),
+        ("llama.rope.dimension_count", Dh, V.UINT32),
+        ("llama.rope.freq_base", 10000.0, V.FLOAT32),
+        ("tokenizer.ggml.model", "llama", V.STRING),
+        ("tokenizer.ggml.tokens", tokens, V.ARRAY),
+        ("tokenizer.ggml.scores", scores, V.ARRAY),
+        ("tokenizer.ggml.token_type", types, V.ARRAY),
+        ("tokenizer.ggml.bos_token_id", 1, V.UINT32),
+        ("tokenizer.ggml.eos_token_id", 2, V.UINT32),
+        ("tokenizer.ggml.unknown_token_id", 0, V.UINT32),
+        ("tokenizer.ggml.add_bos_token", True, V.BOOL),
+    ]
+    if sparse:
+        meta.append(("powerinfer.sparse_threshold", 0.0, V.FLOAT32))
+    else:
+        meta.append(("hotcold.ffn_activation", "relu", V.STRING))
+
+    def spec(name, shape, qtype):
+        values = torch.randn(*shape, generator=rng) * 0.3
+        if qtype == Q.F32:
+            return TensorSpec(name, shape, qtype, lambda v=values: v.numpy())
+        if qtype == Q.F16:
+            return TensorSpec(name, shape, qtype, lambda v=values: v.half().numpy())
+        return TensorSpec(name, shape, qtype, lambda v=values, q=qtype: quants.quantize(v, q))
+
+    specs = [spec("token_embd.weight", (n_vocab, D), Q.F16)]
+    for i in range(L):
+        specs += [
+            spec(f"blk.{i}.attn_norm.weight", (D,), Q.F32),
+            spec(f"blk.{i}.attn_q.weight", (H * Dh, D), Q.Q8_0),
+            spec(f"blk.{i}.attn_k.weight", (HKV * Dh, D), Q.Q8_0),
+            spec(f"blk.{i}.attn_v.weight", (HKV * Dh, D), Q.F16),
+            spec(f"blk.{i}.attn_output.weight", (D, H * Dh), Q.Q4_0),
+            spec(f"blk.{i}.ffn_norm.weight", (D,), Q.F32),
+            spec(f"blk.{i}.ffn_gate.weight", (F, D), Q.F16),
+            spec(f"blk.{i}.ffn_up.weight", (F, D), Q.Q8_0),
+        ]
+        if sparse:
+            specs.append(spec(f"blk.{i}.ffn_down_t.weight", (F, D), Q.F16))
+        else:
+            specs.append(spec(f"blk.{i}.ffn_down.weight", (D, F), Q.F16))
+    specs += [spec("output_norm.weight", (D,), Q.F32), spec("output.weight", (n_vocab, D), Q.Q8_0)]
+    if sparse:
+        for i in range(L):
+            specs += [
+                spec(f"blk.{i}.fc1.weight", (16, D), Q.F32),
+                spec(f"blk.{i}.fc2.weight", (F, 16), Q.F16),
+            ]
+    return write_model_file(path, "llama", meta, specs, sparse=sparse)

@@ -125,3 +125,112 @@ def test_interrupted_write_leaves_no_file(tmp_path):
     with pytest.raises(RuntimeError):
         write_model_file(out, "llama", [], [TensorSpec("x", (4,), Q.F32, boom)])
     assert list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------------------------------------------
+# Hostile headers: checked before the gguf reader walks them (issue 15, items 2 and 3)
+
+
+def broken(tmp_path, changes: dict[str, int], *, sparse=False):
+    """sample_file with header fields (by their gguf_layout label) set to other values."""
+    from tests.fixtures import gguf_layout, set_field
+
+    path = tmp_path / "m.gguf"
+    sample_file(path, sparse=sparse)
+    data = bytearray(path.read_bytes())
+    fields, _ = gguf_layout(bytes(data))
+    for label, value in changes.items():
+        set_field(data, next(f for f in fields if f.label == label), value)
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize("count", [2**40, 2**64 - 1, 2**32])
+@pytest.mark.parametrize("key", ["tokenizer.ggml.scores", "tokenizer.ggml.tokens"])
+def test_huge_array_count_fails_fast_naming_the_key(tmp_path, key, count):
+    import time
+
+    path = broken(tmp_path, {f"{key} count": count})
+    start = time.perf_counter()
+    with pytest.raises(GGUFError, match=rf"m.gguf: metadata key '{key}': array of {count} \w+ values needs"):
+        ModelFile(path)
+    assert time.perf_counter() - start < 1.0
+
+
+def test_huge_string_length_and_counts(tmp_path):
+    with pytest.raises(GGUFError, match="general.name.*needs 18446744073709551615 bytes"):
+        ModelFile(broken(tmp_path, {"general.name string": 2**64 - 1}))
+    with pytest.raises(GGUFError, match="header says 1099511627776 metadata keys"):
+        ModelFile(broken(tmp_path, {"kv count": 2**40}))
+    with pytest.raises(GGUFError, match="header says 18446744073709551615 tensors"):
+        ModelFile(broken(tmp_path, {"tensor count": 2**64 - 1}))
+
+
+def test_bad_types_and_dims_named(tmp_path):
+    with pytest.raises(GGUFError, match="'llama.block_count': unknown value type 99"):
+        ModelFile(broken(tmp_path, {"llama.block_count type": 99}))
+    with pytest.raises(GGUFError, match="'tokenizer.ggml.scores': arrays of arrays"):
+        ModelFile(broken(tmp_path, {"tokenizer.ggml.scores item type": 9}))
+    with pytest.raises(GGUFError, match="tensor 'b.weight': unknown tensor type 99"):
+        ModelFile(broken(tmp_path, {"b.weight type": 99}))
+    with pytest.raises(GGUFError, match="tensor 'a.weight': 5 dimensions"):
+        ModelFile(broken(tmp_path, {"a.weight n_dims": 5}))
+    with pytest.raises(GGUFError, match="tensor 'a.weight': dimensions .* overflow"):
+        ModelFile(broken(tmp_path, {"a.weight dim 0": 2**32, "a.weight dim 1": 2**32}))
+
+
+def test_misaligned_offset_named(tmp_path):
+    path = tmp_path / "m.gguf"
+    sample_file(path)
+    offset = ModelFile(path).header.tensors[1].offset
+    with pytest.raises(
+        GGUFError, match=r"tensor 'b.weight': data offset \d+ is not a multiple of the alignment 32"
+    ):
+        ModelFile(broken(tmp_path, {"b.weight offset": offset + 4}))
+
+
+def test_overlapping_tensors_named(tmp_path):
+    with pytest.raises(GGUFError, match="tensor 'b.weight' .* overlaps tensor 'a.weight'"):
+        ModelFile(broken(tmp_path, {"b.weight offset": 0}))
+
+
+@pytest.mark.parametrize("offset", [2**64 - 32, 2**63, 2**40])
+def test_offset_outside_the_data_section(tmp_path, offset):
+    """2**64 - 32 wraps around to just below the data section in 64-bit arithmetic (C readers)."""
+    with pytest.raises(
+        GGUFError, match=f"tensor 'b.weight': data offset {offset} lies outside the data section"
+    ):
+        ModelFile(broken(tmp_path, {"b.weight offset": offset}))
+
+
+def test_zero_layers_refused(tmp_path):
+    with pytest.raises(GGUFError, match="llama.block_count is 0; a model has at least one layer"):
+        ModelFile(broken(tmp_path, {"llama.block_count": 0}))
+
+
+def test_quantized_vector_refused(tmp_path):
+    path = tmp_path / "m.gguf"
+    rng = np.random.default_rng(0)
+    from hotcold import quants
+
+    q = quants.quantize(torch.from_numpy(rng.standard_normal(32).astype(np.float32)), Q.Q8_0)
+    write_model_file(path, "llama", [], [TensorSpec("n.weight", (32,), Q.Q8_0, lambda: q)])
+    with pytest.raises(GGUFError, match="tensor n.weight is a vector in Q8_0"):
+        ModelFile(path).weight("n.weight")
+    assert ModelFile(path).tensor("n.weight").shape == (1, 32)  # as stored: one row of blocks
+
+
+def test_integer_weight_refused_named(tmp_path):
+    path = tmp_path / "m.gguf"
+    sample_file(path)
+    with pytest.raises(GGUFError, match="tensor blk.0.gpu_idx has type I32, which is not a weight type"):
+        ModelFile(path).weight("blk.0.gpu_idx")
+    assert ModelFile(path).weight("a.weight").dtype == torch.float32
+
+
+def test_valid_files_pass_the_header_scan(tmp_path):
+    path = tmp_path / "m.gguf"
+    sample_file(path, sparse=True)
+    header = ModelFile(path).header
+    assert header.alignment == 32 and header.data_offset % 32 == 0
+    assert [t.name for t in header.tensors] == ["a.weight", "b.weight", "c.weight", "blk.0.gpu_idx"]

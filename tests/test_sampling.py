@@ -69,3 +69,23 @@ def test_seeded_sampling_reproducible_and_distribution_sane():
 def test_bad_parameters_rejected(kwargs):
     with pytest.raises(ValueError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**70, -1, -(2**63)])
+def test_seed_out_of_range_is_a_clear_error(seed):
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 2\*\*64\)"):
+        make_generator(seed)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingParams(seed=seed)
+
+
+def test_seed_range_edges_work():
+    for seed in (0, 2**63, 2**64 - 1):
+        a, b = make_generator(seed), make_generator(seed)
+        assert torch.equal(torch.rand(4, generator=a), torch.rand(4, generator=b))
+
+
+@pytest.mark.parametrize("field", ["repeat_penalty", "temperature", "top_p", "min_p"])
+def test_nan_refused(field):
+    with pytest.raises(ValueError, match=f"{field} must be"):
+        SamplingParams(**{field: float("nan")})

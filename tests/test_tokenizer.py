@@ -549,3 +549,13 @@ def test_write_vocab_without_tokenizer(tmp_path):
     writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "llama")
     with pytest.raises(ValueError, match=str(tmp_path)):
         write_vocab(writer, tmp_path)
+
+
+def test_lone_surrogates_become_replacement_characters(spm_pair, bpe_pair):
+    """A lone surrogate (e.g. a JSON "\\ud800" escape) is no character and has no UTF-8: each is encoded as
+    U+FFFD instead of raising UnicodeEncodeError deep in the encoder."""
+    for tok in (spm_pair[0], bpe_pair[0]):
+        for text in ("\ud800abc", "abc\udfff", "a\udcff b\ud800<|im_end|>"):
+            fixed = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
+            assert tok.encode(text) == tok.encode(fixed)
+        assert tok.decode(tok.encode("x\udc80y", add_bos=False)) == "x\ufffdy"

@@ -10,6 +10,7 @@ from hotcold import names
 from hotcold.gguf_io import GGUFError, ModelFile
 
 THRESHOLD_ENV_VARS = ("HOTCOLD_SPARSE_THRESHOLD", "LLAMA_SPARSE_PRED_THRESHOLD")
+MAX_CONTEXT = 1 << 24  # 16M tokens: above every model's training context; more is a corrupt key
 
 
 @dataclass(frozen=True)
@@ -67,19 +68,30 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
             raise GGUFError(f"{path}: missing metadata key {full}")
         return default
 
-    n_embd = int(get("embedding_length", required=True))
-    n_head = int(get("attention.head_count", required=True))
-    n_head_kv = int(get("attention.head_count_kv", n_head))
-    n_ff = get("feed_forward_length", required=True)
-    if isinstance(n_ff, list):  # per-layer widths: every family we run uses one width
-        if len(set(n_ff)) != 1:
-            raise GGUFError(f"{path}: per-layer feed_forward_length {n_ff} is not supported")
-        n_ff = n_ff[0]
-    if n_head <= 0:
-        raise GGUFError(f"{path}: attention.head_count must be > 0, got {n_head}")
-    head_dim = int(get("attention.key_length", n_embd // n_head))
+    def integer(key: str, default: Any = None, *, required: bool = False, lo: int = 1, hi: int | None = None):
+        value = get(key, default, required=required)
+        if isinstance(value, list) and value:  # per-layer values: every family we run uses one
+            if len(set(value)) != 1:
+                raise GGUFError(f"{path}: per-layer {key} {value[:8]} ... is not supported")
+            value = value[0]
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < lo
+            or (hi is not None and value > hi)
+        ):
+            rule = f">= {lo}" if hi is None else f"in {lo}..{hi}"
+            raise GGUFError(f"{path}: metadata key {arch}.{key} is {value!r}, expected an integer {rule}")
+        return value
+
+    n_embd = integer("embedding_length", required=True)
+    n_head = integer("attention.head_count", required=True)
+    n_head_kv = integer("attention.head_count_kv", n_head)
+    n_ff = integer("feed_forward_length", required=True)
+    n_layer = _check_layers(model_file, integer("block_count", required=True))
     if n_embd % n_head and f"{arch}.attention.key_length" not in meta:
         raise GGUFError(f"{path}: embedding_length {n_embd} is not divisible by head_count {n_head}")
+    head_dim = integer("attention.key_length", n_embd // n_head)
     if n_head_kv <= 0 or n_head % n_head_kv:
         raise GGUFError(f"{path}: head_count {n_head} is not a multiple of head_count_kv {n_head_kv}")
 
@@ -97,22 +109,26 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
     if norm_eps is None:
         norm_eps = get("attention.layer_norm_epsilon", 1e-5)
 
+    rope_dim = integer("rope.dimension_count", head_dim, lo=2, hi=head_dim)
+    if rope_dim % 2:
+        raise GGUFError(f"{path}: metadata key {arch}.rope.dimension_count is {rope_dim}: RoPE rotates pairs")
+
     tokens = meta.get("tokenizer.ggml.tokens")
-    n_vocab = int(get("vocab_size", len(tokens) if tokens else 0))
+    n_vocab = integer("vocab_size", len(tokens) if isinstance(tokens, list) else 0, lo=0)
     if n_vocab <= 0:
         n_vocab = model_file.entry("token_embd.weight").shape[0]
 
     return ModelConfig(
         arch=arch,
         n_vocab=n_vocab,
-        n_ctx_train=int(get("context_length", 2048)),
+        n_ctx_train=integer("context_length", 2048, hi=MAX_CONTEXT),
         n_embd=n_embd,
-        n_layer=int(get("block_count", required=True)),
-        n_ff=int(n_ff),
+        n_layer=n_layer,
+        n_ff=n_ff,
         n_head=n_head,
         n_head_kv=n_head_kv,
         head_dim=head_dim,
-        rope_dim=int(get("rope.dimension_count", head_dim)),
+        rope_dim=rope_dim,
         rope_base=float(get("rope.freq_base", 10000.0)),
         rope_scale=rope_scale,
         norm_eps=float(norm_eps),
@@ -121,10 +137,23 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
         sparse=model_file.is_sparse,
         sparse_threshold=sparse_threshold(meta),
         sliding_window=get("attention.sliding_window"),
-        n_expert=int(get("expert_count", 0)),
-        n_expert_used=int(get("expert_used_count", 0)),
+        n_expert=integer("expert_count", 0, lo=0),
+        n_expert_used=integer("expert_used_count", 0, lo=0),
         name=str(meta.get("general.name", "")),
     )
+
+
+def _check_layers(model_file: ModelFile, n_layer: int) -> int:
+    """block_count cannot exceed the layers the file has tensors for (blk.0 .. blk.N-1)."""
+    present = {
+        int(p[1]) for p in (n.split(".") for n in model_file.tensors) if p[0] == "blk" and p[1].isdigit()
+    }
+    if n_layer > len(present):
+        raise GGUFError(
+            f"{model_file.path}: metadata key {model_file.architecture}.block_count is {n_layer}, "
+            f"but the file has tensors for {len(present)} layer(s)"
+        )
+    return n_layer
 
 
 def ffn_activation(arch: str, model_file: ModelFile) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import struct
-import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.constants import GGUF_MAGIC
 from gguf.quants import quant_shape_to_byte_shape
+
+from hotcold.atomic import atomic_output
+from hotcold.gguf_check import GGUFError, scan_header
 
 if TYPE_CHECKING:
     from hotcold.quants import QuantTensor
@@ -61,10 +63,6 @@ def tensor_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
             f"a row of {shape[-1]} values is not a multiple of the {qtype.name} block size {block}"
         )
     return n // block * size
-
-
-class GGUFError(ValueError):
-    """A model file that cannot be read; the message names the file and the problem."""
 
 
 @dataclass(frozen=True)
@@ -121,6 +119,8 @@ class ModelFile:
         if magic not in (b"GGUF", b"PWRI"):
             raise GGUFError(f"{self.path}: not a GGUF file (magic {magic!r}, expected b'GGUF' or b'PWRI')")
         self.magic = magic.decode()
+        # counts, lengths, types and offsets checked before the gguf reader walks (and trusts) them
+        self.header = scan_header(self.path, powerinfer=magic == b"PWRI")
         try:
             reader = _Reader(self.path)
         except GGUFError:
@@ -138,6 +138,7 @@ class ModelFile:
             self.metadata[key] = _plain_value(field)
             main = field.types[0]
             self.metadata_types[key] = (main, field.types[-1] if main == GGUFValueType.ARRAY else None)
+        _check_block_count(self.path, self.metadata)
         self.tensors: dict[str, TensorEntry] = {}
         for t in reader.tensors:
             end = t.data_offset + int(t.n_bytes)
@@ -172,6 +173,30 @@ class ModelFile:
         """Zero-copy view of a tensor: a torch tensor for float/int types, a QuantTensor for block formats."""
         entry = self.entry(name, shape)
         return as_torch(entry, self.path)
+
+    def weight(self, name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | QuantTensor:
+        """tensor() for a model weight: a float type, or a block format for a matrix (vectors such as norms
+        and biases are never quantized); anything else is refused naming the tensor."""
+        entry = self.entry(name, shape)
+        if entry.qtype in BLOCK_TYPES and len(entry.shape) < 2:
+            raise GGUFError(
+                f"{self.path}: tensor {name} is a vector in {entry.qtype.name}; vectors are F32/F16/BF16"
+            )
+        if entry.qtype not in FLOAT_TYPES and entry.qtype not in BLOCK_TYPES:
+            raise GGUFError(
+                f"{self.path}: tensor {name} has type {entry.qtype.name}, which is not a weight type"
+            )
+        return as_torch(entry, self.path)
+
+
+def _check_block_count(path: Path, metadata: dict[str, Any]) -> None:
+    """A model has at least one layer: `<arch>.block_count` 0 would load and generate nonsense."""
+    arch = metadata.get("general.architecture")
+    key = f"{arch}.block_count"
+    if isinstance(arch, str) and key in metadata:
+        count = metadata[key]
+        if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+            raise GGUFError(f"{path}: metadata key {key} is {count!r}; a model has at least one layer")
 
 
 def as_torch(entry: TensorEntry, path: Path | str = "model") -> torch.Tensor | QuantTensor:
@@ -234,21 +259,18 @@ def write_model_file(
     sparse: bool = False,
     progress: Callable[[Iterable[TensorSpec]], Iterable[TensorSpec]] | None = None,
     extra: Callable[[GGUFWriter], None] | None = None,
+    inputs: Iterable[str | os.PathLike[str]] = (),
 ) -> Path:
-    """Write a GGUF file atomically: a temp file in the same folder, renamed over `path` when complete.
+    """Write a GGUF file atomically (hotcold.atomic: a temp file in the same folder, renamed over `path`
+    when complete, removed on any error); an output that is one of `inputs` (the files the caller reads)
+    is refused before anything is written.
 
     sparse=True patches the magic to `PWRI` as PowerInfer's converters do. metadata are (key, value, type);
     arrays are (key, list, ARRAY) and their element type is inferred by gguf. `extra` may add more keys
     (e.g. the vocabulary) to the writer before it is written.
     """
-    path = Path(path)
     tensors = list(tensors)
-    folder = path.parent if str(path.parent) else Path(".")
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with atomic_output(path, inputs, what="output file") as tmp:
         writer = GGUFWriter(tmp, arch)
         for key, value, vtype, *sub_type in metadata:
             if key == "general.architecture":
@@ -278,18 +300,7 @@ def write_model_file(
         if sparse:
             with open(tmp, "r+b") as f:
                 f.write(struct.pack("<I", PWRI_MAGIC))
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes the file private; a model file is not
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+    return Path(path)
 
 
 def _storage_dtype(qtype: GGMLQuantizationType) -> np.dtype:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hotcold import registry
+from hotcold import registry, validate
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import CPU, DevicePlan
 from hotcold.gguf_io import GGUFError, ModelFile
@@ -75,14 +75,13 @@ def load_model(
     """fast_device: where hot rows and offloaded layers go; default the GPU when `device` resolves to cuda.
     Tests pass "cpu" to exercise the hybrid split with a second CPU placement standing in for the GPU."""
     path = Path(path) if path is not None else demo_model_path()
+    # the rules the CLI and the server apply too (NaN, infinities, out of range: ValueError naming the argument)
+    threads = validate.check_optional("threads", threads)
+    vram_budget = validate.check_optional("vram_budget", vram_budget)
+    n_gpu_layers = validate.check_optional("n_gpu_layers", n_gpu_layers)
+    ctx_size = validate.check_optional("ctx_size", ctx_size)
     if threads is not None:
-        if threads < 1:
-            raise ValueError(f"threads must be >= 1, got {threads}")
         torch.set_num_threads(threads)
-    if vram_budget is not None and vram_budget < 0:
-        raise ValueError(f"--vram-budget must be >= 0 GiB, got {vram_budget}")
-    if n_gpu_layers is not None and n_gpu_layers < 0:
-        raise ValueError(f"-ngl/--n-gpu-layers must be >= 0, got {n_gpu_layers}")
     device = resolve_device(device)
     model_file = ModelFile(path)
     registry.require(model_file.architecture, str(path))

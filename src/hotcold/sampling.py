@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from hotcold import validate
 
 
 @dataclass(frozen=True)
@@ -20,16 +21,11 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if self.top_k is not None and self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repeat_penalty <= 0:
-            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        # the shared rules (hotcold.validate), so the CLI, the API and the server refuse the same values
+        for name in ("temperature", "repeat_penalty", "repeat_last_n"):
+            validate.check(name, getattr(self, name))
+        for name in ("top_k", "top_p", "min_p", "seed"):
+            validate.check_optional(name, getattr(self, name))
 
 
 def apply_repeat_penalty(logits: torch.Tensor, recent: Sequence[int], penalty: float) -> torch.Tensor:
@@ -95,9 +91,10 @@ def sample(
 
 
 def make_generator(seed: int | None) -> torch.Generator:
+    """A generator seeded with `seed` (an integer in [0, 2**64); ValueError otherwise), or randomly for None."""
     gen = torch.Generator()
     if seed is None:
         gen.seed()
     else:
-        gen.manual_seed(seed)
+        gen.manual_seed(validate.check("seed", seed))
     return gen

@@ -83,6 +83,7 @@ def _per_byte_replace(err: UnicodeDecodeError) -> tuple[str, int]:
 
 
 codecs.register_error("hotcold.per_byte", _per_byte_replace)
+_SURROGATE = re.compile("[\ud800-\udfff]")  # not characters: no UTF-8 for them (e.g. a JSON "\ud800")
 
 
 class Tokenizer:
@@ -266,7 +267,10 @@ class Tokenizer:
         False never adds it. add_eos: likewise EOS last (`add_eos_token`, `self.add_eos`); None follows
         add_bos, so `add_bos=False` asks for no special tokens at all.
         parse_special: text spelling a control token (e.g. "<|im_end|>") becomes that token, as llama.cpp's
-        tools and Hugging Face tokenizers do. User-defined tokens are always matched."""
+        tools and Hugging Face tokenizers do. User-defined tokens are always matched.
+        A lone surrogate code point (no character, no UTF-8) is encoded as U+FFFD."""
+        if text and not text.isascii():
+            text = _SURROGATE.sub("\ufffd", text)
         if add_eos is None:
             add_eos = add_bos
         out: list[int] = []

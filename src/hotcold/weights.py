@@ -29,8 +29,8 @@ class TensorSource:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors
 
     def raw(self, template: str, layer: int | None, shape: tuple[int, ...], suffix="weight", *, expert=None):
-        """The tensor as stored (zero-copy), on the CPU."""
-        return self.file.tensor(names.tensor(template, layer, suffix, expert=expert), shape)
+        """The tensor as stored (zero-copy), on the CPU; a type that is no weight's is refused, named."""
+        return self.file.weight(names.tensor(template, layer, suffix, expert=expert), shape)
 
     def layer_device(self, layer: int) -> torch.device:
         return self.plan.attention[layer]

@@ -1,17 +1,23 @@
-"""hotcold bench: single and batched generation rows on the bundled model."""
+"""hotcold bench: a test longer than the model's training context runs, with a warning saying so."""
 
 from __future__ import annotations
 
-from hotcold.cli.bench import run_bench
+import json
+
+from hotcold.cli import main
 
 
-def test_batched_rows_report_aggregate_and_union_firing():
-    rows = run_bench(None, n_prompt=0, n_gen=6, repetitions=1, threads=2, device="cpu", batches=(1, 4))
-    by = {(r["mode"], r["test"]): r for r in rows}
-    assert set(by) == {("sparse", "tg6"), ("dense", "tg6"), ("sparse", "tg6x4"), ("dense", "tg6x4")}
-    batched = by["sparse", "tg6x4"]
-    assert batched["batch"] == 4
-    assert batched["tokens_per_s_per_sequence"] == batched["tokens_per_s"] / 4
-    # the rows any of 4 tokens fire are at least those one token fires, and fewer than all
-    assert by["sparse", "tg6"]["firing_rate"] <= batched["union_firing_rate"] < 1.0
-    assert by["dense", "tg6x4"]["union_firing_rate"] == 1.0
+def test_prompt_beyond_the_training_context_warns(tiny_dense_gguf, capsys):
+    # the tiny model was trained for 256 positions
+    assert main(["bench", "-m", str(tiny_dense_gguf), "-p", "300", "-n", "0", "-r", "1", "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out)[0]["test"] == "pp300"
+    assert "warning: the test runs 301 positions, past the model's training context of 256 tokens" in err
+    assert main(["bench", "-m", str(tiny_dense_gguf), "-p", "8", "-n", "4", "-r", "1", "--json"]) == 0
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_bad_numbers(tiny_dense_gguf, capsys):
+    for argv, message in [(["-p=-1"], "-p/--n-prompt must be"), (["-r", "0"], "-r/--repetitions must be")]:
+        assert main(["bench", "-m", str(tiny_dense_gguf), *argv]) == 1
+        assert message in capsys.readouterr().err

@@ -112,9 +112,36 @@ def test_prompt_longer_than_context(capsys, tiny_dense_gguf):
     assert "longer than the context size 32" in err
 
 
-@pytest.mark.parametrize("argv", [["-n", "-3"], ["-t", "0"], ["--temp", "-1"]])
-def test_bad_numbers(capsys, tiny_dense_gguf, argv):
-    run_error(capsys, ["generate", "-m", str(tiny_dense_gguf), "-p", "x", *argv])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["-n", "-3"], "-n/--n-predict must be >= 0, got -3"),
+        (["-t", "0"], "-t/--threads must be >= 1, got 0"),
+        (["--temp", "-1"], "--temp must be a finite number >= 0, got -1.0"),
+        (["--temp", "nan"], "--temp must be a finite number >= 0, got nan"),
+        (["--repeat-penalty", "nan"], "--repeat-penalty must be a finite number > 0, got nan"),
+        (["--repeat-penalty=-1"], "--repeat-penalty must be a finite number > 0, got -1.0"),
+        (["--top-p", "nan"], "--top-p must be a finite number in (0, 1], got nan"),
+        (["--min-p", "inf"], "--min-p must be a finite number in [0, 1], got inf"),
+        (["--seed", str(2**64)], "--seed must be in [0, 2**64), got 18446744073709551616"),
+        (["--seed=-5"], "--seed must be in [0, 2**64), got -5"),
+        (["-c=-1"], "-c/--ctx-size must be >= 0, got -1"),
+        (["--vram-budget", "inf"], "--vram-budget must be a finite number in [0, 1048576], got inf"),
+        (["-ngl=-1"], "-ngl/--n-gpu-layers must be >= 0, got -1"),
+    ],
+)
+def test_bad_numbers(capsys, tiny_dense_gguf, argv, message):
+    assert message in run_error(capsys, ["generate", "-m", str(tiny_dense_gguf), "-p", "x", *argv])
+
+
+def test_more_threads_than_cores_warns(capsys, monkeypatch, tiny_dense_gguf):
+    from hotcold import validate
+
+    monkeypatch.setattr(validate, "available_cores", lambda: 1)
+    code = main(["generate", "-m", str(tiny_dense_gguf), "-p", "x", "-n", "2", "-t", "2", "--temp", "0"])
+    _, err = capsys.readouterr()
+    assert code == 0
+    assert "hotcold: warning: -t/--threads 2 is more than the 1 CPU core(s) available" in err
 
 
 def test_info(capsys, tiny_sparse_gguf):

@@ -1,4 +1,5 @@
-"""hotcold perplexity: exp(mean NLL) of the documented windows, against transformers; sparse figures."""
+"""hotcold perplexity: llama.cpp's protocol (chunks, BOS, scored positions) re-implemented here from its
+source and run on hotcold's own logits and on transformers'; sparse figures."""
 
 from __future__ import annotations
 
@@ -29,25 +30,39 @@ def run_json(capsys, argv) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def transformers_perplexity(hf_dir, ids: list[int], bos: int) -> tuple[float, int]:
-    """The documented rule, written out: windows of BOS + CTX-1 tokens (a shorter last one dropped), the
-    predictions at positions CTX/2 .. CTX-2 scored."""
+def llama_cpp_perplexity(logits_of, ids: list[int], bos: int | None, ctx: int) -> tuple[float, int, int]:
+    """llama.cpp's perplexity() written out as its source reads: tokens = tokenize(text, add_special) (BOS
+    first when the vocabulary adds it), n_chunk = len(tokens) // ctx, each chunk's first token replaced by
+    BOS while it is evaluated, and for j in ctx/2 .. ctx-2 the NLL of tokens[start + j + 1]."""
+    tokens = ([bos] if bos is not None else []) + list(ids)
+    n_chunk = len(tokens) // ctx
+    first = ctx // 2
+    nll, count = 0.0, 0
+    for i in range(n_chunk):
+        start = i * ctx
+        batch = list(tokens[start : start + ctx])
+        if bos is not None:
+            batch[0] = bos
+        logits = logits_of(batch).double()
+        for j in range(first, ctx - 1):
+            nll -= float(torch.log_softmax(logits[j], -1)[tokens[start + j + 1]])
+            count += 1
+    return math.exp(nll / count), count, n_chunk
+
+
+def transformers_logits(hf_dir):
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    nll, count = 0.0, 0
-    for s in range(0, len(ids) - (CTX - 1) + 1, CTX - 1):
-        window = [bos] + ids[s : s + CTX - 1]
+
+    def logits_of(batch: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            logits = model(torch.tensor([window])).logits[0].double()
-        logp = torch.log_softmax(logits, -1)
-        for j in range(CTX // 2, CTX - 1):
-            nll -= float(logp[j, window[j + 1]])
-            count += 1
-    return math.exp(nll / count), count
+            return model(torch.tensor([batch])).logits[0]
+
+    return logits_of
 
 
-def test_dense_perplexity_equals_transformers(tiny_dense_gguf, text_file, capsys):
+def test_dense_perplexity_follows_llama_cpp(tiny_dense_gguf, text_file, capsys):
     result = run_json(
         capsys,
         [
@@ -64,12 +79,32 @@ def test_dense_perplexity_equals_transformers(tiny_dense_gguf, text_file, capsys
         ],
     )
     llm = hotcold.load(tiny_dense_gguf)
+    assert llm.tokenizer.add_bos and llm.tokenizer.bos_id is not None
     ids = corpus_tokens(llm.tokenizer, training_text(), max_tokens=TOKENS)
-    want, count = transformers_perplexity(tiny_dense_gguf.parent / "hf", ids, llm.tokenizer.bos_id)
+    bos = llm.tokenizer.bos_id
+    ours, count, n_chunk = llama_cpp_perplexity(llm.logits, ids, bos, CTX)
+    hf, hf_count, _ = llama_cpp_perplexity(transformers_logits(tiny_dense_gguf.parent / "hf"), ids, bos, CTX)
     assert result["mode"] == "dense"
-    assert result["tokens_scored"] == count == (TOKENS // (CTX - 1)) * (CTX - 1 - CTX // 2)
-    assert result["perplexity"] == pytest.approx(want, rel=1e-5)
+    assert n_chunk == (TOKENS + 1) // CTX and result["chunks"] == n_chunk and result["ctx"] == CTX
+    assert result["tokens_scored"] == count == hf_count == n_chunk * (CTX - 1 - CTX // 2)
+    assert result["perplexity"] == pytest.approx(ours, rel=1e-9)  # the same windows of the same logits
+    assert result["perplexity"] == pytest.approx(hf, rel=1e-5)
     assert "firing_rate" not in result
+
+
+def test_chunks_are_llama_cpps():
+    from hotcold.cli.perplexity import scoring_chunks
+
+    ids = list(range(10, 30))  # 20 text tokens
+    # with BOS: the stream is BOS + 20 tokens = 21 -> 2 chunks of 8, token 10+7 (chunk 1's first) replaced
+    chunks = scoring_chunks(ids, 8, bos_id=1)
+    assert chunks == [[1, *range(10, 17)], [1, *range(18, 25)]]
+    # no BOS in the vocabulary: plain cuts, nothing replaced, the 4 left over dropped
+    assert scoring_chunks(ids, 8, bos_id=None) == [list(range(10, 18)), list(range(18, 26))]
+    with pytest.raises(ValueError, match="too few to score"):
+        scoring_chunks(ids[:6], 8, bos_id=1)
+    with pytest.raises(ValueError, match=">= 3"):
+        scoring_chunks(ids, 2, bos_id=1)
 
 
 def test_sparse_with_all_firing_predictors_equals_dense(tiny_dense_gguf, text_file, tmp_path, capsys):

@@ -135,3 +135,23 @@ def test_runs_files_laid_out_like_powerinfer(tmp_path, rank32_sparse_gguf, matri
     assert (got - ref).abs().max() <= tol * ref.abs().max()
     text = llm.generate("Line 1", max_tokens=8, ignore_eos=True)
     assert isinstance(text, str)
+
+
+@pytest.mark.parametrize("how", ["same", "symlink", "hardlink"])
+def test_quantize_over_its_input_is_refused(tmp_path, tiny_dense_gguf, capsys, how):
+    import os
+    import shutil
+
+    src = tmp_path / "m.gguf"
+    shutil.copy(tiny_dense_gguf, src)
+    before = src.read_bytes()
+    out = src if how == "same" else tmp_path / "q.gguf"
+    if how == "symlink":
+        out.symlink_to(src)
+    elif how == "hardlink":
+        os.link(src, out)
+    code = main(["quantize", str(src), str(out), "q8_0"])
+    err = capsys.readouterr().err
+    assert code == 1 and "would be overwritten" in err and "Traceback" not in err
+    assert src.read_bytes() == before
+    assert not list(tmp_path.glob(".*.tmp"))

@@ -62,3 +62,27 @@ def test_inconsistent_file_rejected(tmp_path):
     )
     with pytest.raises(GGUFError, match="gpu_bucket does not list"):
         read_gpuidx(tmp_path / "bad.gpuidx")
+
+
+def test_never_written_over_its_model_or_statistics(tmp_path):
+    """The cache's inputs (its model file, the activation files) are found from its path and refused as
+    outputs: a cache name that is a link to the model must not replace the model."""
+    from hotcold.atomic import OutputError
+    from hotcold.placement.gpuidx import gpuidx_path, placement_inputs
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"model bytes")
+    (tmp_path / "activation").mkdir()
+    (tmp_path / "activation" / "activation_0.pt").write_bytes(b"stats")
+    cache = gpuidx_path(model)
+    assert placement_inputs(cache) == [model, tmp_path / "activation" / "activation_0.pt"]
+    placement = Placement([np.arange(4)], [16], 1 << 20, {})
+    for target in (model, tmp_path / "activation" / "activation_0.pt"):
+        cache.unlink(missing_ok=True)
+        cache.symlink_to(target)
+        with pytest.raises(OutputError, match="would be overwritten"):
+            write_gpuidx(cache, placement)
+    assert model.read_bytes() == b"model bytes"
+    cache.unlink()
+    write_gpuidx(cache, placement)
+    assert read_gpuidx(cache).hot[0].tolist() == [0, 1, 2, 3]

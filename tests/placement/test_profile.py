@@ -102,3 +102,33 @@ def test_silu_model_is_refused(tmp_path, spm_model_file, capsys):
     corpus.write_text("In the beginning")
     assert main(["profile", "-m", str(model), "-f", str(corpus)]) == 1
     assert "not ReLU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["profile", "perplexity", "generate", "train-predictors"])
+def test_non_utf8_text_is_refused_the_same_way(tiny_dense_gguf, tmp_path, capsys, command):
+    """profile, perplexity, train-predictors and generate -f read text files by one rule: the first bad
+    byte is named with its offset (profile and perplexity used to replace it silently)."""
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_bytes(training_text().encode()[:500] + b"caf\xe9 au lait\n")
+    argv = [command, "-m", str(tiny_dense_gguf), "-f", str(corpus)]
+    if command in ("profile", "train-predictors"):
+        argv += ["-o", str(tmp_path / "out")]
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert "corpus.txt: not UTF-8 text (invalid continuation byte at byte 503" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_profile_never_writes_over_its_corpus(tiny_dense_gguf, tmp_path, capsys):
+    out = tmp_path / "act"
+    out.mkdir()
+    corpus = out / "activation_1.pt"  # contrived, but the rule is the same for every writer
+    corpus.write_text(training_text())
+    code = main(
+        ["profile", "-m", str(tiny_dense_gguf), "-f", str(corpus), "-o", str(out), "--max-tokens", "50"]
+    )
+    err = capsys.readouterr().err
+    assert code == 1 and "is the input" in err
+    assert corpus.read_text() == training_text()
+    assert sorted(p.name for p in out.iterdir()) == ["activation_1.pt"]  # none written, not even layer 0

@@ -25,6 +25,48 @@ COMMANDS = {
 }
 
 
+# parsed argument (dest) -> (rule in hotcold.validate.RULES, the flag as people type it): every command's
+# numeric flags are checked by the same rules as the API and the server, before the command runs
+ARG_FIELDS = {
+    "threads": ("threads", "-t/--threads"),
+    "ctx_size": ("ctx_size", "-c/--ctx-size"),
+    "vram_budget": ("vram_budget", "--vram-budget"),
+    "n_gpu_layers": ("n_gpu_layers", "-ngl/--n-gpu-layers"),
+    "n_predict": ("max_tokens", "-n/--n-predict"),
+    "temp": ("temperature", "--temp"),
+    "top_k": ("top_k", "--top-k"),
+    "top_p": ("top_p", "--top-p"),
+    "min_p": ("min_p", "--min-p"),
+    "repeat_penalty": ("repeat_penalty", "--repeat-penalty"),
+    "seed": ("seed", "--seed"),
+    "max_tokens": ("corpus_tokens", "--max-tokens"),
+    "n_prompt": ("n_prompt", "-p/--n-prompt"),
+    "n_gen": ("n_gen", "-n/--n-gen"),
+    "repetitions": ("repetitions", "-r/--repetitions"),
+    "rank": ("rank", "--rank"),
+    "epochs": ("epochs", "--epochs"),
+    "batch_size": ("batch_size", "--batch-size"),
+    "recall": ("recall", "--recall"),
+    "max_selection": ("max_selection", "--max-selection"),
+    "lr": ("learning_rate", "--lr"),
+    "pos_weight": ("pos_weight", "--pos-weight"),
+}
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Check every numeric flag the command has against validate.RULES (ValueError naming the flag), and
+    warn on stderr about more threads than cores."""
+    from hotcold import validate
+
+    for dest, (field, flag) in ARG_FIELDS.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            setattr(args, dest, validate.check(field, value, label=flag))
+    threads = getattr(args, "threads", None)
+    if threads is not None and (warning := validate.threads_warning(threads, "-t/--threads")):
+        print(f"hotcold: warning: {warning}", file=sys.stderr)
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
     """Flags every model-running command shares, named as llama.cpp / PowerInfer name them."""
     parser.add_argument(
@@ -82,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     module = importlib.import_module(f"hotcold.cli.{COMMANDS[args.command][0]}")
     try:
+        validate_args(args)
         return module.run(args) or 0
     except KeyboardInterrupt:
         print("\nhotcold: interrupted", file=sys.stderr)

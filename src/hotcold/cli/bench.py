@@ -226,6 +226,13 @@ def run_bench(
     return rows
 
 
+def context_warning(positions: int, n_ctx_train: int) -> str:
+    return (
+        f"the test runs {positions} positions, past the model's training context of {n_ctx_train} tokens: "
+        "output there is out of distribution, and the timings are of a context the model is not meant for"
+    )
+
+
 def run(args) -> int:
     if args.n_prompt < 0 or args.n_gen < 0 or args.repetitions < 1:
         raise ValueError("-p and -n must be >= 0 and -r >= 1")

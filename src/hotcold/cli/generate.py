@@ -17,24 +17,20 @@ def add_args(p) -> None:
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
     p.add_argument("--repeat-penalty", type=float, default=1.1)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**64) (default: random)")
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     p.add_argument("--ignore-eos", action="store_true", help="always generate n-predict tokens")
 
 
 def run(args) -> int:
     if args.file is not None:
-        try:
-            with open(args.file, encoding="utf-8") as f:
-                prompt = f.read()
-        except UnicodeDecodeError as exc:
-            raise ValueError(f"{args.file}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        from hotcold.validate import read_text_file
+
+        prompt = read_text_file(args.file, "the prompt file, -f/--file")
     elif args.prompt is not None:
         prompt = args.prompt
     else:
         prompt = "Once upon a time"
-    if args.n_predict < 0:
-        raise ValueError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
     llm = load_from_args(args)
     for note in llm.loaded.notes:
         print(f"hotcold: {note}", file=sys.stderr)

@@ -1,12 +1,17 @@
 """hotcold perplexity -m MODEL -f text.txt [--dense] [-c CTX] [--json]
 
-Windows: the text's tokens are cut into non-overlapping windows of CTX tokens, each BOS + the next CTX-1
-text tokens (every text token is in exactly one window). As llama.cpp's perplexity tool does, only the
-second half of each window is scored: the predictions at positions CTX/2 .. CTX-2 of the tokens that
-follow them, so every scored token has at least CTX/2 tokens of context. A shorter last window is dropped,
-unless it is the only one (then its own length plays CTX).
+llama.cpp's protocol (its `perplexity` tool, which PowerInfer's is), so the figures compare:
+- the text is tokenized once, with BOS first when the vocabulary adds one (`tokenizer.ggml.add_bos_token`),
+  control-token spellings in the text staying plain text;
+- that token stream is cut into chunks of exactly CTX tokens (chunk i is tokens i*CTX .. i*CTX+CTX-1);
+  the tokens after the last whole chunk are dropped; a text shorter than one chunk is refused;
+- when the vocabulary adds BOS, each chunk's first token is replaced by BOS (the replaced token is not
+  scored anywhere);
+- each chunk is evaluated from an empty cache, and the predictions at positions CTX/2 .. CTX-2 are scored
+  (of the chunk's tokens CTX/2+1 .. CTX-1): every scored token has at least CTX/2 tokens of context.
+llama.cpp refuses a text of fewer than 2*CTX tokens; here one whole chunk is enough.
 
-Sparse mode (a PowerInfer file without --dense) runs every window twice: once densely, where an observer
+Sparse mode (a PowerInfer file without --dense) runs every chunk twice: once densely, where an observer
 compares each layer's predictor mask with the true firing mask on the same inputs (recall, precision,
 selected / truly firing), and once sparsely, which gives the sparse perplexity and the firing rate
 actually computed. The dense pass's perplexity is reported beside it.
@@ -27,26 +32,39 @@ from hotcold.cli import add_model_args, load_from_args
 def add_args(p) -> None:
     add_model_args(p)
     p.add_argument("-f", "--file", required=True, help="text to score (UTF-8)")
-    p.add_argument("--max-tokens", type=int, default=None, help="score at most this many text tokens")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="use at most this many text tokens (then cut into chunks)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON")
 
 
-def scoring_windows(ids: Sequence[int], ctx: int, bos_id: int | None) -> list[list[int]]:
-    from hotcold.placement.profile import token_windows
+def scoring_chunks(ids: Sequence[int], ctx: int, bos_id: int | None) -> list[list[int]]:
+    """llama.cpp's chunks (see the module docstring): `ids` are the text's tokens without BOS; bos_id the
+    BOS to put first and in each chunk's first place, None when the vocabulary adds none."""
+    if ctx < 3:
+        raise ValueError(f"the context size (-c/--ctx-size) must be >= 3 tokens to score any, got {ctx}")
+    stream = ([bos_id] if bos_id is not None else []) + list(ids)
+    n_chunks = len(stream) // ctx
+    if n_chunks == 0:
+        raise ValueError(
+            f"the text has {len(ids)} token(s): too few to score, a chunk is {ctx} tokens"
+            f"{' with BOS' if bos_id is not None else ''} (use a longer text or a smaller -c)"
+        )
+    chunks = [stream[i * ctx : (i + 1) * ctx] for i in range(n_chunks)]
+    if bos_id is not None:
+        for chunk in chunks:
+            chunk[0] = bos_id
+    return chunks
 
-    windows = token_windows(ids, ctx, bos_id)
-    if len(windows) > 1 and len(windows[-1]) < ctx:
-        windows = windows[:-1]
-    if len(windows[0]) < 3:
-        raise ValueError(f"the text has {len(ids)} token(s): too few to score (need at least 2 after BOS)")
-    return windows
 
-
-def window_nll(logits: torch.Tensor, window: Sequence[int]) -> tuple[float, int]:
+def chunk_nll(logits: torch.Tensor, chunk: Sequence[int]) -> tuple[float, int]:
     """Sum of -log p(token j+1 | tokens ..j) for j in n/2 .. n-2, and how many tokens that is."""
-    n = len(window)
+    n = len(chunk)
     first = n // 2
-    targets = torch.tensor(window[first + 1 :], dtype=torch.long)
+    targets = torch.tensor(chunk[first + 1 :], dtype=torch.long)
     logp = torch.log_softmax(logits[first : n - 1].double(), dim=-1)
     return float(-logp.gather(1, targets[:, None]).sum()), len(targets)
 
@@ -83,16 +101,17 @@ class MaskAgreement:
 
 
 def perplexity(llm, ids: Sequence[int], *, ctx: int | None = None, progress: bool = False) -> dict:
-    """Perplexity of `ids` (text tokens without BOS) under `llm`; in sparse mode also the dense pass's
-    perplexity and the predictors' agreement with the true masks (see the module docstring)."""
+    """Perplexity of `ids` (text tokens without BOS) under `llm` by llama.cpp's protocol; in sparse mode
+    also the dense pass's perplexity and the predictors' agreement with the true masks (module docstring)."""
     from tqdm import tqdm
 
     from hotcold.placement.profile import window_ctx
 
     ctx = window_ctx(ctx, llm.config.n_ctx_train)
     if ctx > llm.ctx_size:
-        raise ValueError(f"window of {ctx} tokens is longer than the model's context size {llm.ctx_size}")
-    windows = scoring_windows(ids, ctx, llm.tokenizer.bos_id)
+        raise ValueError(f"chunk of {ctx} tokens is longer than the model's context size {llm.ctx_size}")
+    tok = llm.tokenizer
+    chunks = scoring_chunks(ids, ctx, tok.bos_id if tok.add_bos else None)
     layers = getattr(llm.loaded.model, "layers", [])
     sparse = not llm.loaded.dense
     if sparse and not all(getattr(layer.ffn, "predictor", None) for layer in layers):
@@ -107,21 +126,21 @@ def perplexity(llm, ids: Sequence[int], *, ctx: int | None = None, progress: boo
     nll = dense_nll = 0.0
     count = 0
     start = time.perf_counter()
-    for window in tqdm(windows, desc="perplexity", unit="window", disable=not progress):
+    for chunk in tqdm(chunks, desc="perplexity", unit="chunk", disable=not progress):
         if sparse:
             c0 = snapshot()  # the dense pass is not part of the computed rate
-            dense_nll += window_nll(llm.engine.logits(window, observe=agreement.observe), window)[0]
+            dense_nll += chunk_nll(llm.engine.logits(chunk, observe=agreement.observe), chunk)[0]
             before = [(b[0] + c[0] - z[0], b[1] + c[1] - z[1]) for b, z, c in zip(before, c0, snapshot())]
-        total, n = window_nll(llm.logits(window), window)
+        total, n = chunk_nll(llm.logits(chunk), chunk)
         nll += total
         count += n
     result = {
         "model": str(llm.path),
         "mode": "sparse" if sparse else "dense",
-        "ctx": len(windows[0]),
-        "windows": len(windows),
+        "ctx": ctx,
+        "chunks": len(chunks),
         "tokens_scored": count,
-        "scoring": "second half of each window (llama.cpp style)",
+        "scoring": "llama.cpp: chunks of ctx tokens, first token BOS, positions ctx/2 .. ctx-2 scored",
         "perplexity": math.exp(nll / count),
         "seconds": time.perf_counter() - start,
     }
@@ -159,7 +178,7 @@ def run(args) -> int:
         return 0
     print(
         f"{result['mode']} perplexity {result['perplexity']:.4f} over {result['tokens_scored']} tokens "
-        f"({result['windows']} windows of {result['ctx']}, second half scored; {result['seconds']:.1f} s)"
+        f"({result['chunks']} chunks of {result['ctx']}, second half scored; {result['seconds']:.1f} s)"
     )
     if result["mode"] == "sparse":
         print(

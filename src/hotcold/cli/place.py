@@ -7,6 +7,8 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 
 def add_args(p) -> None:
     p.add_argument(
@@ -26,6 +28,7 @@ def run(args) -> int:
     from hotcold.gguf_io import ModelFile
     from hotcold.loader import AUTO_BUDGET_STEP, DEFAULT_CTX, demo_model_path, resolve_placement
     from hotcold.placement.budget import GIB, default_budget_bytes, plan_budget
+    from hotcold.placement.gpuidx import gpuidx_path
 
     path = Path(args.model) if args.model else demo_model_path()
     mf = ModelFile(path)
@@ -38,9 +41,7 @@ def run(args) -> int:
         if not torch.cuda.is_available():
             raise ValueError("no CUDA GPU to read free memory from: give --vram-budget GIB")
         budget = default_budget_bytes() // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP
-    elif args.vram_budget < 0:
-        raise ValueError(f"--vram-budget must be >= 0, got {args.vram_budget}")
-    else:
+    else:  # finite, >= 0 and at most validate.MAX_VRAM_GIB: checked by hotcold.cli.validate_args
         budget = int(args.vram_budget * GIB)
     ctx = args.ctx_size or min(config.n_ctx_train, DEFAULT_CTX)
     plan = plan_budget(mf, config, budget, ctx_size=ctx)
@@ -64,4 +65,22 @@ def run(args) -> int:
     if hot is None:
         print("hotcold: no placement written", file=sys.stderr)
         return 1
+    if not _written(gpuidx_path(path), hot):
+        # the loader goes on without a cache (notes say why); writing it is this command's whole job
+        print(
+            f"hotcold: error: the placement was solved but {gpuidx_path(path)} was not written",
+            file=sys.stderr,
+        )
+        return 1
     return 0
+
+
+def _written(cache: Path, hot) -> bool:
+    from hotcold.gguf_io import GGUFError
+    from hotcold.placement.gpuidx import read_gpuidx
+
+    try:
+        cached = read_gpuidx(cache)
+    except (OSError, GGUFError):
+        return False
+    return len(cached.hot) == len(hot) and all(np.array_equal(a, b) for a, b in zip(cached.hot, hot))

@@ -41,7 +41,7 @@ def run(args) -> int:
     ids = corpus_tokens(llm.tokenizer, text, max_tokens=args.max_tokens, spread=True, source=args.file)
     counts = profile_activations(llm, ids, ctx=ctx, progress=True)
     out_dir = args.output or default_activation_dir(llm.path)
-    paths = write_activation_files(counts, out_dir)
+    paths = write_activation_files(counts, out_dir, inputs=[llm.path, args.file])
     n_seen = sum(len(w) for w in token_windows(ids, ctx, llm.tokenizer.bos_id))  # BOS positions count too
     rates = " ".join(f"{100 * c.sum().item() / (c.numel() * n_seen):.1f}" for c in counts)
     print(

@@ -83,7 +83,14 @@ def run(args) -> int:
             )
         llm = hotcold.load(model_path, threads=args.threads, device="cpu", dense=True, ctx_size=args.ctx_size)
         ids = corpus_tokens(llm.tokenizer, text, max_tokens=args.max_tokens, spread=True, source=args.file)
-        summary = train_predictors(llm, ids, args.output, ctx=args.ctx_size, config=config, progress=True)
+        inputs = [args.file]
+        if args.hf_dir is not None:
+            from hotcold.convert import input_files
+
+            inputs += input_files(Path(args.hf_dir), None)
+        summary = train_predictors(
+            llm, ids, args.output, ctx=args.ctx_size, config=config, progress=True, inputs=inputs
+        )
     for s in summary["layers"]:
         print(
             f"layer {s['layer']:3d}: rank {s['rank']:4d}  recall {s['recall']:.4f}  precision {s['precision']:.3f}"

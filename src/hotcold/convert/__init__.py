@@ -12,6 +12,7 @@ from gguf import GGUFValueType as V
 from tqdm import tqdm
 
 from hotcold import names
+from hotcold.atomic import check_output
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, read_config, read_predictors
 from hotcold.gguf_io import TensorSpec, write_model_file
 
@@ -79,6 +80,8 @@ def convert(
     hf_dir, out = Path(hf_dir), Path(out)
     if outtype not in OUTTYPES:
         raise ConvertError(f"--outtype {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    inputs = input_files(hf_dir, predictor_dir)
+    check_output(out, inputs, what="output file")  # before any work: never replace the checkpoint's files
     config = read_config(hf_dir)
     family = family_module(config.get("model_type", ""), hf_dir)
     arch = family.architecture(config)
@@ -128,8 +131,32 @@ def convert(
         return tqdm(items, desc=f"converting -> {out.name}", unit="tensor") if progress else items
 
     return write_model_file(
-        out, arch, meta, specs, sparse=sparse, progress=bar, extra=lambda w: write_vocab(w, hf_dir)
+        out,
+        arch,
+        meta,
+        specs,
+        sparse=sparse,
+        progress=bar,
+        extra=lambda w: write_vocab(w, hf_dir),
+        inputs=inputs,
     )
+
+
+def input_files(hf_dir: Path, predictor_dir: str | Path | None) -> list[Path]:
+    """Every file a conversion may read: the files of the checkpoint folder, of the predictor folder and of
+    its subfolders (one per expert for MoE models); model files (.gguf, .gpuidx) there are never read, so
+    converting again over an earlier output stays allowed."""
+    folders = [Path(hf_dir)]
+    if predictor_dir is not None:
+        pred = Path(predictor_dir)
+        folders.append(pred)
+        if pred.is_dir():
+            folders += [p for p in pred.iterdir() if p.is_dir()]
+    files = []
+    for folder in folders:
+        if folder.is_dir():
+            files += [p for p in folder.iterdir() if p.is_file() and p.suffix not in (".gguf", ".gpuidx")]
+    return files
 
 
 def _shape_of(ckpt: Checkpoint, name: str, load) -> tuple[int, ...]:

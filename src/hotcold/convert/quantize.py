@@ -17,6 +17,7 @@ from gguf import GGUFValueType as V
 from tqdm import tqdm
 
 from hotcold import quants
+from hotcold.atomic import check_output
 from hotcold.convert import FILE_TYPES, OUTTYPES, encode, tensor_type
 from hotcold.gguf_io import ModelFile, TensorEntry, TensorSpec, as_torch, metadata_items, write_model_file
 from hotcold.kernels import cpu
@@ -36,8 +37,7 @@ def quantize_file(
     if outtype not in OUTTYPES:
         raise ValueError(f"quantize: type {outtype!r} is not one of {', '.join(OUTTYPES)}")
     src, dst = Path(src), Path(dst)
-    if src.resolve() == dst.resolve():
-        raise ValueError(f"quantize: output {dst} is the input file; choose another name")
+    check_output(dst, [src], what="quantize: output")
     mf = ModelFile(src)
     specs = []
     for entry in mf.tensors.values():
@@ -64,4 +64,6 @@ def quantize_file(
     def bar(items):
         return tqdm(items, desc=f"quantizing -> {dst.name}", unit="tensor") if progress else items
 
-    return write_model_file(dst, mf.architecture, meta, specs, sparse=mf.is_sparse, progress=bar)
+    return write_model_file(
+        dst, mf.architecture, meta, specs, sparse=mf.is_sparse, progress=bar, inputs=[src]
+    )

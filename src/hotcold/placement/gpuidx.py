@@ -25,8 +25,22 @@ from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, write_model_file
 ARCH = names.GPU_INDEX_ARCH
 
 
+SUFFIX = ".generated.gpuidx"
+
+
 def gpuidx_path(model_path: str | os.PathLike[str]) -> Path:
-    return Path(str(model_path) + ".generated.gpuidx")
+    return Path(str(model_path) + SUFFIX)
+
+
+def placement_inputs(path: str | os.PathLike[str]) -> list[Path]:
+    """What a placement cache is solved from: its model file and the activation files beside it."""
+    path = Path(path)
+    if not path.name.endswith(SUFFIX):
+        return []
+    model = path.with_name(path.name[: -len(SUFFIX)])
+    activation_dir = model.parent / "activation"
+    found = sorted(activation_dir.glob("activation_*.pt")) if activation_dir.is_dir() else []
+    return [model, *found]
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,10 @@ def source_signature(model_path: Path, activation_dir: Path | None) -> dict[str,
     }
 
 
-def write_gpuidx(path: str | os.PathLike[str], placement: Placement) -> Path:
+def write_gpuidx(
+    path: str | os.PathLike[str], placement: Placement, inputs: list[str | os.PathLike[str]] | None = None
+) -> Path:
+    """Write the cache atomically; `inputs` (default: placement_inputs(path)) may not be overwritten."""
     meta = [
         (names.key(names.BLOCK_COUNT, ARCH), placement.n_layer, V.UINT32),
         (names.VRAM_CAPACITY, int(placement.vram_capacity), V.UINT64),
@@ -73,7 +90,8 @@ def write_gpuidx(path: str | os.PathLike[str], placement: Placement) -> Path:
         bucket = np.sort(hot).astype(np.int32)
         specs.append(TensorSpec(names.bare(names.GPU_IDX, i), (n_ff,), Q.I32, lambda a=gpu_idx: a))
         specs.append(TensorSpec(names.bare(names.GPU_BUCKET, i), (len(bucket),), Q.I32, lambda a=bucket: a))
-    return write_model_file(path, ARCH, meta, specs, sparse=True)
+    inputs = placement_inputs(path) if inputs is None else inputs
+    return write_model_file(path, ARCH, meta, specs, sparse=True, inputs=inputs)
 
 
 def read_gpuidx(path: str | os.PathLike[str]) -> Placement:

@@ -3,8 +3,9 @@
 The counts feed the placement solver (hot neurons go to the GPU) and are written as PowerInfer's
 `activation/activation_{i}.pt` files: one 1-D int64 tensor of length n_ff per layer.
 
-The corpus helpers here (reading, tokenizing, cutting into windows) are shared by `hotcold profile`,
-`hotcold train-predictors` and `hotcold perplexity`, so the three see the same token windows.
+The corpus helpers here (reading, tokenizing) are shared by `hotcold profile`, `hotcold train-predictors`
+and `hotcold perplexity`; the first two also share the windows (BOS + CTX-1 corpus tokens), while
+perplexity cuts llama.cpp's chunks (cli/perplexity.py).
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ from __future__ import annotations
 import logging
 import math
 import os
-import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
+from hotcold.atomic import atomic_output, check_output
 from hotcold.state import Observer
+from hotcold.validate import read_text_file
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +33,10 @@ DEFAULT_CTX = 512  # window length in tokens (llama.cpp's perplexity default), c
 
 
 def read_corpus(path: str | os.PathLike[str]) -> str:
-    """The text of a corpus file; ValueError naming the file when it is missing, a folder, or empty."""
+    """The text of a corpus file; ValueError naming the file when it is missing, a folder, not UTF-8 (with
+    the byte offset), or empty. `generate -f` reads its prompt file by the same rule."""
     path = Path(path)
-    if not path.exists():
-        raise ValueError(f"{path}: no such file (the corpus, -f/--file)")
-    if path.is_dir():
-        raise ValueError(f"{path}: is a folder, expected a UTF-8 text file")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    text = read_text_file(path, "the corpus, -f/--file")
     if not text.strip():
         raise ValueError(f"{path}: the corpus is empty (no text to run the model on)")
     return text
@@ -194,27 +193,28 @@ def profile_activations(
     return counts
 
 
-def save_tensor(tensor: torch.Tensor | dict, path: Path) -> None:
-    """torch.save to a temporary file in the same folder, then rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(tensor, f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def save_tensor(
+    tensor: torch.Tensor | dict, path: Path, inputs: Iterable[str | os.PathLike[str]] = ()
+) -> None:
+    """torch.save through hotcold.atomic: never a half-written file, never over one of `inputs`."""
+    with atomic_output(path, inputs, what="output file") as tmp:
+        torch.save(tensor, tmp)
 
 
-def write_activation_files(counts: Sequence[torch.Tensor], out_dir: str | os.PathLike[str]) -> list[Path]:
-    """DIR/activation_{i}.pt for every layer, each written atomically."""
+def write_activation_files(
+    counts: Sequence[torch.Tensor],
+    out_dir: str | os.PathLike[str],
+    inputs: Iterable[str | os.PathLike[str]] = (),
+) -> list[Path]:
+    """DIR/activation_{i}.pt for every layer, each written atomically; none may be one of `inputs` (the
+    model file, the corpus: checked for every file before the first is written)."""
     out_dir = Path(out_dir)
-    paths = []
-    for i, c in enumerate(counts):
-        path = out_dir / f"activation_{i}.pt"
-        save_tensor(c.clone(), path)
-        paths.append(path)
+    inputs = list(inputs)
+    paths = [out_dir / f"activation_{i}.pt" for i in range(len(counts))]
+    for path in paths:
+        check_output(path, inputs, what="output file")
+    for c, path in zip(counts, paths, strict=True):
+        save_tensor(c.clone(), path, inputs)
     return paths
 
 

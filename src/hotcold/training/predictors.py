@@ -33,7 +33,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -41,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from hotcold.atomic import atomic_output, check_output
 from hotcold.placement.profile import (
     check_relu,
     ffn_widths,
@@ -197,7 +198,7 @@ def train_rank(
     desc: str = "",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Fit fc1 [R, D], fc2 [F, R] on inputs divided by `scale`; returns them on the CPU (fc1 still scaled)."""
-    gen = torch.Generator().manual_seed(cfg.seed * 1000 + rank)
+    gen = torch.Generator().manual_seed((cfg.seed * 1000 + rank) % 2**64)
     d, f = train.inputs.shape[1], train.n_ff
     fc1 = (torch.randn(rank, d, generator=gen) * math.sqrt(2.0 / d)).to(device).requires_grad_()
     fc2 = (torch.randn(f, rank, generator=gen) * math.sqrt(1.0 / rank)).to(device).requires_grad_()
@@ -344,10 +345,9 @@ def _read_config(path: Path) -> dict:
     return config
 
 
-def _write_json(data: dict, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, path)
+def _write_json(data: dict, path: Path, inputs: Sequence[str | os.PathLike[str]] = ()) -> None:
+    with atomic_output(path, inputs, what="output file") as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def train_predictors(
@@ -358,17 +358,22 @@ def train_predictors(
     ctx: int | None = None,
     config: TrainConfig | None = None,
     progress: bool = False,
+    inputs: Iterable[str | os.PathLike[str]] = (),
 ) -> dict:
     """Train every layer's predictor that `out_dir` lacks; returns the folder's config.json content.
 
-    `llm`: a hotcold Model loaded with dense=True; `ids`: corpus tokens (placement.profile.corpus_tokens)."""
+    `llm`: a hotcold Model loaded with dense=True; `ids`: corpus tokens (placement.profile.corpus_tokens);
+    `inputs`: files the caller read (corpus, checkpoint), never overwritten (nor is the model file)."""
     cfg = config or TrainConfig()
     out_dir = Path(out_dir)
+    inputs = [llm.path, *inputs]
     out_dir.mkdir(parents=True, exist_ok=True)
     config_path = out_dir / "config.json"
     saved = _read_config(config_path)
     n_layer = llm.config.n_layer
     pending = [i for i in range(n_layer) if not (out_dir / f"model_{i}.pt").exists()]
+    for path in [config_path, *(out_dir / f"model_{i}.pt" for i in pending)]:
+        check_output(path, inputs, what="output file")  # before the slow part
     if len(pending) < n_layer and saved.get("sparse_threshold") != SPARSE_THRESHOLD:
         raise ValueError(
             f"{out_dir}: holds predictors that hotcold did not train (config.json lacks sparse_threshold "
@@ -412,13 +417,13 @@ def train_predictors(
         summary.update(ctx=ctx, train_tokens=n_train, val_tokens=n_tokens - n_train, device=str(device))
         for i in tqdm(pending, desc="training predictors", unit="layer", disable=not progress):
             state, result = train_layer(i, samples.pop(i), n_train, cfg, device=device, progress=progress)
-            save_tensor(state, out_dir / f"model_{i}.pt")
+            save_tensor(state, out_dir / f"model_{i}.pt", inputs)
             layer_stats[i] = _rounded(asdict(result))
             summary["layers"] = [layer_stats[k] for k in sorted(layer_stats)]
-            _write_json({**saved, **summary}, config_path)
+            _write_json({**saved, **summary}, config_path, inputs)
     summary["layers"] = [layer_stats[k] for k in sorted(layer_stats)]
     merged = {**saved, **summary}
-    _write_json(merged, config_path)
+    _write_json(merged, config_path, inputs)
     return merged
 
 
