@@ -312,3 +312,22 @@ def test_errors_inside_are_500_json_and_the_server_carries_on(llm):
             list(openai_client(url).completions.create(model="x", prompt="x", stream=True))
         assert httpx.get(url + "/health", timeout=10).json()["status"] == "ok"
         assert post(url, "/tokenize", {"content": "still here"}).status_code == 200
+
+
+def test_lone_surrogates_and_huge_seeds_never_500(server_url, llm):
+    """Issue #15 item 5: text with a lone surrogate is served (the tokenizer reads it as U+FFFD, as it
+    reads any text); a seed outside [0, 2**64) is a 400 naming the rule, on every route."""
+    r = post(server_url, "/v1/completions", '{"prompt": "\\ud800abc", "max_tokens": 3, "ignore_eos": true}')
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+    chat = '{"messages": [{"role": "user", "content": "\\udfffx"}], "max_tokens": 2}'
+    assert post(server_url, "/v1/chat/completions", chat).status_code == 200
+    assert post(server_url, "/tokenize", '{"content": "\\ud800a"}').json()["tokens"] == llm.tokenize(
+        "\ufffda", add_bos=False
+    )
+    for path, body in (
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "seed": 2**70}),
+        ("/completion", {"prompt": "hi", "n_predict": 2, "seed": 2**64}),
+    ):
+        r = post(server_url, path, body)
+        assert r.status_code == 400 and "seed must be in [0, 2**64)" in r.json()["error"]["message"]
+    assert httpx.get(server_url + "/health", timeout=10).json()["status"] == "ok"
