@@ -32,4 +32,10 @@ def test_layer_norm_matches_torch():
         torch.randn(5, 64, generator=gen),
     )
     norm = Norm(w, 1e-5, b, rms=False)
-    assert torch.allclose(norm(x), torch.nn.functional.layer_norm(x, (64,), w, b, 1e-5))
+    x64 = x.double()  # the formula in float64, independent of torch's layer_norm that Norm calls
+    mean, var = x64.mean(-1, keepdim=True), x64.var(-1, unbiased=False, keepdim=True)
+    ref = (x64 - mean) / torch.sqrt(var + 1e-5) * w.double() + b.double()
+    assert torch.allclose(norm(x).double(), ref, atol=1e-5)
+    rms = Norm(w, 1e-5)  # and the RMS norm, in C for a few tokens
+    ref_rms = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
+    assert torch.allclose(rms(x).double(), ref_rms, atol=1e-5)

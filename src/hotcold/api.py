@@ -137,13 +137,11 @@ class Model:
             )
             for e, p, s in zip(engines, prompts, seeds)
         ]
-        texts = ["" for _ in gens]
+        texts = ["".join(c.text for c in g.drain()) for g in gens]  # max_tokens=0 is done at once
         while any(not g.done for g in gens):
             batching.step(self.loaded.model, gens)
             for i, g in enumerate(gens):
                 texts[i] += "".join(c.text for c in g.drain())
-        for i, g in enumerate(gens):
-            texts[i] += "".join(c.text for c in g.drain())  # generations done before the first step
         self.last_batch_stats = [g.stats for g in gens]
         return texts
 

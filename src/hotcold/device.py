@@ -80,6 +80,3 @@ class DevicePlan:
 
     def kv_dtypes(self) -> list[torch.dtype]:
         return [kv_dtype(d) for d in self.attention]
-
-    def devices(self) -> set[torch.device]:
-        return set(self.attention) | set(self.ffn) | set(self.predictor) | {self.output}

@@ -9,7 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats
+from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats, common_prefix
 from hotcold.sampling import SamplingParams, make_generator, sample
 from hotcold.state import Batch, Observer
 from hotcold.tokenizer import Tokenizer
@@ -70,12 +70,9 @@ class Engine:
         self.check_length(len(ids))
         if not ids:
             raise ValueError("the prompt is empty (no tokens)")
-        common = 0
-        for a, b in zip(self.cached_ids, ids):
-            if a != b:
-                break
-            common += 1
-        start = min(common, len(ids) - 1)  # recompute at least the last token to get its logits
+        start = min(
+            common_prefix(self.cached_ids, ids), len(ids) - 1
+        )  # recompute at least the last token to get its logits
         self.cached_ids = self.cached_ids[:start]
         self.last_prefill_computed = len(ids) - start
         logits = None

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from hotcold.kernels import cpu
+from hotcold.kernels.cpu import apply_rope  # the one torch RoPE (the C attention's fallback uses it too)
 from hotcold.quants import QuantTensor
 
 Weight = torch.Tensor | QuantTensor
@@ -127,21 +128,6 @@ def rope_tables(n_ctx: int, rope_dim: int, base: float, scale: float) -> tuple[t
     inv_freq = base ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
     angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * scale * inv_freq[None, :]
     return angles.cos().float(), angles.sin().float()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, neox: bool) -> torch.Tensor:
-    """x [T, H, Dh]; cos/sin [T, R/2]. Normal mode (llama.cpp, GGUF-permuted q/k) rotates adjacent pairs
-    (0,1), (2,3)...; NEOX mode (Falcon, HF rotate-half) rotates (i, i + R/2). Dims past R pass through."""
-    rope_dim = cos.shape[-1] * 2
-    rot, rest = x[..., :rope_dim], x[..., rope_dim:]
-    cos, sin = cos[:, None, :], sin[:, None, :]
-    if neox:
-        x0, x1 = rot[..., : rope_dim // 2], rot[..., rope_dim // 2 :]
-        out = torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
-    else:
-        x0, x1 = rot[..., 0::2], rot[..., 1::2]
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-    return torch.cat((out, rest), dim=-1) if rest.shape[-1] else out
 
 
 class RopeTables:

@@ -37,10 +37,6 @@ class KVCache:
         self.k = [torch.zeros(shape, dtype=t, device=d) for d, t in zip(devices, dtypes, strict=True)]
         self.v = [torch.zeros(shape, dtype=t, device=d) for d, t in zip(devices, dtypes, strict=True)]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.k + self.v)
-
 
 @dataclass
 class FFNCounts:
@@ -165,7 +161,6 @@ class _Rows:
     """Some rows of a batch, as a MoE expert sees them: counts go to the rows' own sequences; experts are
     not observed or recorded one by one."""
 
-    dense = False
     observe = None
     keep_masks = False
 

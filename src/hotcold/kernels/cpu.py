@@ -49,6 +49,7 @@ __all__ = [
     "MatvecGroup",
     "rms_norm",
     "attention_decode",
+    "apply_rope",
 ]
 
 Weight = torch.Tensor | QuantTensor
@@ -334,9 +335,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neox: bool) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, neox: bool) -> torch.Tensor:
     """x [T, H, Dh], cos/sin [T, R/2]: normal mode rotates pairs (2j, 2j+1), neox (j, j + R/2); dims past R
-    pass through (as rope_head in _cpu_kernels.c and the models' torch RoPE)."""
+    pass through (as rope_head in _cpu_kernels.c). The one torch RoPE: ops re-exports it for the models."""
     r = cos.shape[-1] * 2
     rot, rest = x[..., :r], x[..., r:]
     cos, sin = cos[:, None, :], sin[:, None, :]
@@ -392,7 +393,7 @@ def attention_decode(
 def _torch_attention_decode(q, k, v, k_cache, v_cache, pos, cos, sin, neox, window) -> torch.Tensor:
     """attention_decode in torch: the models' torch attention for one token (the window as a slice)."""
     cos, sin = cos.reshape(1, -1), sin.reshape(1, -1)
-    qr, kr = _rope(q, cos, sin, neox), _rope(k, cos, sin, neox)
+    qr, kr = apply_rope(q, cos, sin, neox=neox), apply_rope(k, cos, sin, neox=neox)
     q.copy_(qr)
     k.copy_(kr)
     k_cache[pos] = kr[0].to(k_cache.dtype)

@@ -232,20 +232,22 @@ class SparseFFN(FFN):
 
     def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
         out_device, x = x.device, x.to(CPU)  # the CPU kernels run here even when attention is on a GPU
-        if self.norm is not None and self._fuses(x, ctx) and self.norm.folds_into_c(x):
-            return self._apply(x, x, ctx, norm=self.norm).to(out_device)
+        fuses = self._fuses(x, ctx)
+        if fuses and self.norm is not None and self.norm.folds_into_c(x):
+            return self._apply(x, x, ctx, fuses=True, norm=self.norm).to(out_device)
         h = self.norm(x) if self.norm is not None else x
-        return self._apply(h, x, ctx, norm=None).to(out_device)
+        return self._apply(h, x, ctx, fuses=fuses, norm=None).to(out_device)
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
-        return self._apply(h.to(CPU), p, ctx, norm=None).to(h.device)
+        return self._apply(h.to(CPU), p, ctx, fuses=self._fuses(h, ctx), norm=None).to(h.device)
 
-    def _apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, *, norm: Norm | None):
-        """h: the FFN input, or with `norm` the residual it is the RMS norm of (folded into the C call)."""
+    def _apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, *, fuses: bool, norm: Norm | None):
+        """h: the FFN input, or with `norm` the residual it is the RMS norm of (folded into the C call);
+        fuses: whether the one-call plan runs (`_fuses`, decided once per call)."""
         if ctx.dense:
             return self._dense(h, p, ctx, self.up_gate)
         w = self.weights
-        if self._fuses(h, ctx):
+        if fuses:
             norm_args = norm.c_args if norm is not None else None
             out, mask, fired = self.fused_plan(h, p.to(CPU), norm=norm_args, threads=self.threads)
         else:
