@@ -8,6 +8,7 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 TOKENIZER_VOCAB = 512
@@ -367,3 +368,38 @@ def tiny_gguf(path: Path, *, sparse: bool) -> Path:
                 spec(f"blk.{i}.fc2.weight", (F, 16), Q.F16),
             ]
     return write_model_file(path, "llama", meta, specs, sparse=sparse)
+
+
+# Byte offsets of the fp16 fields (scale d, then min / dmin where the type has one) in a ggml block.
+FP16_FIELDS = {
+    "Q8_0": (0,),
+    "Q4_0": (0,),
+    "Q5_0": (0,),
+    "Q4_1": (0, 2),
+    "Q5_1": (0, 2),
+    "IQ4_NL": (0,),
+    "Q2_K": (80, 82),
+    "Q3_K": (108,),
+    "Q4_K": (0, 2),
+    "Q5_K": (0, 2),
+    "Q6_K": (208,),
+    "IQ4_XS": (0,),
+}
+
+
+def random_blocks(qtype, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Random block bytes of a ggml type with fp16 fields spanning fp16's range: tiny (subnormal),
+    huge, zero and -0 scales, and an all-zero block; never NaN or inf (their payloads are not part of
+    ggml's arithmetic)."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType(qtype)
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
+    for k, off in enumerate(FP16_FIELDS[qtype.name]):
+        values = (rng.standard_normal(n) * 10.0 ** rng.integers(-7, 5, n)).astype(np.float16)
+        if k == 0:
+            values[:4] = np.array([0.0, -0.0, 65504.0, 6e-8], dtype=np.float16)  # zero, -0, max, subnormal
+        raw[:, off : off + 2] = values.view(np.uint8).reshape(n, 2)
+    raw[4] = 0  # an all-zero block
+    return raw

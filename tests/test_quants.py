@@ -13,8 +13,9 @@ from gguf import GGMLQuantizationType as Q
 
 from hotcold import quants
 from hotcold.quants import QuantTensor
+from tests.fixtures import random_blocks
 
-BLOCK_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K]
+BLOCK_TYPES = sorted(quants.SUPPORTED - quants.FLOAT_TYPES)  # every readable block type
 
 
 def test_imports_nothing_from_the_kernels():
@@ -23,18 +24,6 @@ def test_imports_nothing_from_the_kernels():
     names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
     names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert not [m for m in names if m.startswith("hotcold")], names
-
-
-def random_blocks(qtype: Q, n: int, rng: np.random.Generator) -> np.ndarray:
-    """Random block bytes with scales spanning fp16: tiny (subnormal), huge, zero, -0, and zero blocks."""
-    _, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    scales = (rng.standard_normal(n) * 10.0 ** rng.integers(-7, 5, n)).astype(np.float16)
-    scales[:4] = np.array([0.0, -0.0, 65504.0, 6e-8], dtype=np.float16)  # zero, -0, max, subnormal
-    d_off = 208 if qtype == Q.Q6_K else 0
-    raw[:, d_off : d_off + 2] = scales.view(np.uint8).reshape(n, 2)
-    raw[4] = 0  # an all-zero block
-    return raw
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)

@@ -45,11 +45,22 @@ FLOAT_TYPES = {
 }
 
 # Block formats we execute (directly or by dequantizing): the file bytes are kept as they are.
-BLOCK_TYPES = {
-    GGMLQuantizationType.Q8_0,
-    GGMLQuantizationType.Q4_0,
-    GGMLQuantizationType.Q5_0,
-    GGMLQuantizationType.Q6_K,
+BLOCK_TYPES = {  # quants.SUPPORTED less the float types (quants is imported lazily here)
+    GGMLQuantizationType[name]
+    for name in (
+        "Q8_0",
+        "Q4_0",
+        "Q4_1",
+        "Q5_0",
+        "Q5_1",
+        "Q2_K",
+        "Q3_K",
+        "Q4_K",
+        "Q5_K",
+        "Q6_K",
+        "IQ4_NL",
+        "IQ4_XS",
+    )
 }
 
 

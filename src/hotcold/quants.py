@@ -14,7 +14,17 @@ Block layouts (little endian, d is fp16):
   Q4_0  18 bytes / 32 values: d, u8 qs[16]                     value = d * (nibble - 8); low nibbles
                                                                are values 0..15, high nibbles 16..31
   Q5_0  22 bytes / 32 values: d, u32 qh, u8 qs[16]             as Q4_0 with bit j of qh as bit 4, - 16
-  Q6_K 210 bytes / 256 values: ql[128], qh[64], int8 scales[16], d
+  Q4_1  20 bytes / 32 values: d, m, u8 qs[16]                  value = d * nibble + m
+  Q5_1  24 bytes / 32 values: d, m, u32 qh, u8 qs[16]          value = d * q5 + m
+  IQ4_NL 18 bytes / 32 values: d, u8 qs[16]                    value = d * kvalues[nibble]
+  K-quants, 256 values per super-block in sub-blocks of 16 or 32, each with its own scale:
+  Q2_K  84 bytes: u8 scales[16] (4-bit scale | 4-bit min), qs[64] (2 bits), d, dmin
+  Q3_K 110 bytes: hmask[32] (bit 2), qs[64] (bits 0-1), scales[12] (16 x 6 bits), d
+  Q4_K 144 bytes: d, dmin, scales[12] (8 x 6-bit scale and min), qs[128]
+  Q5_K 176 bytes: d, dmin, scales[12], qh[32] (bit 4), qs[128]
+  Q6_K 210 bytes: ql[128], qh[64], int8 scales[16], d
+  IQ4_XS 136 bytes: d, u16 scales_h, u8 scales_l[4], qs[128] (kvalues as IQ4_NL, 8 x 6-bit scales)
+The C kernels decode each of them 32 values at a time (kernels/_cpu_kernels.c, `load32`).
 """
 
 from __future__ import annotations
@@ -41,7 +51,11 @@ __all__ = [
 
 Q = GGMLQuantizationType
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
-SUPPORTED = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K})  # readable
+# readable: everything llama-quantize writes without an importance matrix, plus the IQ4 pair
+SUPPORTED = frozenset(
+    {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    | {Q.IQ4_NL, Q.IQ4_XS}
+)
 QUANTIZE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_0})  # writable
 _TORCH_FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
@@ -115,6 +129,11 @@ def dequantize_torch(b: torch.Tensor, qtype: GGMLQuantizationType | int) -> torc
     rows = b.shape[0]
     if qtype in FLOAT_TYPES:
         return b.contiguous().view(_TORCH_FLOAT[qtype]).to(torch.float32)
+    if qtype not in _DEQUANT:  # the rarer types: gguf's numpy reference on the CPU, then back
+        if b.device.type == "meta":
+            raise ValueError(f"cannot dequantize {qtype.name} on the meta device")
+        flat = gguf.quants.dequantize(b.contiguous().cpu().numpy(), qtype)
+        return torch.from_numpy(flat).reshape(rows, -1).to(b.device)
     return _DEQUANT[qtype](b.reshape(-1, GGML_QUANT_SIZES[qtype][1])).reshape(rows, -1)
 
 

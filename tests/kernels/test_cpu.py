@@ -11,16 +11,20 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from hotcold import quants
 from hotcold.kernels import build, cpu
 from hotcold.quants import QuantTensor
+from tests.fixtures import FP16_FIELDS, random_blocks
 
-FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_0", "q6_k"]
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+FORMATS += ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"]
 FLOAT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-QTYPE = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q5_0": Q.Q5_0, "q6_k": Q.Q6_K}
+QTYPE = {f: Q[f.upper()] for f in FORMATS if f not in FLOAT}
+QUANTIZABLE = {"q8_0", "q4_0", "q5_0"}  # the others are random blocks with moderate scales
 F = 1001  # not a multiple of any thread count
-D_FOR = {"q6_k": 256}  # super-blocks of 256
 D_FLOAT = 100  # float types: a column tail that is not a multiple of the SIMD width
 D_QUANT = 96
+D_FOR = {f: 256 for f in QTYPE if gguf.GGML_QUANT_SIZES[QTYPE[f]][0] == 256}  # super-blocks of 256
 NAN_F16 = np.array([np.nan], dtype=np.float16).view(np.uint8)
 
 
@@ -50,18 +54,20 @@ def make_weight(fmt: str, f: int, gen: torch.Generator, poison: torch.Tensor | N
         if poison is not None:
             w[poison] = float("nan")
         return w, ref
-    if fmt == "q6_k":  # no Q6_K quantizer: random super-blocks with a moderate scale
-        raw = torch.randint(0, 256, (f, d // 256, 210), dtype=torch.uint8, generator=gen)
-        scale = (torch.rand(f, d // 256, 1, generator=gen) * 0.02).half()
-        raw[..., 208:] = scale.view(torch.uint8)
-        qt = QuantTensor(raw.reshape(f, -1), Q.Q6_K, (f, d))
+    qtype = QTYPE[fmt]
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    if fmt in QUANTIZABLE:
+        qt = QuantTensor.from_float(w, qtype)
     else:
-        qt = QuantTensor.from_float(w, QTYPE[fmt])
+        raw = random_blocks(qtype, f * d // block, np.random.default_rng(int(qtype) + f))
+        for off in FP16_FIELDS[qtype.name]:  # scales (and mins) of a few hundredths
+            scale = (np.random.default_rng(off).random(raw.shape[0]) * 0.02).astype(np.float16)
+            raw[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+        qt = QuantTensor(torch.from_numpy(raw.reshape(f, -1)), qtype, (f, d))
     ref = qt.dequantize().double()
     if poison is not None:  # NaN scale in every block of a poisoned row
-        blocks = qt.data.view(f, -1, 210 if fmt == "q6_k" else qt.data.shape[1] // (d // 32))
-        off = 208 if fmt == "q6_k" else 0
-        blocks[poison, :, off : off + 2] = torch.from_numpy(NAN_F16)
+        off = FP16_FIELDS[qtype.name][0]
+        qt.data.view(f, -1, size)[poison, :, off : off + 2] = torch.from_numpy(NAN_F16)
     return qt, ref
 
 
@@ -119,7 +125,7 @@ def test_sparse_axpy(backend, fmt, t):
         assert_close(out, ref_axpy(w64, a, m), ref_axpy(w64.abs(), a.abs(), m))
 
 
-@pytest.mark.parametrize("fmt", ["f16", "bf16", "f32", "q8_0", "q4_0", "q6_k"])
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_deterministic_across_threads_and_batching(backend, fmt):
     """Bit-identical for 1, 2 and 4 threads, and a 17-token batch equals token by token."""
     gen = torch.Generator().manual_seed(7)
@@ -160,7 +166,7 @@ def test_axpy_blocks_and_wide_rows(backend):
                 assert torch.equal(cpu.sparse_axpy(w, a[i], m[i], threads=n), y[1][i])
 
 
-@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0", "q6_k"])
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_1", "q3_k", "q4_k", "q6_k"])
 @pytest.mark.parametrize("t", [1, 50])  # 50: the blocked-GEMM path
 def test_matmul(backend, fmt, t):
     gen = torch.Generator().manual_seed(3)
@@ -417,19 +423,7 @@ def test_matvec_group_with_norm(backend, t):
         assert torch.equal(g, cpu.matmul(w, h, threads=1))
 
 
-def random_blocks(qtype: Q, n: int, rng: np.random.Generator) -> np.ndarray:
-    """Random block bytes with scales spanning fp16: tiny (subnormal), huge, zero, -0, and zero blocks."""
-    _, size = gguf.GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(n, size), dtype=np.uint8)
-    scales = (rng.standard_normal(n) * 10.0 ** rng.integers(-7, 5, n)).astype(np.float16)
-    scales[:4] = np.array([0.0, -0.0, 65504.0, 6e-8], dtype=np.float16)  # zero, -0, max, subnormal
-    d_off = 208 if qtype == Q.Q6_K else 0
-    raw[:, d_off : d_off + 2] = scales.view(np.uint8).reshape(n, 2)
-    raw[4] = 0  # an all-zero block
-    return raw
-
-
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q5_0, Q.Q6_K])
+@pytest.mark.parametrize("qtype", sorted(quants.SUPPORTED - quants.FLOAT_TYPES))
 def test_dequantize_rows_bit_exact_with_ggml(backend, qtype):
     """Whole tensors, row ranges, index and mask rows, into `out`: gguf's numpy port of ggml, bit for bit."""
     rng = np.random.default_rng(int(qtype))

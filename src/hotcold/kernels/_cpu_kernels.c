@@ -4,7 +4,8 @@
  * through ctypes, which releases the GIL for the duration of a call.
  *
  * Weights are [F, D] matrices given as a byte pointer plus a row stride in bytes; row i is neuron i.
- * Float types are converted to fp32 on load, block types (Q8_0, Q4_0, Q5_0, Q6_K) are dequantized
+ * Float types are converted to fp32 on load, block types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
+ * IQ4_NL, IQ4_XS) are dequantized
  * exactly as ggml does (w = d * q, bit for bit) inside the inner loop, reading the file's bytes once.
  * Activations and accumulation are fp32.
  *
@@ -30,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 9
+#define HC_ABI_VERSION 10
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -60,6 +61,8 @@
 #endif
 
 enum { WT_F32 = 0, WT_F16 = 1, WT_BF16 = 2, WT_Q8_0 = 3, WT_Q4_0 = 4, WT_Q5_0 = 5, WT_Q6_K = 6 };
+/* Decoded through chunk_ints (below): one SIMD-independent decoder per type. */
+enum { WT_Q4_1 = 7, WT_Q5_1 = 8, WT_Q2_K = 9, WT_Q3_K = 10, WT_Q4_K = 11, WT_Q5_K = 12, WT_IQ4_NL = 13, WT_IQ4_XS = 14 };
 
 #define HC_INLINE static inline __attribute__((always_inline))
 
@@ -132,7 +135,16 @@ HC_INLINE int64_t chunk_off(const int wt, int64_t c) {
     case WT_Q8_0: return c * 34;
     case WT_Q4_0: return c * 18;
     case WT_Q5_0: return c * 22;
-    default: return (c >> 3) * 210 + (c & 7) * 26; /* Q6_K: approximate, for prefetching only */
+    case WT_Q4_1: return c * 20;
+    case WT_Q5_1: return c * 24;
+    case WT_IQ4_NL: return c * 18;
+    /* super-blocks of 256 values: the chunk's share of its block (for prefetching only) */
+    case WT_Q2_K: return (c >> 3) * 84 + (c & 7) * 10;
+    case WT_Q3_K: return (c >> 3) * 110 + (c & 7) * 13;
+    case WT_Q4_K: return (c >> 3) * 144 + (c & 7) * 18;
+    case WT_Q5_K: return (c >> 3) * 176 + (c & 7) * 22;
+    case WT_IQ4_XS: return (c >> 3) * 136 + (c & 7) * 17;
+    default: return (c >> 3) * 210 + (c & 7) * 26; /* Q6_K */
     }
 }
 
@@ -151,6 +163,8 @@ typedef __m512 vf;
 #define vfma(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm512_add_ps(a, b)
 #define vmul(a, b) _mm512_mul_ps(a, b)
+#define vsub(a, b) _mm512_sub_ps(a, b)
+HC_INLINE vf vload_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 HC_INLINE float vhsum(vf v) {
     __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
@@ -223,6 +237,8 @@ typedef __m256 vf;
 #define vfma(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define vadd(a, b) _mm256_add_ps(a, b)
 #define vmul(a, b) _mm256_mul_ps(a, b)
+#define vsub(a, b) _mm256_sub_ps(a, b)
+HC_INLINE vf vload_i8(const int8_t *p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p))); }
 HC_INLINE float vhsum(vf v) {
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
@@ -298,6 +314,12 @@ HC_INLINE vf vfma(vf a, vf b, vf c) {
 }
 #define vadd(a, b) ((a) + (b))
 #define vmul(a, b) ((a) * (b))
+#define vsub(a, b) ((a) - (b))
+HC_INLINE vf vload_i8(const int8_t *p) {
+    vf v;
+    for (int i = 0; i < VL; i++) v[i] = (float)p[i];
+    return v;
+}
 HC_INLINE float vhsum(vf v) { return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7])); }
 HC_INLINE vf vload_f16(const uint16_t *p) {
     vf v;
@@ -371,6 +393,141 @@ HC_INLINE vf vsum_acc(const vf *a) {
 #endif
 }
 
+
+/* ------------------------------------------------------------------------------------------------
+ * The other block types, decoded without SIMD code of their own: a 32-value chunk becomes 32 small
+ * integers plus the scale (and min) of each half of 16, and emit_chunk turns those into floats with
+ * ggml's formula and rounding: s * q (MUL), s * q - m (SUB, the K-quants with a min), s * q + m (ADD,
+ * Q4_1 and Q5_1). The decoders are plain byte loops (the compiler vectorises them); ggml's layouts
+ * are in quants.py.
+ * ---------------------------------------------------------------------------------------------- */
+typedef struct {
+    int8_t q[32];
+    float s[2], m[2]; /* per half of 16 values */
+} chunk_ints;
+
+enum { AFF_MUL = 0, AFF_SUB = 1, AFF_ADD = 2 };
+
+static const int8_t IQ4_KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+HC_INLINE void emit_chunk(const chunk_ints *ci, const int mode, vf *w) {
+    for (int v = 0; v < NV; v++) {
+        const int h = (v * VL) / 16;
+        vf x = vmul(vset1(ci->s[h]), vload_i8(ci->q + v * VL));
+        if (mode == AFF_SUB) x = vsub(x, vset1(ci->m[h]));
+        else if (mode == AFF_ADD) x = vadd(x, vset1(ci->m[h]));
+        w[v] = x;
+    }
+}
+
+HC_INLINE void both_halves(chunk_ints *ci, float s, float m) {
+    ci->s[0] = ci->s[1] = s;
+    ci->m[0] = ci->m[1] = m;
+}
+
+/* Q4_1, 20 bytes: d, m, qs[16]; value l < 16 is the low nibble of qs[l], l >= 16 the high one. */
+HC_INLINE void dec_q4_1(const uint8_t *b, chunk_ints *ci) {
+    both_halves(ci, h2f(rd16(b)), h2f(rd16(b + 2)));
+    for (int l = 0; l < 16; l++) {
+        ci->q[l] = (int8_t)(b[4 + l] & 15);
+        ci->q[l + 16] = (int8_t)(b[4 + l] >> 4);
+    }
+}
+
+/* Q5_1, 24 bytes: d, m, u32 qh (bit l is bit 4 of value l), qs[16] as Q4_1. */
+HC_INLINE void dec_q5_1(const uint8_t *b, chunk_ints *ci) {
+    both_halves(ci, h2f(rd16(b)), h2f(rd16(b + 2)));
+    const uint32_t qh = rd32(b + 4);
+    for (int l = 0; l < 16; l++) {
+        ci->q[l] = (int8_t)((b[8 + l] & 15) | (((qh >> l) & 1) << 4));
+        ci->q[l + 16] = (int8_t)((b[8 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4));
+    }
+}
+
+/* IQ4_NL, 18 bytes: d, qs[16] as Q4_0, each nibble an index into the non-linear table. */
+HC_INLINE void dec_iq4_nl(const uint8_t *b, chunk_ints *ci) {
+    both_halves(ci, h2f(rd16(b)), 0.0f);
+    for (int l = 0; l < 16; l++) {
+        ci->q[l] = IQ4_KVALUES[b[2 + l] & 15];
+        ci->q[l + 16] = IQ4_KVALUES[b[2 + l] >> 4];
+    }
+}
+
+/* Chunk j (0..7) of a 256-value super-block: values 32j..32j+31. */
+
+/* Q2_K, 84 bytes: scales[16] (low nibble scale, high nibble min of each 16 values), qs[64], d, dmin.
+ * Value 32j + l is bits 2(j%4).. of qs[32(j/4) + l]. */
+HC_INLINE void dec_q2_k(const uint8_t *b, int j, chunk_ints *ci) {
+    const float d = h2f(rd16(b + 80)), dmin = h2f(rd16(b + 82));
+    const uint8_t *qs = b + 16 + (j >> 2) * 32;
+    const int sh = 2 * (j & 3);
+    for (int k = 0; k < 2; k++) {
+        ci->s[k] = d * (float)(b[2 * j + k] & 15);
+        ci->m[k] = dmin * (float)(b[2 * j + k] >> 4);
+    }
+    for (int l = 0; l < 32; l++) ci->q[l] = (int8_t)((qs[l] >> sh) & 3);
+}
+
+/* Q3_K, 110 bytes: hmask[32] (bit j of hmask[l]: value 32j + l has no -4 offset), qs[64] (2 low bits
+ * as Q2_K), scales[12] (16 six-bit scales, minus 32), d. */
+HC_INLINE void dec_q3_k(const uint8_t *b, int j, chunk_ints *ci) {
+    const uint8_t *hm = b, *qs = b + 32 + (j >> 2) * 32, *sc = b + 96;
+    const float d = h2f(rd16(b + 108));
+    const int sh = 2 * (j & 3);
+    for (int k = 0; k < 2; k++) {
+        const int i = 2 * j + k;
+        const int lo = (sc[i & 7] >> (4 * (i >> 3))) & 15, hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+        ci->s[k] = d * (float)((lo | (hi << 4)) - 32);
+        ci->m[k] = 0.0f;
+    }
+    for (int l = 0; l < 32; l++)
+        ci->q[l] = (int8_t)(((qs[l] >> sh) & 3) - ((((hm[l] >> j) & 1) ^ 1) << 2));
+}
+
+/* The six-bit scale and min of sub-block j of Q4_K / Q5_K (ggml's get_scale_min_k4). */
+HC_INLINE void scale_min_k4(const uint8_t *sc, int j, int *s, int *m) {
+    if (j < 4) {
+        *s = sc[j] & 63;
+        *m = sc[j + 4] & 63;
+    } else {
+        *s = (sc[j + 4] & 15) | ((sc[j - 4] >> 6) << 4);
+        *m = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+    }
+}
+
+/* Q4_K, 144 bytes: d, dmin, scales[12], qs[128]; value 32j + l is nibble j%2 of qs[32(j/2) + l]. */
+HC_INLINE void dec_q4_k(const uint8_t *b, int j, chunk_ints *ci) {
+    int s, m;
+    scale_min_k4(b + 4, j, &s, &m);
+    both_halves(ci, h2f(rd16(b)) * (float)s, h2f(rd16(b + 2)) * (float)m);
+    const uint8_t *qs = b + 16 + (j >> 1) * 32;
+    const int sh = 4 * (j & 1);
+    for (int l = 0; l < 32; l++) ci->q[l] = (int8_t)((qs[l] >> sh) & 15);
+}
+
+/* Q5_K, 176 bytes: d, dmin, scales[12], qh[32] (bit j of qh[l] is bit 4 of value 32j + l), qs[128]. */
+HC_INLINE void dec_q5_k(const uint8_t *b, int j, chunk_ints *ci) {
+    int s, m;
+    scale_min_k4(b + 4, j, &s, &m);
+    both_halves(ci, h2f(rd16(b)) * (float)s, h2f(rd16(b + 2)) * (float)m);
+    const uint8_t *qh = b + 16, *qs = b + 48 + (j >> 1) * 32;
+    const int sh = 4 * (j & 1);
+    for (int l = 0; l < 32; l++) ci->q[l] = (int8_t)(((qs[l] >> sh) & 15) | (((qh[l] >> j) & 1) << 4));
+}
+
+/* IQ4_XS, 136 bytes: d, u16 scales_h, scales_l[4], qs[128]; sub-block j's scale is
+ * (nibble j%2 of scales_l[j/2] | bits 2j.. of scales_h << 4) - 32, its values IQ4_NL's table indexed
+ * by qs[16j..16j+15] (low nibbles, then high nibbles). */
+HC_INLINE void dec_iq4_xs(const uint8_t *b, int j, chunk_ints *ci) {
+    const int lo = (b[4 + (j >> 1)] >> (4 * (j & 1))) & 15, hi = (rd16(b + 2) >> (2 * j)) & 3;
+    both_halves(ci, h2f(rd16(b)) * (float)((lo | (hi << 4)) - 32), 0.0f);
+    const uint8_t *qs = b + 8 + 16 * j;
+    for (int l = 0; l < 16; l++) {
+        ci->q[l] = IQ4_KVALUES[qs[l] & 15];
+        ci->q[l + 16] = IQ4_KVALUES[qs[l] >> 4];
+    }
+}
+
 /* The 32 weights of chunk c of a row, as fp32, exactly as ggml dequantizes them. */
 HC_INLINE void load32(const int wt, const uint8_t *row, int64_t c, vf *w) {
     switch (wt) {
@@ -386,7 +543,25 @@ HC_INLINE void load32(const int wt, const uint8_t *row, int64_t c, vf *w) {
     case WT_Q8_0: load_q8_0(row + c * 34, w); break;
     case WT_Q4_0: load_q4_0(row + c * 18, w); break;
     case WT_Q5_0: load_q5_0(row + c * 22, w); break;
-    default: load_q6_k(row + (c >> 3) * 210, (int)(c & 7), w); break;
+    case WT_Q6_K: load_q6_k(row + (c >> 3) * 210, (int)(c & 7), w); break;
+    default: {
+        chunk_ints ci;
+        const int j = (int)(c & 7);
+        switch (wt) {
+        case WT_Q4_1: dec_q4_1(row + c * 20, &ci); break;
+        case WT_Q5_1: dec_q5_1(row + c * 24, &ci); break;
+        case WT_IQ4_NL: dec_iq4_nl(row + c * 18, &ci); break;
+        case WT_Q2_K: dec_q2_k(row + (c >> 3) * 84, j, &ci); break;
+        case WT_Q3_K: dec_q3_k(row + (c >> 3) * 110, j, &ci); break;
+        case WT_Q4_K: dec_q4_k(row + (c >> 3) * 144, j, &ci); break;
+        case WT_Q5_K: dec_q5_k(row + (c >> 3) * 176, j, &ci); break;
+        default: dec_iq4_xs(row + (c >> 3) * 136, j, &ci); break;
+        }
+        const int mode = (wt == WT_Q4_1 || wt == WT_Q5_1)   ? AFF_ADD
+                         : (wt == WT_Q2_K || wt == WT_Q4_K || wt == WT_Q5_K) ? AFF_SUB
+                                                                             : AFF_MUL;
+        emit_chunk(&ci, mode, w);
+    }
     }
 }
 
@@ -687,7 +862,15 @@ HC_INLINE void axpy_batch(const int wt, const hc_args *A, int64_t c0, int64_t c1
     case WT_Q8_0: CALL(WT_Q8_0); break;                                                                      \
     case WT_Q4_0: CALL(WT_Q4_0); break;                                                                      \
     case WT_Q5_0: CALL(WT_Q5_0); break;                                                                      \
-    default: CALL(WT_Q6_K); break;                                                                           \
+    case WT_Q6_K: CALL(WT_Q6_K); break;                                                                      \
+    case WT_Q4_1: CALL(WT_Q4_1); break;                                                                      \
+    case WT_Q5_1: CALL(WT_Q5_1); break;                                                                      \
+    case WT_Q2_K: CALL(WT_Q2_K); break;                                                                      \
+    case WT_Q3_K: CALL(WT_Q3_K); break;                                                                      \
+    case WT_Q4_K: CALL(WT_Q4_K); break;                                                                      \
+    case WT_Q5_K: CALL(WT_Q5_K); break;                                                                      \
+    case WT_IQ4_NL: CALL(WT_IQ4_NL); break;                                                                  \
+    default: CALL(WT_IQ4_XS); break;                                                                         \
     }
 
 static void gather_range(int wt, const hc_args *A, int64_t k0, int64_t k1, int64_t kn) {
