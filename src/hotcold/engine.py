@@ -11,7 +11,7 @@ import torch
 
 from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats, common_prefix
 from hotcold.sampling import SamplingParams, make_generator, sample
-from hotcold.state import Batch, Observer
+from hotcold.state import Batch, Observer, hot_masks
 from hotcold.tokenizer import Tokenizer
 
 __all__ = ["PREFILL_CHUNK", "Chunk", "Engine", "GenerationStats"]
@@ -27,6 +27,9 @@ class Engine:
         self.tokenizer = tokenizer
         self.ctx_size = ctx_size
         self.seq = model.new_sequence(ctx_size)
+        plan = getattr(model, "plan", None)  # the families' DevicePlan (test doubles may have none)
+        if plan is not None and plan.hot is not None:  # count what the hot copies compute (stats.neurons_hot)
+            self.seq.hot = hot_masks([plan.hot_rows(i) for i in range(plan.n_layer)], model.config.n_ff)
         self.cached_ids: list[int] = []  # tokens whose keys/values are in the cache, in order
         self.last_prefill_computed = 0
 

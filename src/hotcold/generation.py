@@ -40,8 +40,9 @@ class GenerationStats:
     prompt_seconds: float = 0.0
     prompt_computed: int = 0  # prompt tokens actually run (the rest came from the prefix cache)
     generate_seconds: float = 0.0
-    neurons_computed: int = 0
-    neurons_total: int = 0
+    neurons_computed: int = 0  # FFN neurons computed for this request (its prefill and decode), all layers
+    neurons_total: int = 0  # the FFN neurons of those forwards, computed or not
+    neurons_hot: int = 0  # of neurons_computed: by hot copies on the fast device (hybrid layers; else 0)
 
     @property
     def prompt_tps(self) -> float:
@@ -56,6 +57,11 @@ class GenerationStats:
     @property
     def firing_rate(self) -> float:
         return self.neurons_computed / self.neurons_total if self.neurons_total else 1.0
+
+    @property
+    def hot_share(self) -> float:
+        """Share of the computed neurons that ran on the fast device (the GPU)."""
+        return self.neurons_hot / self.neurons_computed if self.neurons_computed else 0.0
 
 
 @dataclass
@@ -127,6 +133,7 @@ class Generation:
         self._history = list(self.prompt)
         self._generator = make_generator(params.seed)
         self._before = engine.seq.neuron_totals()  # this sequence's own counts: nobody else adds to them
+        self._hot_before = engine.seq.hot_total()
         # reuse the cached prefix this prompt shares with the engine's last sequence; recompute at least the
         # last prompt token to get its logits
         start = min(common_prefix(engine.cached_ids, self.prompt), len(self.prompt) - 1)
@@ -205,6 +212,7 @@ class Generation:
             after = self.engine.seq.neuron_totals()
             self.stats.neurons_computed = after[0] - self._before[0]
             self.stats.neurons_total = after[1] - self._before[1]
+            self.stats.neurons_hot = self.engine.seq.hot_total() - self._hot_before
         self.done, self.finish_reason = True, reason
         self._out.append(Chunk(self._pending, None, reason, self.stats, self._take_logprobs()))
         self._pending = ""

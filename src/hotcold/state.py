@@ -40,10 +40,12 @@ class KVCache:
 
 @dataclass
 class FFNCounts:
-    """Neurons computed vs neurons in the layer (or in the experts routed to), summed over tokens."""
+    """Neurons computed vs neurons in the layer (or in the experts routed to), summed over tokens; `hot`:
+    those of `computed` that the layer's hot copy on the fast device computed (hybrid layers)."""
 
     computed: int = 0
     total: int = 0
+    hot: int = 0
 
     @property
     def rate(self) -> float:
@@ -56,7 +58,9 @@ class SequenceState:
 
     dense: compute every neuron whatever the FFN kind (the reference a sparse model is judged by);
     observe: called by every layer's dense FFN evaluation (see Observer);
-    keep_masks: remember each layer's last predictor input and mask in `masks`."""
+    keep_masks: remember each layer's last predictor input and mask in `masks`;
+    hot: per layer, bool [F] of the neurons with a hot copy on the fast device (None: none), so `counts`
+    say how many of the computed neurons ran there (set by the engine from the model's DevicePlan)."""
 
     kv: KVCache
     counts: list[FFNCounts]
@@ -65,20 +69,44 @@ class SequenceState:
     dense: bool = False
     observe: Observer | None = None
     keep_masks: bool = False
+    hot: list[torch.Tensor | None] | None = None
 
     @classmethod
     def new(cls, config, devices: Sequence[torch.device], dtypes: Sequence[torch.dtype], n_ctx: int):
         kv = KVCache(config.n_layer, n_ctx, config.n_head_kv, config.head_dim, devices=devices, dtypes=dtypes)
         return cls(kv, [FFNCounts() for _ in range(config.n_layer)])
 
-    def count(self, layer: int, computed: int, total: int) -> None:
+    def count(self, layer: int, computed: int, total: int, hot: int = 0) -> None:
         c = self.counts[layer]
         c.computed += computed
         c.total += total
+        c.hot += hot
 
     def neuron_totals(self) -> tuple[int, int]:
         """(computed, total) over every layer so far."""
         return sum(c.computed for c in self.counts), sum(c.total for c in self.counts)
+
+    def hot_total(self) -> int:
+        """Neurons computed by hot copies on the fast device, over every layer so far."""
+        return sum(c.hot for c in self.counts)
+
+    def hot_mask(self, layer: int, width: int) -> torch.Tensor | None:
+        """Layer's hot neurons as bool [width], or None when it has none (or another width: not its FFN)."""
+        hot = None if self.hot is None else self.hot[layer]
+        return hot if hot is not None and hot.numel() == width else None
+
+
+def hot_masks(hot_rows: Sequence[Sequence[int] | None], n_ff: int) -> list[torch.Tensor | None] | None:
+    """SequenceState.hot from each layer's hot neuron ids (DevicePlan.hot_rows); None when no layer has any."""
+    out: list[torch.Tensor | None] = []
+    for rows in hot_rows:
+        if rows is None or len(rows) == 0:
+            out.append(None)
+            continue
+        mask = torch.zeros(n_ff, dtype=torch.bool)
+        mask[torch.as_tensor(rows, dtype=torch.long)] = True
+        out.append(mask)
+    return out if any(m is not None for m in out) else None
 
 
 class Batch:
@@ -119,15 +147,27 @@ class Batch:
     def count(self, layer: int, mask: torch.Tensor, fired: int | None = None, rows=None) -> None:
         """Neurons computed in `layer`: mask [T, F] over the batch's rows, or over `rows` of them (a MoE
         expert's tokens); fired: the mask's sum, when the kernel already counted it."""
+        hot = self.seqs[0].hot_mask(layer, mask.shape[-1])  # one model per batch: the same for every row
+        if hot is not None:
+            hot = mask & hot.to(mask.device)
         if len(self.seqs) == 1:
-            self.seqs[0].count(layer, int(mask.sum()) if fired is None else fired, mask.numel())
+            n_hot = 0 if hot is None else int(hot.sum())
+            self.seqs[0].count(layer, int(mask.sum()) if fired is None else fired, mask.numel(), n_hot)
             return
         seg = self._segment_of_row() if rows is None else self._segment_of_row()[rows]
         n = len(self.seqs)
         computed = torch.bincount(seg, weights=mask.sum(1, dtype=torch.float64), minlength=n)
         tokens = torch.bincount(seg, minlength=n)
+        on_fast = (
+            None if hot is None else torch.bincount(seg, weights=hot.sum(1, dtype=torch.float64), minlength=n)
+        )
         for j, seq in enumerate(self.seqs):
-            seq.count(layer, int(computed[j]), int(tokens[j]) * mask.shape[1])
+            seq.count(
+                layer,
+                int(computed[j]),
+                int(tokens[j]) * mask.shape[1],
+                0 if on_fast is None else int(on_fast[j]),
+            )
 
     def count_all(self, layer: int, activation: torch.Tensor, rows=None) -> None:
         """Every neuron of `layer` computed (a dense FFN's activation [T, F]) for every row, or for `rows`."""

@@ -82,3 +82,32 @@ def openai_client(base_url: str, api_key: str = "none", timeout: float = 60.0):
     import openai
 
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key=api_key, max_retries=0, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def hybrid_llm(tmp_path_factory, tiny_sparse_gguf):
+    """The tiny sparse model with activation statistics, loaded with some of its hot neurons on a second
+    CPU placement that stands in for the GPU (loader's fast_device): a hybrid model without a GPU."""
+    import shutil
+
+    import torch
+
+    import hotcold
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.loader import load_model
+    from hotcold.placement.budget import scratch_bytes
+    from hotcold.placement.profile import write_activation_files
+
+    folder = tmp_path_factory.mktemp("hybrid")
+    path = folder / "m.powerinfer.gguf"
+    shutil.copy(tiny_sparse_gguf, path)
+    g = torch.Generator().manual_seed(0)
+    write_activation_files(
+        [torch.randint(0, 1000, (1280,), generator=g) for _ in range(2)], folder / "activation"
+    )
+    # scratch + the dense parts of the tiny model (~0.9 MB) + room for some hot rows (1280 x 768 B per layer)
+    budget = (scratch_bytes(config_from_file(ModelFile(path))) + 900_000 + 800_000) / 2**30
+    loaded = load_model(path, device="cpu", fast_device="cpu", vram_budget=budget)
+    assert loaded.hot is not None and 0 < sum(len(h) for h in loaded.hot) < 2 * 1280
+    return hotcold.Model(loaded)

@@ -294,6 +294,7 @@ def test_errors_inside_are_500_json_and_the_server_carries_on(llm):
 
     stub = SimpleNamespace(
         path=llm.path,
+        loaded=llm.loaded,
         ctx_size=llm.ctx_size,
         tokenizer=llm.tokenizer,
         config=llm.config,

@@ -22,6 +22,7 @@ ROUTES = frozenset(
         "/health",
         "/metrics",
         "/v1/models",
+        "/props",
         "/v1/completions",
         "/v1/chat/completions",
         "/completion",

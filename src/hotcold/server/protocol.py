@@ -15,7 +15,12 @@ OpenAI and vLLM report by default), one entry per sampled token except an end-of
 tokens that complete a stop string keep their entries though their text is cut. Streamed, a chunk
 carries the entries of the tokens sampled since the previous chunk (their text may come in a later
 chunk when it is held back as a possible stop string or an unfinished UTF-8 character). See
-hotcold.generation."""
+hotcold.generation.
+
+Every route reports speed and sparsity in a `timings` object (llama.cpp's, plus the FFN figures; see
+hotcold.server.figures): in the non-streamed response, and streamed in the chunk that finishes the last
+choice (and, with `stream_options.include_usage`, in the usage chunk after it). The OpenAI clients keep
+unknown fields (`response.timings` in the Python client)."""
 
 from __future__ import annotations
 
@@ -29,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
 from hotcold.engine import GenerationStats
 from hotcold.generation import TokenLogprob
+from hotcold.server.figures import timings
 
 StopWord = Annotated[str, StringConstraints(max_length=1024)]
 StopList = Annotated[list[StopWord], Field(max_length=16)]
@@ -195,7 +201,8 @@ class Format:
     """What one route sends for its choices (index 0..n-1): `start` first, `chunk` per piece of streamed
     text (with the logprob entries of the tokens sampled since the last one), `end` when a choice
     finishes, `tail` after the last; `whole` when not streaming. `done` is the closing SSE line
-    (OpenAI's `[DONE]`; llama.cpp sends none). `token_bytes(id)`: a token's bytes in the text (the
+    (OpenAI's `[DONE]`; llama.cpp sends none). `hybrid`: the model has hot neurons on a GPU (the timings
+    then say how many of the computed neurons ran there). `token_bytes(id)`: a token's bytes in the text (the
     tokenizer's), for the token strings of logprobs; they are decoded as UTF-8, a byte of an unfinished
     character as U+FFFD, as the text is (chat's `bytes` field keeps the raw bytes)."""
 
@@ -208,14 +215,20 @@ class Format:
         include_usage: bool = False,
         prefix: str = "cmpl",
         token_bytes: Callable[[int], bytes] = lambda token: b"",
+        hybrid: bool = False,
     ):
         self.model = model
         self.include_usage = include_usage
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.token_bytes = token_bytes
+        self.hybrid = hybrid
+        self._n = 1
+        self._ended: dict[int, GenerationStats] = {}
 
     def start(self, n: int) -> list[dict]:
+        """The objects before the first text; subclasses call this first (it counts the choices)."""
+        self._n, self._ended = n, {}
         return []
 
     def chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> dict:
@@ -234,10 +247,20 @@ class Format:
         data = self.token_bytes(token)
         return data.decode("utf-8", errors="hotcold.per_byte"), data  # the detokenizer's rule
 
+    def timings(self, stats: Sequence[GenerationStats]) -> dict:
+        return timings(stats, hybrid=self.hybrid)
+
+    def _last_end(self, index: int, stats: GenerationStats) -> dict:
+        """{"timings": ...} when choice `index` is the last to finish, else {}."""
+        self._ended[index] = stats
+        if len(self._ended) < self._n:
+            return {}
+        return {"timings": self.timings([self._ended[i] for i in sorted(self._ended)])}
+
     def _usage_chunk(self, stats: Sequence[GenerationStats], obj: str) -> list[dict]:
         if not self.include_usage:
             return []
-        return [self._head(obj) | {"choices": [], "usage": usage(stats)}]
+        return [self._head(obj) | {"choices": [], "usage": usage(stats), "timings": self.timings(stats)}]
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
@@ -278,6 +301,7 @@ class CompletionFormat(Format):
         return {"text": text, "index": index, "logprobs": lp, "finish_reason": finish_reason}
 
     def start(self, n: int) -> list[dict]:
+        super().start(n)
         return [self._chunk_obj(self._choice(i, self.echo, None)) for i in range(n)] if self.echo else []
 
     def _chunk_obj(self, choice: dict) -> dict:
@@ -287,7 +311,7 @@ class CompletionFormat(Format):
         return self._chunk_obj(self._choice(index, text, None, logprobs))
 
     def end(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
-        return [self._chunk_obj(self._choice(index, "", finish_reason))]
+        return [self._chunk_obj(self._choice(index, "", finish_reason)) | self._last_end(index, stats)]
 
     def tail(self, stats: Sequence[GenerationStats]) -> list[dict]:
         return self._usage_chunk(stats, "text_completion")
@@ -299,6 +323,7 @@ class CompletionFormat(Format):
                 for i, c in enumerate(choices)
             ],
             "usage": usage([c.stats for c in choices]),
+            "timings": self.timings([c.stats for c in choices]),
         }
 
 
@@ -332,13 +357,14 @@ class ChatFormat(Format):
         return self._head("chat.completion.chunk") | {"choices": [choice]}
 
     def start(self, n: int) -> list[dict]:
+        super().start(n)
         return [self._delta(i, {"role": "assistant", "content": ""}, None) for i in range(n)]
 
     def chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None) -> dict:
         return self._delta(index, {"content": text}, None, logprobs)
 
     def end(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
-        return [self._delta(index, {}, finish_reason)]
+        return [self._delta(index, {}, finish_reason) | self._last_end(index, stats)]
 
     def tail(self, stats: Sequence[GenerationStats]) -> list[dict]:
         return self._usage_chunk(stats, "chat.completion.chunk")
@@ -353,12 +379,17 @@ class ChatFormat(Format):
             }
             for i, c in enumerate(choices)
         ]
-        return self._head("chat.completion") | {"choices": out, "usage": usage([c.stats for c in choices])}
+        stats = [c.stats for c in choices]
+        return self._head("chat.completion") | {
+            "choices": out,
+            "usage": usage(stats),
+            "timings": self.timings(stats),
+        }
 
 
 class LlamaFormat(Format):
     """llama.cpp's `/completion` (one choice): {"content", "stop", ...}; the last object carries the
-    timings."""
+    timings (llama.cpp's fields and ours, hotcold.server.figures)."""
 
     done = None
 
@@ -372,15 +403,9 @@ class LlamaFormat(Format):
             "model": self.model,
             "tokens_predicted": stats.generated_tokens,
             "tokens_evaluated": stats.prompt_tokens,
+            "tokens_cached": stats.prompt_tokens - stats.prompt_computed,
             "stopped_limit": finish_reason == "length",  # else an end-of-generation token or a stop word
-            "timings": {
-                "prompt_n": stats.prompt_tokens,
-                "prompt_ms": stats.prompt_seconds * 1000,
-                "prompt_per_second": stats.prompt_tps,
-                "predicted_n": stats.generated_tokens,
-                "predicted_ms": stats.generate_seconds * 1000,
-                "predicted_per_second": stats.generate_tps,
-            },
+            "timings": self.timings([stats]),
         }
 
     def end(self, index: int, finish_reason: str, stats: GenerationStats) -> list[dict]:
