@@ -1,5 +1,7 @@
 """hotcold bench: a llama-bench-like table of prompt processing (ppN) and generation (tgN) speed, sparse and
-dense measured in the same run (interleaved), with effective GB/s of weights read and the firing rate."""
+dense measured in the same run (interleaved), with effective GB/s of weights read and the firing rate.
+`-t 1,2` measures each thread count in turn; `--plot OUT.png` draws tokens/s by thread count (several
+-t) or by batch size (-b), sparse vs dense (hotcold.plots)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,13 @@ def add_args(p) -> None:
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (0: skip)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (0: skip)")
     p.add_argument("-r", "--repetitions", type=int, default=3)
-    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument(
+        "-t",
+        "--threads",
+        dest="thread_counts",
+        default=None,
+        help="CPU threads, or comma-separated counts to measure each (e.g. 1,2)",
+    )
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--vram-budget", type=float, default=None)
     p.add_argument(
@@ -32,6 +40,12 @@ def add_args(p) -> None:
         help="comma-separated batch sizes for tg (e.g. 1,4,8): B sequences decoding together, one forward a step",
     )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        default=None,
+        help="also draw tokens/s by thread count or batch size, sparse vs dense (needs hotcold[plot])",
+    )
 
 
 def weight_bytes(model_file) -> dict[str, int]:
@@ -233,6 +247,26 @@ def context_warning(positions: int, n_ctx_train: int) -> str:
     )
 
 
+def thread_counts(text: str | None) -> list[int | None]:
+    """-t: one count, or comma-separated counts (each checked as --threads is everywhere)."""
+    from hotcold import validate
+
+    if text is None:
+        return [None]
+    out = []
+    for part in text.split(","):
+        try:
+            value = int(part)
+        except ValueError:
+            raise ValueError(
+                f"-t/--threads must be an integer >= 1 or comma-separated integers (1,2), got {text!r}"
+            ) from None
+        out.append(validate.check("threads", value, label="-t/--threads"))
+        if warning := validate.threads_warning(value, "-t/--threads"):
+            print(f"hotcold: warning: {warning}", file=sys.stderr)
+    return out
+
+
 def run(args) -> int:
     if args.n_prompt < 0 or args.n_gen < 0 or args.repetitions < 1:
         raise ValueError("-p and -n must be >= 0 and -r >= 1")
@@ -241,17 +275,31 @@ def run(args) -> int:
             raise ValueError
     except ValueError:
         raise ValueError(f"-b/--batch must be comma-separated sizes >= 1, got {args.batch!r}") from None
-    rows = run_bench(
-        args.model,
-        n_prompt=args.n_prompt,
-        n_gen=args.n_gen,
-        repetitions=args.repetitions,
-        threads=args.threads,
-        device=args.device,
-        vram_budget=args.vram_budget,
-        mode=args.mode,
-        batches=[int(b) for b in args.batch.split(",")],
-    )
+    counts = thread_counts(args.thread_counts)
+    if args.plot is not None:  # a missing extra or a bad name fails before the measurements
+        from hotcold import plots
+
+        plots.require()
+        plots.check_png(args.plot, [args.model] if args.model else [])
+    rows = []
+    for threads in counts:
+        rows += run_bench(
+            args.model,
+            n_prompt=args.n_prompt,
+            n_gen=args.n_gen,
+            repetitions=args.repetitions,
+            threads=threads,
+            device=args.device,
+            vram_budget=args.vram_budget,
+            mode=args.mode,
+            batches=[int(b) for b in args.batch.split(",")],
+        )
+    if args.plot is not None:
+        from hotcold import plots
+
+        title = f"{rows[0]['model']}: tokens/s on {rows[0]['device']}" if rows else None
+        plots.plot_bench(rows, args.plot, title=title, inputs=[args.model] if args.model else [])
+        print(f"hotcold: wrote {args.plot}", file=sys.stderr)
     if args.json:
         json.dump(rows, sys.stdout, indent=2)
         print()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
 from collections import Counter
 from pathlib import Path
 
@@ -70,6 +71,12 @@ def run(args) -> int:
         if key == "size_bytes":
             key, value = "size", f"{value / 2**20:.1f} MiB"
         print(f"{key:18s} {value}")
+    if info["activation_stats"] or info["predictors"]:
+        model = f" -m {shlex.quote(args.model)}" if args.model else ""
+        print(
+            f"{'plots':18s} hotcold profile{model} --plot locality.png; "
+            f"hotcold place{model} --vram-budget GIB --plot placement.png (pip install 'hotcold[plot]')"
+        )
     return 0
 
 

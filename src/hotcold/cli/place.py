@@ -1,5 +1,6 @@
 """hotcold place: solve the hot-neuron placement for a VRAM budget and write `<model>.generated.gpuidx`.
-Runs without a GPU: it only needs the model file and its activation statistics."""
+Runs without a GPU: it only needs the model file and its activation statistics. `--plot OUT.png` also draws
+the hot neurons per layer against the budget (hotcold.plots)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,12 @@ def add_args(p) -> None:
         "-c", "--ctx-size", type=int, default=None, help="context size the KV cache is budgeted for"
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        default=None,
+        help="also draw the hot neurons per layer against the budget (needs hotcold[plot])",
+    )
 
 
 def run(args) -> int:
@@ -31,6 +38,12 @@ def run(args) -> int:
     from hotcold.placement.gpuidx import gpuidx_path
 
     path = Path(args.model) if args.model else demo_model_path()
+    if args.plot is not None:  # a missing extra or a bad name fails before anything is solved or written
+        from hotcold import plots
+        from hotcold.placement.gpuidx import placement_inputs
+
+        plots.require()
+        plots.check_png(args.plot, [gpuidx_path(path), *placement_inputs(gpuidx_path(path)), path])
     mf = ModelFile(path)
     config = config_from_file(mf)
     if not config.sparse:
@@ -72,6 +85,22 @@ def run(args) -> int:
             file=sys.stderr,
         )
         return 1
+    if args.plot is not None:
+        from hotcold import plots
+        from hotcold.placement.gpuidx import placement_inputs
+
+        used = sum(len(h) * b for h, b in zip(hot, plan.bytes_per_neuron))
+        spent = dict(plan.spent, scratch=min(plan.scratch_bytes, budget), hot=used)
+        plots.plot_placement(
+            [len(h) for h in hot],
+            config.n_ff,
+            args.plot,
+            budget_bytes=budget,
+            spent=spent,
+            title=f"{path.name}: placement at a {budget / GIB:g} GiB VRAM budget",
+            inputs=[gpuidx_path(path), *placement_inputs(gpuidx_path(path)), path],
+        )
+        print(f"hotcold: wrote {args.plot}", file=sys.stderr)
     return 0
 
 

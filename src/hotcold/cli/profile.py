@@ -1,16 +1,20 @@
-"""hotcold profile: per-layer FFN activation counts on a corpus -> DIR/activation_{i}.pt"""
+"""hotcold profile: per-layer FFN activation counts on a corpus -> DIR/activation_{i}.pt; with --plot, a PNG
+of their locality (hotcold.plots). `--plot` without `-f` plots the statistics already there."""
 
 from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 from hotcold.cli import add_model_args
 
 
 def add_args(p) -> None:
     add_model_args(p)
-    p.add_argument("-f", "--file", required=True, help="corpus: a UTF-8 text file")
+    p.add_argument(
+        "-f", "--file", default=None, help="corpus: a UTF-8 text file (needed unless --plot only plots)"
+    )
     p.add_argument(
         "-o",
         "--output",
@@ -18,6 +22,13 @@ def add_args(p) -> None:
         help="output folder (default: <model dir>/activation, where the loader looks)",
     )
     p.add_argument("--max-tokens", type=int, default=None, help="profile at most this many corpus tokens")
+    p.add_argument(
+        "--plot",
+        metavar="OUT.png",
+        default=None,
+        help="also draw the activation locality per layer (needs hotcold[plot]); without -f: plot the "
+        "statistics already in the output folder",
+    )
 
 
 def run(args) -> int:
@@ -32,6 +43,17 @@ def run(args) -> int:
         write_activation_files,
     )
 
+    if args.file is None:
+        if args.plot is None:
+            raise ValueError(
+                "give a corpus (-f/--file), or --plot OUT.png to plot the statistics already made"
+            )
+        return plot_existing(args)
+    if args.plot is not None:  # fail on a missing extra or a bad name before the long run
+        from hotcold import plots
+
+        plots.require()
+        plots.check_png(args.plot, [args.file] + ([args.model] if args.model else []))
     text = read_corpus(args.file)  # fail on a bad corpus before loading the model
     start = time.perf_counter()
     llm = hotcold.load(
@@ -50,4 +72,39 @@ def run(args) -> int:
         file=sys.stderr,
     )
     print(f"hotcold: wrote {len(paths)} files to {out_dir}", file=sys.stderr)
+    if args.plot is not None:
+        _plot(counts, args.plot, n_tokens=n_seen, name=llm.path.name, inputs=[llm.path, args.file, *paths])
     return 0
+
+
+def plot_existing(args) -> int:
+    """--plot without a corpus: the statistics in the output folder (default: where the loader looks)."""
+    from hotcold import plots
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.loader import demo_model_path, load_activations
+    from hotcold.placement.profile import default_activation_dir
+
+    plots.require()
+    path = Path(args.model) if args.model else demo_model_path()
+    config = config_from_file(ModelFile(path))
+    folder = Path(args.output) if args.output else default_activation_dir(path)
+    counts = load_activations(folder, config)
+    if counts is None:
+        raise ValueError(
+            f"no activation statistics in {folder}: run `hotcold profile -m {path} -f corpus.txt`"
+        )
+    files = [folder / f"activation_{i}.pt" for i in range(config.n_layer)]
+    _plot(counts, args.plot, n_tokens=None, name=path.name, inputs=[path, *files])
+    return 0
+
+
+def _plot(counts, out, *, n_tokens, name, inputs) -> None:
+    from hotcold import plots
+
+    plots.plot_activations(
+        counts, out, n_tokens=n_tokens, title=f"{name}: activation locality", inputs=inputs
+    )
+    shares = " ".join(f"{100 * plots.neurons_carrying(c):.1f}" for c in counts)
+    print(f"hotcold: % of neurons carrying 80% of activations, by layer: {shares}", file=sys.stderr)
+    print(f"hotcold: wrote {out}", file=sys.stderr)
