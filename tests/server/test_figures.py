@@ -209,3 +209,29 @@ def test_hybrid_reports_the_share_on_the_gpu(hybrid_llm):
         t = r.timings
         assert (t["ffn_neurons_computed"], t["ffn_gpu_neurons"]) == (2 * computed, 2 * on_hot)
         assert t["predicted_n"] == r.usage.completion_tokens == 2 * N
+        # streamed: only the chunk that finishes the last choice carries them
+        for e in engines:
+            e.cached_ids = []
+        chunks = list(
+            client.completions.create(
+                model="x",
+                prompt=PROMPT,
+                max_tokens=N,
+                temperature=0,
+                n=2,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
+        finishing = [c for c in chunks if c.choices and c.choices[0].finish_reason]
+        assert len(finishing) == 2
+        assert [c for c in chunks if (c.model_extra or {}).get("timings")] == [finishing[-1]]
+        counts = (
+            "prompt_n",
+            "cache_n",
+            "predicted_n",
+            "ffn_neurons_computed",
+            "ffn_neurons_total",
+            "ffn_gpu_neurons",
+        )
+        assert {k: finishing[-1].timings[k] for k in counts} == {k: t[k] for k in counts}
