@@ -90,6 +90,19 @@ def ref_axpy(w64: torch.Tensor, a: torch.Tensor, m: torch.Tensor | None) -> torc
     return torch.where(active, a.double(), torch.zeros((), dtype=torch.float64)) @ w64
 
 
+def kernel_x(backend: str, fmt: str, x: torch.Tensor) -> torch.Tensor:
+    """The activations a gather over `fmt` weights multiplies: block weights on the C backend take x
+    quantized to int8 per 32 values (scale amax / 127, float32, round half to even), as
+    _cpu_kernels.c's xq_make does; everything else takes x itself."""
+    if backend != "c" or fmt in FLOAT:
+        return x
+    c = x.float().reshape(*x.shape[:-1], -1, 32)
+    amax = c.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros(()))
+    q = torch.round(c * inv).clamp(-127, 127)
+    return (q.double() * (amax / torch.tensor(127.0)).double()).reshape(x.shape)
+
+
 def assert_close(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor):
     """fp32 accumulation error is a small multiple of eps * sum |w * x| (`bound`); dropping or
     adding a single term is far larger."""
@@ -109,7 +122,12 @@ def test_gather_matvec(backend, fmt, t):
         assert out.shape == (t, F), name
         if m is not None:
             assert (out[~m] == 0).all(), name  # exactly zero, never NaN from a poisoned row
-        assert_close(out, ref_gather(w64, x, m), ref_gather(w64.abs(), x.abs(), m))
+        xk = kernel_x(backend, fmt, x)  # the integer path: exact dot with the quantized x, to fp32 rounding
+        assert_close(out, ref_gather(w64, xk, m), ref_gather(w64.abs(), xk.abs(), m))
+        if xk is not x:  # and within the activations' rounding (half a step per value) of the true dot
+            err = (out.double() - ref_gather(w64, x, m)).abs()
+            step = (x.abs().reshape(t, -1, 32).amax(-1, keepdim=True) / 127).expand(-1, -1, 32).reshape(t, -1)
+            assert (err <= ref_gather(w64.abs(), step.double() / 2, m) * 1.0001 + 1e-6).all(), name
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -172,9 +190,10 @@ def test_matmul(backend, fmt, t):
     gen = torch.Generator().manual_seed(3)
     w, w64 = make_weight(fmt, 300, gen)
     x = torch.randn(t, w64.shape[1], generator=gen)
-    bound = x.double().abs() @ w64.abs().T
-    assert_close(cpu.matmul(w, x), x.double() @ w64.T, bound)
-    assert_close(cpu.matmul(w, x[0]), (x[:1].double() @ w64.T)[0], bound)
+    xk = x if t >= cpu.GEMM_MIN_TOKENS else kernel_x(backend, fmt, x)  # large T: dequantize + GEMM
+    assert_close(cpu.matmul(w, x), xk.double() @ w64.T, xk.double().abs() @ w64.abs().T)
+    x0 = kernel_x(backend, fmt, x[:1])
+    assert_close(cpu.matmul(w, x[0]), (x0.double() @ w64.T)[0], x0.double().abs() @ w64.abs().T)
 
 
 @pytest.mark.parametrize("t", [1, 3])

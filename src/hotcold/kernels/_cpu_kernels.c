@@ -666,6 +666,7 @@ typedef struct {
     const int32_t *idx; /* rows to visit, ascending (NULL: every row) */
     const float *coef; /* axpy, T == 1: a[idx[k]] */
     int64_t n;         /* number of rows to visit */
+    const struct hc_xq_s *xq; /* block weights: the tokens' quantized activations [T] (gather only) */
 } hc_args;
 
 /* Position p of the index list, or -1: positions past k1 continue at kn (the start of the next
@@ -677,8 +678,452 @@ HC_INLINE int64_t next_pos(int64_t p, int64_t k1, int64_t kn, int64_t n) {
     return p < n ? p : -1;
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * Integer dot products for block weights (what keeps a quantized GEMV memory-bound, as in ggml):
+ * each token's activations are quantized once per call to int8 in chunks of 32 (scale amax / 127,
+ * round to nearest even), and a row's dot product is a sum over chunks of
+ *     dx * (s_h * sum_{i in half h} q_w[i] q_x[i])  -/+  m_h * dx * sum_{i in half h} q_x[i]
+ * with the integer sums exact. The result differs from the float path by the activations' rounding
+ * (at most sum |w| * dx / 2 per chunk); the arithmetic of a row is fixed, so results are still the
+ * same for any thread count and for a token alone or in a batch.
+ * ---------------------------------------------------------------------------------------------- */
+HC_INLINE int wt_is_block(const int wt) { return wt >= WT_Q8_0; }
+
+/* One token's activations, quantized: q [D], d [D/32] (chunk scales), hs [D/16] (d * the sum of
+ * q over each half of 16: the min terms), ls [D/32 * 8] (sums of q over each group of 4 values:
+ * the offset terms of the SIMD path). */
+typedef struct hc_xq_s {
+    const int8_t *q;
+    const float *d, *hs;
+    const int32_t *ls;
+} hc_xq;
+
+typedef struct { /* T tokens' quantized activations in one allocation */
+    void *mem;
+    hc_xq *tok;
+} hc_xq_set;
+
+static void xq_free(hc_xq_set *s) {
+    free(s->mem);
+    s->mem = NULL;
+    s->tok = NULL;
+}
+
+/* Quantize T rows of D floats (D a multiple of 32). Returns 0, or -1 if memory ran out. */
+static int xq_make(const float *x, int64_t T, int64_t D, hc_xq_set *s) {
+    const int64_t nc = D / 32;
+    const size_t per = (size_t)D + sizeof(float) * (size_t)(nc + 2 * nc) + sizeof(int32_t) * (size_t)(8 * nc);
+    s->mem = malloc(sizeof(hc_xq) * (size_t)T + per * (size_t)T + 64);
+    if (!s->mem) return -1;
+    s->tok = (hc_xq *)s->mem;
+    uint8_t *p = (uint8_t *)(s->tok + T);
+    for (int64_t t = 0; t < T; t++) {
+        float *d = (float *)p, *hs = d + nc;
+        int32_t *ls = (int32_t *)(hs + 2 * nc);
+        int8_t *q = (int8_t *)(ls + 8 * nc);
+        p = (uint8_t *)(q + D);
+        const float *xt = x + t * D;
+        for (int64_t c = 0; c < nc; c++) {
+            const float *xc = xt + 32 * c;
+            float amax = 0.0f;
+            int nan = 0;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(xc[i])), nan |= xc[i] != xc[i];
+            /* a NaN activation makes its chunk's scale NaN, so it reaches the output as in the float path */
+            const float dc = nan ? NAN : amax / 127.0f, id = amax > 0.0f && !nan ? 127.0f / amax : 0.0f;
+            int8_t *qc = q + 32 * c;
+            for (int i = 0; i < 32; i++) qc[i] = (int8_t)lrintf(xc[i] * id); /* |q| <= 127 */
+            int32_t h0 = 0, h1 = 0;
+            for (int g = 0; g < 8; g++) {
+                const int32_t sg = qc[4 * g] + qc[4 * g + 1] + qc[4 * g + 2] + qc[4 * g + 3];
+                ls[8 * c + g] = sg;
+                if (g < 4) h0 += sg;
+                else h1 += sg;
+            }
+            d[c] = dc;
+            hs[2 * c] = dc * (float)h0;
+            hs[2 * c + 1] = dc * (float)h1;
+        }
+        const hc_xq one = {q, d, hs, ls};
+        s->tok[t] = one;
+    }
+    return 0;
+}
+
+/* How a type's chunk values relate to the integers a decoder gives: value = s_h * (u - QOFF) with
+ * u >= 0 (QOFF a power of two: 2^QOFF_SHIFT, or 0), minus m_h (SUB) or plus m_h (ADD) where the type
+ * has a min; the signed types' decoders give the values' integers themselves. */
+HC_INLINE int q_signed(const int wt) { return wt == WT_Q8_0 || wt == WT_IQ4_NL || wt == WT_IQ4_XS; }
+HC_INLINE int q_off_shift(const int wt) { /* -1: no offset */
+    switch (wt) {
+    case WT_Q4_0: return 3;
+    case WT_Q5_0: return 4;
+    case WT_Q6_K: return 5;
+    case WT_Q3_K: return 2;
+    default: return -1;
+    }
+}
+HC_INLINE int q_mode(const int wt) {
+    return (wt == WT_Q4_1 || wt == WT_Q5_1) ? AFF_ADD : (wt == WT_Q2_K || wt == WT_Q4_K || wt == WT_Q5_K) ? AFF_SUB : AFF_MUL;
+}
+HC_INLINE int q_half_scales(const int wt) { return wt == WT_Q2_K || wt == WT_Q3_K || wt == WT_Q6_K; }
+
+/* The remaining chunk_ints decoders (signed values), for the portable integer path. */
+HC_INLINE void dec_q8_0(const uint8_t *b, chunk_ints *ci) {
+    both_halves(ci, h2f(rd16(b)), 0.0f);
+    memcpy(ci->q, b + 2, 32);
+}
+HC_INLINE void dec_q4_0(const uint8_t *b, chunk_ints *ci) {
+    both_halves(ci, h2f(rd16(b)), 0.0f);
+    for (int l = 0; l < 16; l++) {
+        ci->q[l] = (int8_t)((b[2 + l] & 15) - 8);
+        ci->q[l + 16] = (int8_t)((b[2 + l] >> 4) - 8);
+    }
+}
+HC_INLINE void dec_q5_0(const uint8_t *b, chunk_ints *ci) {
+    both_halves(ci, h2f(rd16(b)), 0.0f);
+    const uint32_t qh = rd32(b + 2);
+    for (int l = 0; l < 16; l++) {
+        ci->q[l] = (int8_t)(((b[6 + l] & 15) | (((qh >> l) & 1) << 4)) - 16);
+        ci->q[l + 16] = (int8_t)(((b[6 + l] >> 4) | (((qh >> (l + 16)) & 1) << 4)) - 16);
+    }
+}
+HC_INLINE void dec_q6_k(const uint8_t *b, int j, chunk_ints *ci) {
+    const int h = j >> 2, qq = j & 3;
+    const uint8_t *ql = b + h * 64 + (qq & 1) * 32, *qh = b + 128 + h * 32;
+    const int8_t *sc = (const int8_t *)(b + 192) + h * 8 + 2 * qq;
+    const float d = h2f(rd16(b + 208));
+    ci->s[0] = d * (float)sc[0], ci->s[1] = d * (float)sc[1];
+    ci->m[0] = ci->m[1] = 0.0f;
+    for (int l = 0; l < 32; l++) {
+        const int lo = (qq >= 2) ? (ql[l] >> 4) : (ql[l] & 15);
+        ci->q[l] = (int8_t)((lo | (((qh[l] >> (2 * qq)) & 3) << 4)) - 32);
+    }
+}
+
+/* Chunk c of a row as signed integers with the scale and min of each half. */
+HC_INLINE void chunk_decode(const int wt, const uint8_t *row, int64_t c, chunk_ints *ci) {
+    const int j = (int)(c & 7);
+    switch (wt) {
+    case WT_Q8_0: dec_q8_0(row + c * 34, ci); break;
+    case WT_Q4_0: dec_q4_0(row + c * 18, ci); break;
+    case WT_Q5_0: dec_q5_0(row + c * 22, ci); break;
+    case WT_Q4_1: dec_q4_1(row + c * 20, ci); break;
+    case WT_Q5_1: dec_q5_1(row + c * 24, ci); break;
+    case WT_IQ4_NL: dec_iq4_nl(row + c * 18, ci); break;
+    case WT_Q2_K: dec_q2_k(row + (c >> 3) * 84, j, ci); break;
+    case WT_Q3_K: dec_q3_k(row + (c >> 3) * 110, j, ci); break;
+    case WT_Q4_K: dec_q4_k(row + (c >> 3) * 144, j, ci); break;
+    case WT_Q5_K: dec_q5_k(row + (c >> 3) * 176, j, ci); break;
+    case WT_Q6_K: dec_q6_k(row + (c >> 3) * 210, j, ci); break;
+    default: dec_iq4_xs(row + (c >> 3) * 136, j, ci); break;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define HC_QSIMD 1
+#define QNT 8 /* tokens sharing one pass over a row */
+HC_INLINE __m256i ld256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
+HC_INLINE __m256i srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
+/* 16 bytes -> 32 nibbles: the low nibbles (values 0..15), then the high ones (16..31). */
+HC_INLINE __m256i nib16(const uint8_t *p) {
+    const __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+/* Byte i = 0x10 where bit i of x is set, else 0 (the fifth bit of Q5_0 / Q5_1 values). */
+HC_INLINE __m256i bit4_of_32(uint32_t x) {
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)x),
+                                               _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                 0x0101010101010101LL, 0x0000000000000000LL));
+    const __m256i sel = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, sel), sel), _mm256_set1_epi8(0x10));
+}
+/* Byte l = v where bit j of p[l] is set, else 0. */
+HC_INLINE __m256i bit_j(const uint8_t *p, int j, char v) {
+    const __m256i b = _mm256_set1_epi8((char)(1 << j));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(ld256(p), b), b), _mm256_set1_epi8(v));
+}
+HC_INLINE __m256i iq4_lookup(__m256i nib) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)IQ4_KVALUES);
+    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib);
+}
+
+/* Chunk c of a row as 32 bytes (unsigned u, or the signed values for q_signed types) plus the
+ * scale and min of each half (see q_off_shift / q_mode). */
+HC_INLINE __m256i qchunk(const int wt, const uint8_t *row, int64_t c, float *s, float *m) {
+    const int j = (int)(c & 7);
+    m[0] = m[1] = 0.0f;
+    switch (wt) {
+    case WT_Q8_0: {
+        const uint8_t *b = row + c * 34;
+        s[0] = s[1] = h2f(rd16(b));
+        return ld256(b + 2);
+    }
+    case WT_Q4_0: {
+        const uint8_t *b = row + c * 18;
+        s[0] = s[1] = h2f(rd16(b));
+        return nib16(b + 2);
+    }
+    case WT_Q4_1: {
+        const uint8_t *b = row + c * 20;
+        s[0] = s[1] = h2f(rd16(b));
+        m[0] = m[1] = h2f(rd16(b + 2));
+        return nib16(b + 4);
+    }
+    case WT_Q5_0: {
+        const uint8_t *b = row + c * 22;
+        s[0] = s[1] = h2f(rd16(b));
+        return _mm256_or_si256(nib16(b + 6), bit4_of_32(rd32(b + 2)));
+    }
+    case WT_Q5_1: {
+        const uint8_t *b = row + c * 24;
+        s[0] = s[1] = h2f(rd16(b));
+        m[0] = m[1] = h2f(rd16(b + 2));
+        return _mm256_or_si256(nib16(b + 8), bit4_of_32(rd32(b + 4)));
+    }
+    case WT_IQ4_NL: {
+        const uint8_t *b = row + c * 18;
+        s[0] = s[1] = h2f(rd16(b));
+        return iq4_lookup(nib16(b + 2));
+    }
+    case WT_Q2_K: {
+        const uint8_t *b = row + (c >> 3) * 84;
+        const float d = h2f(rd16(b + 80)), dmin = h2f(rd16(b + 82));
+        for (int k = 0; k < 2; k++) {
+            s[k] = d * (float)(b[2 * j + k] & 15);
+            m[k] = dmin * (float)(b[2 * j + k] >> 4);
+        }
+        return _mm256_and_si256(srl16(ld256(b + 16 + (j >> 2) * 32), 2 * (j & 3)), _mm256_set1_epi8(3));
+    }
+    case WT_Q3_K: {
+        const uint8_t *b = row + (c >> 3) * 110, *sc = b + 96;
+        const float d = h2f(rd16(b + 108));
+        for (int k = 0; k < 2; k++) {
+            const int i = 2 * j + k;
+            const int lo = (sc[i & 7] >> (4 * (i >> 3))) & 15, hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+            s[k] = d * (float)((lo | (hi << 4)) - 32);
+        }
+        const __m256i ql = _mm256_and_si256(srl16(ld256(b + 32 + (j >> 2) * 32), 2 * (j & 3)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(ql, bit_j(b, j, 4)); /* u = q + 4 */
+    }
+    case WT_Q4_K: {
+        const uint8_t *b = row + (c >> 3) * 144;
+        int sc, mn;
+        scale_min_k4(b + 4, j, &sc, &mn);
+        s[0] = s[1] = h2f(rd16(b)) * (float)sc;
+        m[0] = m[1] = h2f(rd16(b + 2)) * (float)mn;
+        return _mm256_and_si256(srl16(ld256(b + 16 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
+    }
+    case WT_Q5_K: {
+        const uint8_t *b = row + (c >> 3) * 176;
+        int sc, mn;
+        scale_min_k4(b + 4, j, &sc, &mn);
+        s[0] = s[1] = h2f(rd16(b)) * (float)sc;
+        m[0] = m[1] = h2f(rd16(b + 2)) * (float)mn;
+        const __m256i lo = _mm256_and_si256(srl16(ld256(b + 48 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
+        return _mm256_or_si256(lo, bit_j(b + 16, j, 0x10));
+    }
+    case WT_Q6_K: {
+        const uint8_t *b = row + (c >> 3) * 210;
+        const int h = j >> 2, qq = j & 3;
+        const int8_t *sc = (const int8_t *)(b + 192) + h * 8 + 2 * qq;
+        const float d = h2f(rd16(b + 208));
+        s[0] = d * (float)sc[0], s[1] = d * (float)sc[1];
+        const __m256i lo = _mm256_and_si256(srl16(ld256(b + h * 64 + (qq & 1) * 32), 4 * (qq >> 1)), _mm256_set1_epi8(15));
+        const __m256i hb = _mm256_and_si256(srl16(ld256(b + 128 + h * 32), 2 * qq), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)); /* u = q + 32 */
+    }
+    default: { /* IQ4_XS */
+        const uint8_t *b = row + (c >> 3) * 136;
+        const int lo = (b[4 + (j >> 1)] >> (4 * (j & 1))) & 15, hi = (rd16(b + 2) >> (2 * j)) & 3;
+        s[0] = s[1] = h2f(rd16(b)) * (float)((lo | (hi << 4)) - 32);
+        return iq4_lookup(nib16(b + 8 + 16 * j));
+    }
+    }
+}
+
+/* acc (8 lanes) += the chunk's products with token x's chunk c; *macc += its min terms. */
+HC_INLINE void qdot_chunk(const int wt, __m256i u, const float *s, const float *m, const hc_xq *x, int64_t c,
+                          __m256 *acc, float *macc) {
+    const __m256i xv = ld256((const uint8_t *)(x->q + 32 * c));
+    __m256i p;
+    if (q_signed(wt))
+        p = _mm256_maddubs_epi16(_mm256_sign_epi8(u, u), _mm256_sign_epi8(xv, u));
+    else
+        p = _mm256_maddubs_epi16(u, xv);
+    p = _mm256_madd_epi16(p, _mm256_set1_epi16(1)); /* lane g: values 4g..4g+3 */
+    if (q_off_shift(wt) >= 0)
+        p = _mm256_sub_epi32(p, _mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)(x->ls + 8 * c)), q_off_shift(wt)));
+    const float dx = x->d[c];
+    const __m256 sv = q_half_scales(wt) ? _mm256_set_m128(_mm_set1_ps(s[1] * dx), _mm_set1_ps(s[0] * dx))
+                                        : _mm256_set1_ps(s[0] * dx);
+    *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, *acc);
+    if (q_mode(wt) != AFF_MUL) *macc = fmaf(m[1], x->hs[2 * c + 1], fmaf(m[0], x->hs[2 * c], *macc));
+}
+
+HC_INLINE float qdot_finish(const int wt, __m256 acc, float macc) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    const float r = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+    return q_mode(wt) == AFF_SUB ? r - macc : q_mode(wt) == AFF_ADD ? r + macc : r;
+}
+#else
+#define HC_QSIMD 0
+#define QNT 4
+#endif
+
+/* NR rows (NR <= 4) with one token; pf: the rows to prefetch meanwhile (see dot_rows1). */
+HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows, const hc_xq *x, int64_t D,
+                          float *res, const uint8_t *const *pf, int pf_l2) {
+    const int64_t nchunk = D / 32;
+    int64_t pfo = 0;
+#if HC_QSIMD
+    __m256 acc[4];
+    float macc[4];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps(), macc[r] = 0.0f;
+#else
+    float acc[4], macc[4];
+    for (int r = 0; r < NR; r++) acc[r] = 0.0f, macc[r] = 0.0f;
+#endif
+    for (int64_t c = 0; c < nchunk; c++) {
+        for (int r = 0; r < NR; r++) {
+#if HC_QSIMD
+            float s[2], m[2];
+            const __m256i u = qchunk(wt, rows[r], c, s, m);
+            qdot_chunk(wt, u, s, m, x, c, &acc[r], &macc[r]);
+#else
+            chunk_ints ci;
+            chunk_decode(wt, rows[r], c, &ci);
+            const int8_t *xq = x->q + 32 * c;
+            int32_t i0 = 0, i1 = 0;
+            for (int l = 0; l < 16; l++) i0 += (int32_t)ci.q[l] * xq[l], i1 += (int32_t)ci.q[l + 16] * xq[l + 16];
+            const float dx = x->d[c];
+            acc[r] = fmaf(ci.s[1] * dx, (float)i1, fmaf(ci.s[0] * dx, (float)i0, acc[r]));
+            macc[r] = fmaf(ci.m[1], x->hs[2 * c + 1], fmaf(ci.m[0], x->hs[2 * c], macc[r]));
+#endif
+        }
+#if HC_PF
+        if (pf) {
+            const int64_t end = chunk_off(wt, c + 1);
+            for (; pfo < end; pfo += 64)
+                for (int r = 0; r < 4; r++)
+                    if (pf[r]) {
+                        if (pf_l2) vprefetch_l2(pf[r] + pfo);
+                        else vprefetch(pf[r] + pfo);
+                    }
+        }
+#else
+        (void)pf, (void)pfo, (void)pf_l2;
+#endif
+    }
+    for (int r = 0; r < NR; r++) {
+#if HC_QSIMD
+        res[r] = qdot_finish(wt, acc[r], macc[r]);
+#else
+        const int mode = q_mode(wt);
+        res[r] = mode == AFF_SUB ? acc[r] - macc[r] : mode == AFF_ADD ? acc[r] + macc[r] : acc[r];
+#endif
+    }
+}
+
+/* One row with NT tokens (NT <= QNT): the row's chunks are decoded once for all of them, and each
+ * token's arithmetic is the one qdot_rows1 does for it alone. */
+HC_INLINE void qdot_row(const int wt, const int NT, const uint8_t *row, const hc_xq *const *xs, int64_t D,
+                        float *res, const uint8_t *pf) {
+    const int64_t nchunk = D / 32;
+    int64_t pfo = 0;
+#if HC_QSIMD
+    __m256 acc[QNT];
+    float macc[QNT];
+    for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps(), macc[t] = 0.0f;
+    for (int64_t c = 0; c < nchunk; c++) {
+        float s[2], m[2];
+        const __m256i u = qchunk(wt, row, c, s, m);
+        for (int t = 0; t < NT; t++) qdot_chunk(wt, u, s, m, xs[t], c, &acc[t], &macc[t]);
+        if (HC_PF && pf)
+            for (const int64_t end = chunk_off(wt, c + 1); pfo < end; pfo += 64) vprefetch(pf + pfo);
+    }
+    for (int t = 0; t < NT; t++) res[t] = qdot_finish(wt, acc[t], macc[t]);
+#else
+    (void)pf, (void)pfo, (void)nchunk;
+    for (int t = 0; t < NT; t++) {
+        const uint8_t *rows[1] = {row};
+        qdot_rows1(wt, 1, rows, xs[t], D, res + t, NULL, 0);
+    }
+#endif
+}
+
+/* gather_part for block weights: out[t, i] = the integer dot product of row i with token t. */
+HC_INLINE void qgather_part(const int wt, const hc_args *A, int64_t k0, int64_t k1, int64_t kn) {
+    const int64_t F = A->F, D = A->D, T = A->T;
+    const int32_t *idx = A->idx;
+#define ROW_OF(k) (idx ? (int64_t)idx[k] : (int64_t)(k))
+    if (idx) {
+        const int64_t lo = k0 == 0 ? 0 : idx[k0], hi = k1 == A->n ? F : idx[k1];
+        for (int64_t t = 0; t < T; t++) memset(A->out + t * F + lo, 0, sizeof(float) * (size_t)(hi - lo));
+    }
+    if (T == 1) {
+        const int pf_l2 = HC_G * chunk_off(wt, D / 32) > HC_PF_L1_BYTES;
+        int64_t k = k0;
+        for (; k + HC_G <= k1; k += HC_G) {
+            const uint8_t *rows[4], *pf[4] = {NULL, NULL, NULL, NULL};
+            float res[4];
+            for (int r = 0; r < HC_G; r++) {
+                rows[r] = A->W + ROW_OF(k + r) * A->stride;
+                const int64_t q = next_pos(k + HC_G + r, k1, kn, A->n);
+                if (q >= 0) pf[r] = A->W + ROW_OF(q) * A->stride;
+            }
+            qdot_rows1(wt, HC_G, rows, A->xq, D, res, pf, pf_l2);
+            for (int r = 0; r < HC_G; r++) A->out[ROW_OF(k + r)] = res[r];
+        }
+        for (; k < k1; k++) {
+            const uint8_t *rows[1] = {A->W + ROW_OF(k) * A->stride};
+            qdot_rows1(wt, 1, rows, A->xq, D, A->out + ROW_OF(k), NULL, 0);
+        }
+        return;
+    }
+    for (int64_t k = k0; k < k1; k++) {
+        const int64_t i = ROW_OF(k);
+        const uint8_t *row = A->W + i * A->stride;
+        const int64_t q = next_pos(k + 1, k1, kn, A->n);
+        const uint8_t *pf = q >= 0 ? A->W + ROW_OF(q) * A->stride : NULL;
+        const hc_xq *xs[QNT];
+        int64_t ts[QNT];
+        float res[QNT];
+        int cnt = 0;
+        for (int64_t t = 0; t < T; t++) {
+            if (A->mask && !A->mask[t * F + i]) continue;
+            xs[cnt] = A->xq + t;
+            ts[cnt++] = t;
+            if (cnt == QNT) {
+                qdot_row(wt, QNT, row, xs, D, res, pf);
+                pf = NULL;
+                for (int j = 0; j < QNT; j++) A->out[ts[j] * F + i] = res[j];
+                cnt = 0;
+            }
+        }
+        switch (cnt) { /* a constant token count, so the accumulators stay in registers */
+        case 1: qdot_row(wt, 1, row, xs, D, res, pf); break;
+        case 2: qdot_row(wt, 2, row, xs, D, res, pf); break;
+        case 3: qdot_row(wt, 3, row, xs, D, res, pf); break;
+#if QNT > 4
+        case 4: qdot_row(wt, 4, row, xs, D, res, pf); break;
+        case 5: qdot_row(wt, 5, row, xs, D, res, pf); break;
+        case 6: qdot_row(wt, 6, row, xs, D, res, pf); break;
+        case 7: qdot_row(wt, 7, row, xs, D, res, pf); break;
+#endif
+        default: break;
+        }
+        for (int j = 0; j < cnt; j++) A->out[ts[j] * F + i] = res[j];
+    }
+#undef ROW_OF
+}
+
 /* gather_matvec over index list entries [k0, k1); kn: see next_pos. */
 HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k1, int64_t kn) {
+    if (wt_is_block(wt) && A->xq) {
+        qgather_part(wt, A, k0, k1, kn);
+        return;
+    }
     const int64_t F = A->F, D = A->D, T = A->T;
     const int32_t *idx = A->idx;
 #define ROW_OF(k) (idx ? (int64_t)idx[k] : (int64_t)(k))
@@ -971,19 +1416,32 @@ const char *hc_simd(void) { return HC_SIMD; }
 
 /* out[t, i] = dot(W[i], x[t]) where mask is NULL or mask[t, i]; exactly 0 elsewhere.
  * Returns 0, or -1 if memory ran out. */
-int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *x, int64_t T,
-                     const uint8_t *mask, float *out, int nth) {
-    hc_args A = {W, stride, F, D, T, x, mask, out, NULL, NULL, F};
+/* hc_gather_matvec with the tokens' quantized activations given (xq, for block weights) or made here. */
+static int gather_matvec_xq(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *x, int64_t T,
+                            const uint8_t *mask, float *out, int nth, const hc_xq *xq) {
+    hc_args A = {W, stride, F, D, T, x, mask, out, NULL, NULL, F, NULL};
+    hc_xq_set own = {NULL, NULL};
+    if (wt_is_block(wt)) {
+        if (!xq) {
+            if (xq_make(x, T, D, &own) != 0) return -1;
+            xq = own.tok;
+        }
+        A.xq = xq;
+    }
     int32_t *idx = NULL;
     if (mask) { /* outputs are zeroed by the work items that own them (gather_part) */
         idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
-        if (!idx) return -1;
+        if (!idx) {
+            xq_free(&own);
+            return -1;
+        }
         if (T == 1) {
             A.n = mask_to_idx(mask, F, idx);
         } else {
             uint8_t *u = (uint8_t *)calloc((size_t)(F > 0 ? F : 1), 1);
             if (!u) {
                 free(idx);
+                xq_free(&own);
                 return -1;
             }
             for (int64_t t = 0; t < T; t++) {
@@ -998,7 +1456,15 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
     }
     gather_parallel(1, &wt, &A, nth);
     free(idx);
+    xq_free(&own);
     return 0;
+}
+
+/* out[t, i] = dot(W[i], x[t]) where mask is NULL or mask[t, i]; exactly 0 elsewhere (block weights:
+ * the integer dot product with x quantized, see above). Returns 0, or -1 if memory ran out. */
+int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *x, int64_t T,
+                     const uint8_t *mask, float *out, int nth) {
+    return gather_matvec_xq(wt, W, stride, F, D, x, T, mask, out, nth, NULL);
 }
 
 void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D, float *out);
@@ -1018,12 +1484,20 @@ int hc_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ws, const in
         hc_rms_norm(x, norm_w, eps, T, D, xn);
         x = xn;
     }
+    hc_xq_set xq = {NULL, NULL}; /* quantized once for every block matrix */
+    for (int m = 0; m < nmat; m++)
+        if (wt_is_block(wts[m]) && !xq.tok && xq_make(x, T, D, &xq) != 0) {
+            free(xn);
+            return -1;
+        }
     hc_args A[8];
     for (int m = 0; m < nmat; m++) {
-        const hc_args a = {Ws[m], strides[m], Fs[m], D, T, x, NULL, outs[m], NULL, NULL, Fs[m]};
+        const hc_args a = {Ws[m], strides[m], Fs[m], D, T, x, NULL, outs[m], NULL, NULL, Fs[m],
+                           wt_is_block(wts[m]) ? xq.tok : NULL};
         A[m] = a;
     }
     gather_parallel(nmat, wts, A, nth);
+    xq_free(&xq);
     free(xn);
     return 0;
 }
@@ -1032,7 +1506,7 @@ int hc_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ws, const in
  * summed in blocks of HC_AXB rows (see the top of this file). Returns 0, or -1 if memory ran out. */
 int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *a, int64_t T,
                    const uint8_t *mask, float *out, int nth) {
-    hc_args A = {W, stride, F, D, T, a, mask, out, NULL, NULL, 0};
+    hc_args A = {W, stride, F, D, T, a, mask, out, NULL, NULL, 0, NULL};
     memset(out, 0, sizeof(float) * (size_t)(T * D));
     int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
     float *coef = (float *)malloc(sizeof(float) * (size_t)(F > 0 ? F : 1));
@@ -1255,13 +1729,16 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
      * the rows still alive (the predictor's false positives cost one row, not two). */
     uint8_t *live = mask;
     int rc = 0;
-    if (gate) {
+    hc_xq_set xq = {NULL, NULL}; /* block gate / up: x quantized once for both */
+    if ((wt_is_block(up->wt) || (gate && wt_is_block(gate->wt))) && xq_make(x, T, D, &xq) != 0) rc = -1;
+    if (gate && rc == 0) {
         live = (uint8_t *)malloc((size_t)(T * F > 0 ? T * F : 1));
-        rc = live ? hc_gather_matvec(gate->wt, gate->data, gate->stride, F, D, x, T, mask, g, nth) : -1;
+        rc = live ? gather_matvec_xq(gate->wt, gate->data, gate->stride, F, D, x, T, mask, g, nth, xq.tok) : -1;
         if (rc == 0)
             for (int64_t j = 0; j < T * F; j++) live[j] = mask[j] && relu1(g[j]) != 0.0f; /* NaN stays alive */
     }
-    if (rc == 0) rc = hc_gather_matvec(up->wt, up->data, up->stride, F, D, x, T, live, u, nth);
+    if (rc == 0) rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, live, u, nth, xq.tok);
+    xq_free(&xq);
     if (rc == 0) {
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < F; i++) {
