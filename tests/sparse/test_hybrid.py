@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -148,3 +149,24 @@ def test_corrupt_activation_file_named(model_with_stats):
             fast_device="cpu",
             vram_budget=budget_gib(model_with_stats, 800_000),
         )
+
+
+def test_hot_rows_of_types_the_gpu_kernels_lack_go_over_as_f16():
+    """Q8_0 / Q4_0 hot rows stay ggml blocks on the fast device (the Triton kernels read them); any
+    other block type (a Q4_K_M file's Q4_K and Q6_K) goes over dequantized to F16, at load."""
+    from gguf import GGMLQuantizationType as Q
+
+    from hotcold.quants import QuantTensor
+    from hotcold.sparse.hybrid import _rows_to
+    from tests.fixtures import random_blocks
+
+    rows = torch.tensor([0, 3])
+    raw = random_blocks(Q.Q4_K, 8, np.random.default_rng(0))
+    raw[:, :4] = np.array([0.01, 0.001], dtype=np.float16).view(np.uint8)  # moderate d and dmin
+    q4k = QuantTensor(torch.from_numpy(raw.reshape(4, -1)), Q.Q4_K, (4, 512))
+    fast = torch.device("meta")  # stands in for CUDA: any device that is not the CPU
+    moved = _rows_to(q4k, rows, fast)
+    assert isinstance(moved, torch.Tensor) and moved.dtype == torch.float16 and moved.shape == (2, 512)
+    kept = _rows_to(QuantTensor.from_float(torch.randn(4, 64), Q.Q8_0), rows, fast)
+    assert isinstance(kept, QuantTensor) and kept.qtype == Q.Q8_0 and kept.device == fast
+    assert isinstance(_rows_to(q4k, rows, torch.device("cpu")), QuantTensor)  # the CPU reads Q4_K itself

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from hotcold.kernels.triton_args import QTYPES
 from hotcold.ops import Norm
 from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn import CPU, FFN, DenseFFN, FFNWeights, row_plan, sparse_step
@@ -24,6 +25,9 @@ def _rows_to(weight, rows: torch.Tensor, device: torch.device):
     if weight is None:
         return None
     if isinstance(weight, QuantTensor):
+        if device.type != "cpu" and weight.qtype.name.lower() not in QTYPES:
+            # the Triton kernels read Q8_0 and Q4_0 blocks; other types' hot rows go over as F16
+            return weight.dequantize(rows).half().to(device)
         return weight.select_rows(rows).to(device)
     return weight.index_select(0, rows).to(device).contiguous()
 
