@@ -94,8 +94,8 @@ def test_row_bytes_and_is_quantized():
 def test_unsupported_types_are_rejected():
     with pytest.raises(ValueError, match="IQ2_XXS is not supported"):
         quants.dequantize(np.zeros(66, np.uint8), Q.IQ2_XXS, (256,))
-    with pytest.raises(ValueError, match="cannot quantize to Q6_K"):
-        quants.quantize(np.zeros((1, 256), np.float32), Q.Q6_K)
+    with pytest.raises(ValueError, match="cannot quantize to IQ2_XXS"):
+        quants.quantize(np.zeros((1, 256), np.float32), Q.IQ2_XXS)
     with pytest.raises(ValueError, match="holds 10 bytes, expected 34"):
         quants.dequantize(np.zeros(10, np.uint8), Q.Q8_0, (32,))
 

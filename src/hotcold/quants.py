@@ -56,7 +56,9 @@ SUPPORTED = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
     | {Q.IQ4_NL, Q.IQ4_XS}
 )
-QUANTIZE_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q5_0})  # writable
+QUANTIZE_TYPES = frozenset(  # writable: gguf's legacy quantizers, hotcold.kquants for the K-quants
+    {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+)
 _TORCH_FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
@@ -183,7 +185,8 @@ _DEQUANT = {Q.Q8_0: _deq_q8_0, Q.Q4_0: _deq_q4_0, Q.Q5_0: _deq_q5_0, Q.Q6_K: _de
 
 def quantize(values: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType | int) -> np.ndarray:
     """float values [..., cols] -> uint8 [..., row_bytes] in ggml layout: the same bytes as ggml's
-    reference quantizers (gguf's numpy port of them); for F32/F16/BF16 the plain encoding."""
+    reference quantizers (`quantize_row_*_ref`: gguf's numpy port for the 32-value blocks, hotcold.kquants
+    for the K-quants); for F32/F16/BF16 the plain encoding. NaN or inf in a block format is a ValueError."""
     qtype = GGMLQuantizationType(qtype)
     if qtype not in QUANTIZE_TYPES:
         names = ", ".join(sorted(t.name for t in QUANTIZE_TYPES))
@@ -193,6 +196,14 @@ def quantize(values: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType | in
     x = np.ascontiguousarray(values, dtype=np.float32)
     lead, cols = x.shape[:-1], (x.shape[-1] if x.ndim else 1)
     nb = row_bytes(qtype, cols)
+    if qtype not in FLOAT_TYPES:
+        from . import kquants  # a sibling of this module: numpy only, nothing else from hotcold
+
+        if qtype in kquants.TYPES:
+            return kquants.quantize(x, qtype)
+        if not np.isfinite(x).all():
+            bad = int(np.count_nonzero(~np.isfinite(x)))
+            raise ValueError(f"cannot quantize to {qtype.name}: the values hold {bad} NaN or inf number(s)")
     with np.errstate(over="ignore"):  # huge values saturate to inf in fp16, as in ggml
         out = gguf.quants.quantize(x, qtype)
     return np.ascontiguousarray(out).view(np.uint8).reshape(*lead, nb)
