@@ -24,6 +24,7 @@ import sys
 import time
 from pathlib import Path
 
+import gguf
 import torch
 from gguf import GGMLQuantizationType as Q
 
@@ -32,7 +33,10 @@ from hotcold.quants import QuantTensor, row_bytes
 
 SHAPES = {"1b": (5632, 2048, 22), "7b": (11008, 4096, 6)}  # rows, columns, matrices
 F, D, LAYERS = SHAPES["1b"]  # machine_bandwidth's torch mv reference
-FORMATS = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+FORMATS = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}
+FORMATS |= {name: Q[name.upper()] for name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")}
+FORMATS |= {name: Q[name.upper()] for name in ("q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs")}
+DEFAULT_FORMATS = ["f16", "bf16", "f32", "q8_0", "q4_0", "q4_k", "q6_k"]  # --formats all: every one
 DENSITIES = [0.05, 0.10, 0.25, 0.50, 1.00]
 
 
@@ -93,7 +97,15 @@ def make_weights(fmt: str, f: int, d: int, layers: int) -> tuple[list, int]:
     if isinstance(kind, torch.dtype):
         w = base.to(kind)
         return [w.clone() for _ in range(layers)], d * w.element_size()
-    qt = QuantTensor.from_float(base, kind)
+    try:
+        qt = QuantTensor.from_float(base, kind)
+    except ValueError:  # no quantizer for the type: random blocks with small scales (speed is the same)
+        import numpy as np
+
+        block, size = gguf.GGML_QUANT_SIZES[kind]
+        raw = np.random.default_rng(0).integers(0, 256, size=(f * d // block, size), dtype=np.uint8)
+        raw[:, :2] = np.float16(0.001).view(np.uint8)  # most types keep a scale there; others' is moot
+        qt = QuantTensor(torch.from_numpy(raw.reshape(f, -1)), kind, (f, d))
     return [QuantTensor(qt.data.clone(), kind, qt.shape) for _ in range(layers)], row_bytes(kind, d)
 
 
@@ -223,7 +235,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--quick", action="store_true", help="fewer rounds, densities 10%% and 100%%, F16 and Q4_0 only"
     )
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts (default 1,2)")
-    ap.add_argument("--formats", default=None, help=f"comma-separated subset of {','.join(FORMATS)}")
+    ap.add_argument("--formats", default=None, help=f"comma-separated subset of {','.join(FORMATS)}, or all")
     ap.add_argument("--shapes", default="1b,7b", help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
@@ -232,7 +244,12 @@ def main(argv: list[str] | None = None) -> dict:
     shapes = args.shapes.split(",")
     if unknown := [sh for sh in shapes if sh not in SHAPES]:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
-    formats = args.formats.split(",") if args.formats else (["f16", "q4_0"] if args.quick else list(FORMATS))
+    if args.formats == "all":
+        formats = list(FORMATS)
+    else:
+        formats = (
+            args.formats.split(",") if args.formats else (["f16", "q4_0"] if args.quick else DEFAULT_FORMATS)
+        )
     densities = [0.10, 1.00] if args.quick else DENSITIES
     rounds = args.rounds or (3 if args.quick else 7)
 
