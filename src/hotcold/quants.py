@@ -204,7 +204,7 @@ def quantize(values: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType | in
         if not np.isfinite(x).all():
             bad = int(np.count_nonzero(~np.isfinite(x)))
             raise ValueError(f"cannot quantize to {qtype.name}: the values hold {bad} NaN or inf number(s)")
-    with np.errstate(over="ignore"):  # huge values saturate to inf in fp16, as in ggml
+    with np.errstate(over="ignore", invalid="ignore"):  # huge values saturate to inf in fp16, as in ggml
         out = gguf.quants.quantize(x, qtype)
     return np.ascontiguousarray(out).view(np.uint8).reshape(*lead, nb)
 
