@@ -689,12 +689,12 @@ HC_INLINE int64_t next_pos(int64_t p, int64_t k1, int64_t kn, int64_t n) {
  * ---------------------------------------------------------------------------------------------- */
 HC_INLINE int wt_is_block(const int wt) { return wt >= WT_Q8_0; }
 
-/* One token's activations, quantized: q [D], d [D/32] (chunk scales), hs [D/16] (d * the sum of
- * q over each half of 16: the min terms), ls [D/32 * 8] (sums of q over each group of 4 values:
- * the offset terms of the SIMD path). */
+/* One token's activations, quantized: q [D], d [D/32] (chunk scales), hs [D/16] and hc [D/32] (d
+ * times the sum of q over each half of 16 and over the chunk: the min terms), ls [D/32 * 8] (sums of
+ * q over each group of 4 values: the offset terms of the SIMD path). */
 typedef struct hc_xq_s {
     const int8_t *q;
-    const float *d, *hs;
+    const float *d, *hs, *hc;
     const int32_t *ls;
 } hc_xq;
 
@@ -712,14 +712,14 @@ static void xq_free(hc_xq_set *s) {
 /* Quantize T rows of D floats (D a multiple of 32). Returns 0, or -1 if memory ran out. */
 static int xq_make(const float *x, int64_t T, int64_t D, hc_xq_set *s) {
     const int64_t nc = D / 32;
-    const size_t per = (size_t)D + sizeof(float) * (size_t)(nc + 2 * nc) + sizeof(int32_t) * (size_t)(8 * nc);
+    const size_t per = (size_t)D + sizeof(float) * (size_t)(4 * nc) + sizeof(int32_t) * (size_t)(8 * nc);
     s->mem = malloc(sizeof(hc_xq) * (size_t)T + per * (size_t)T + 64);
     if (!s->mem) return -1;
     s->tok = (hc_xq *)s->mem;
     uint8_t *p = (uint8_t *)(s->tok + T);
     for (int64_t t = 0; t < T; t++) {
-        float *d = (float *)p, *hs = d + nc;
-        int32_t *ls = (int32_t *)(hs + 2 * nc);
+        float *d = (float *)p, *hs = d + nc, *hc = hs + 2 * nc;
+        int32_t *ls = (int32_t *)(hc + nc);
         int8_t *q = (int8_t *)(ls + 8 * nc);
         p = (uint8_t *)(q + D);
         const float *xt = x + t * D;
@@ -742,8 +742,9 @@ static int xq_make(const float *x, int64_t T, int64_t D, hc_xq_set *s) {
             d[c] = dc;
             hs[2 * c] = dc * (float)h0;
             hs[2 * c + 1] = dc * (float)h1;
+            hc[c] = dc * (float)(h0 + h1);
         }
-        const hc_xq one = {q, d, hs, ls};
+        const hc_xq one = {q, d, hs, hc, ls};
         s->tok[t] = one;
     }
     return 0;
@@ -957,7 +958,9 @@ HC_INLINE void qdot_chunk(const int wt, __m256i u, const float *s, const float *
     const __m256 sv = q_half_scales(wt) ? _mm256_set_m128(_mm_set1_ps(s[1] * dx), _mm_set1_ps(s[0] * dx))
                                         : _mm256_set1_ps(s[0] * dx);
     *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), sv, *acc);
-    if (q_mode(wt) != AFF_MUL) *macc = fmaf(m[1], x->hs[2 * c + 1], fmaf(m[0], x->hs[2 * c], *macc));
+    /* one dependent add per chunk on macc (a chain of two fmas would bound the loop's speed) */
+    if (q_mode(wt) != AFF_MUL && q_half_scales(wt)) *macc += fmaf(m[1], x->hs[2 * c + 1], m[0] * x->hs[2 * c]);
+    else if (q_mode(wt) != AFF_MUL) *macc = fmaf(m[0], x->hc[c], *macc);
 }
 
 HC_INLINE float qdot_finish(const int wt, __m256 acc, float macc) {
@@ -998,7 +1001,7 @@ HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows
             for (int l = 0; l < 16; l++) i0 += (int32_t)ci.q[l] * xq[l], i1 += (int32_t)ci.q[l + 16] * xq[l + 16];
             const float dx = x->d[c];
             acc[r] = fmaf(ci.s[1] * dx, (float)i1, fmaf(ci.s[0] * dx, (float)i0, acc[r]));
-            macc[r] = fmaf(ci.m[1], x->hs[2 * c + 1], fmaf(ci.m[0], x->hs[2 * c], macc[r]));
+            macc[r] += fmaf(ci.m[1], x->hs[2 * c + 1], ci.m[0] * x->hs[2 * c]);
 #endif
         }
 #if HC_PF
