@@ -1,26 +1,247 @@
-"""Requantize a GGUF / PowerInfer file: `hotcold quantize IN OUT TYPE`.
+"""Requantize a GGUF / PowerInfer file: `hotcold quantize IN OUT TYPE`, with llama.cpp's type names.
 
-Every matrix (2-D `*.weight`, predictors included) takes the target type; 1-D tensors stay F32; the
-magic, keys and tensor order are kept, `general.file_type` and `general.quantization_version` updated,
-as PowerInfer's `quantize` does. Rows that a block format cannot divide stay F16.
+Which tensor gets which type follows llama.cpp's `llama_tensor_get_type` (src/llama-quant.cpp) without
+an importance matrix: the *_M / *_S mixtures (Q4_K_M: output and some attn_v / ffn_down in Q6_K, ...),
+the output rule (Q6_K, or Q8_0 for Falcon), rows a block does not divide falling back as llama.cpp does
+(Q4_K -> Q5_0, ..., then F16), and only matrices named `*.weight` quantized (norms, 1-D tensors, the
+MoE router and position embeddings are copied as they are). On a `llama-quantize` input the type map
+is the same as llama-quantize's (tests/convert/test_quantize.py checks it against the binary).
+
+PowerInfer files (PWRI) keep their magic and layout: `ffn_down_t` ([F, D], one row per neuron) takes
+the type ffn_down would get in that layer; predictors (fc1, fc2) keep their type (F32 ones become F16)
+for a block-format target, since the sparse step's accuracy rests on them.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from tqdm import tqdm
 
-from hotcold import quants
+from hotcold import names, quants
 from hotcold.atomic import check_output
-from hotcold.convert import FILE_TYPES, OUTTYPES, encode, tensor_type
+from hotcold.convert import encode
 from hotcold.gguf_io import ModelFile, TensorEntry, TensorSpec, as_torch, metadata_items, write_model_file
 from hotcold.kernels import cpu
+
+F = LlamaFileType
+# llama.cpp's type names (llama-quantize's QUANT_OPTIONS) -> (general.file_type, default tensor type)
+FTYPES: dict[str, tuple[LlamaFileType, Q]] = {
+    "f32": (F.ALL_F32, Q.F32),
+    "f16": (F.MOSTLY_F16, Q.F16),
+    "bf16": (F.MOSTLY_BF16, Q.BF16),
+    "q8_0": (F.MOSTLY_Q8_0, Q.Q8_0),
+    "q4_0": (F.MOSTLY_Q4_0, Q.Q4_0),
+    "q4_1": (F.MOSTLY_Q4_1, Q.Q4_1),
+    "q5_0": (F.MOSTLY_Q5_0, Q.Q5_0),
+    "q5_1": (F.MOSTLY_Q5_1, Q.Q5_1),
+    "q2_k": (F.MOSTLY_Q2_K, Q.Q2_K),
+    "q3_k_s": (F.MOSTLY_Q3_K_S, Q.Q3_K),
+    "q3_k_m": (F.MOSTLY_Q3_K_M, Q.Q3_K),
+    "q3_k_l": (F.MOSTLY_Q3_K_L, Q.Q3_K),
+    "q4_k_s": (F.MOSTLY_Q4_K_S, Q.Q4_K),
+    "q4_k_m": (F.MOSTLY_Q4_K_M, Q.Q4_K),
+    "q5_k_s": (F.MOSTLY_Q5_K_S, Q.Q5_K),
+    "q5_k_m": (F.MOSTLY_Q5_K_M, Q.Q5_K),
+    "q6_k": (F.MOSTLY_Q6_K, Q.Q6_K),
+}
+ALIASES = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}  # as llama-quantize reads them
+# a row length the target's block does not divide (llama.cpp's tensor_type_fallback); then F16
+_FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def ftype_of(outtype: str) -> str:
+    """A user's type name -> the key of FTYPES (case-insensitive, llama.cpp's aliases); ValueError otherwise."""
+    key = outtype.strip().lower()
+    key = ALIASES.get(key, key)
+    if key not in FTYPES:
+        raise ValueError(f"quantize: type {outtype!r} is not one of {', '.join(FTYPES)}")
+    return key
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What llama.cpp's rules look at, from the file's metadata."""
+
+    arch: str
+    n_layer: int
+    n_expert: int
+    n_gqa: int
+    is_70b: bool
+
+    @classmethod
+    def of(cls, mf: ModelFile) -> ModelFacts:
+        arch, meta = mf.architecture, mf.metadata
+
+        def num(key: str, default: int) -> int:
+            value = meta.get(names.key(key, arch), default)
+            return int(value[0] if isinstance(value, list) and value else value)
+
+        n_layer = num(names.BLOCK_COUNT, 0)
+        n_head = num(names.HEAD_COUNT, 1)
+        n_head_kv = num(names.HEAD_COUNT_KV, n_head) or n_head
+        return cls(
+            arch=arch,
+            n_layer=n_layer,
+            n_expert=num(names.EXPERT_COUNT, 0),
+            n_gqa=n_head // n_head_kv if n_head_kv else 1,
+            is_70b=arch == "llama" and n_layer == 80 and n_head != n_head_kv,
+        )
+
+
+def _category(name: str) -> str:
+    """llama.cpp's tensor_get_category (substring matches, in its order)."""
+    if name == "output.weight":
+        return "output"
+    if name in ("token_embd.weight", "per_layer_token_embd.weight"):
+        return "token_embd"
+    for part, cat in (
+        ("attn_qkv.weight", "attn_v"),  # category_is_attn_v: QKV and KV_B count as attn_v
+        ("attn_kv_b.weight", "attn_v"),
+        ("attn_v.weight", "attn_v"),
+        ("attn_k.weight", "attn_k"),
+        ("attn_q.weight", "attn_q"),
+        ("attn_output.weight", "attn_output"),
+        ("ffn_up", "ffn_up"),
+        ("ffn_gate", "ffn_gate"),
+        ("ffn_down", "ffn_down"),
+    ):
+        if part in name:
+            return cat
+    return "other"
+
+
+def _allows_quantization(name: str, shape: tuple[int, ...]) -> bool:
+    """llama.cpp's tensor_allows_quantization, for the tensors our families have."""
+    return (
+        len(shape) >= 2
+        and name.endswith("weight")
+        and "_norm.weight" not in name
+        and "ffn_gate_inp.weight" not in name  # MoE router
+        and name not in ("position_embd.weight", "token_types.weight")
+    )
+
+
+def _use_more_bits(i: int, n: int) -> bool:
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
+
+
+def _mixture_type(qtype: Q, ftype: str, cat: str, ncols: int, facts: ModelFacts, i: int, n: int) -> Q:
+    """llama_tensor_get_type_impl for the K-quant and legacy ftypes. i, n: the tensor's index among its
+    kind (attn_v: among attn_v-like tensors; ffn_down: its layer) and their count."""
+    falcon = facts.arch == "falcon"
+    if cat == "output":
+        if falcon or ncols % GGML_QUANT_SIZES[qtype][0]:
+            return Q.Q8_0
+        return Q.Q6_K if qtype != Q.Q8_0 else qtype
+    if cat == "attn_v":
+        if ftype == "q2_k":
+            qtype = Q.Q4_K if facts.n_gqa >= 4 else Q.Q3_K
+        elif ftype == "q3_k_m":
+            qtype = Q.Q5_K if i < 2 else Q.Q4_K
+        elif ftype == "q3_k_l":
+            qtype = Q.Q5_K
+        elif ftype in ("q4_k_m", "q5_k_m") and _use_more_bits(i, n):
+            qtype = Q.Q6_K
+        elif ftype == "q4_k_s" and i < 4:
+            qtype = Q.Q5_K
+        if facts.is_70b and qtype in (Q.Q3_K, Q.Q4_K):
+            qtype = Q.Q5_K
+        if facts.n_expert == 8:
+            qtype = Q.Q8_0
+    elif cat == "attn_k":
+        if facts.n_expert == 8:
+            qtype = Q.Q8_0
+    elif cat == "ffn_down":
+        if ftype == "q2_k":
+            qtype = Q.Q3_K
+        elif ftype == "q3_k_m":
+            qtype = Q.Q5_K if i < n // 16 else Q.Q4_K if not falcon or _use_more_bits(i, n) else Q.Q3_K
+        elif ftype == "q3_k_l":
+            qtype = Q.Q4_K if falcon else Q.Q5_K
+        elif ftype == "q4_k_m":
+            if falcon:
+                qtype = Q.Q6_K if i < n // 16 else Q.Q5_K if _use_more_bits(i, n) else Q.Q4_K
+            elif _use_more_bits(i, n):
+                qtype = Q.Q6_K
+        elif ftype == "q5_k_m" and _use_more_bits(i, n):
+            qtype = Q.Q6_K
+        elif ftype == "q4_k_s" and not falcon and i < n // 8:
+            qtype = Q.Q5_K
+    elif cat == "attn_output":
+        if not falcon:
+            if facts.n_expert == 8:
+                if ftype in ("q2_k", "q3_k_s", "q3_k_m", "q4_k_s", "q4_k_m"):
+                    qtype = Q.Q5_K
+            else:
+                qtype = {"q2_k": Q.Q3_K, "q3_k_m": Q.Q4_K, "q3_k_l": Q.Q5_K}.get(ftype, qtype)
+        elif ftype == "q3_k_l":
+            qtype = Q.Q4_K
+    return qtype
+
+
+def _fallback(qtype: Q, ncols: int) -> Q:
+    if ncols % GGML_QUANT_SIZES[qtype][0] == 0:
+        return qtype
+    qtype = _FALLBACK.get(qtype, qtype)
+    return qtype if ncols % GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16
+
+
+def _llama_order(name: str) -> tuple[int, str]:
+    """llama.cpp walks tensors sorted by layer, then name (weight_name_comparer)."""
+    block = names.block_of(name)
+    return (-1 if block is None else block, name)
+
+
+def tensor_types(mf: ModelFile, outtype: str) -> dict[str, Q]:
+    """The type every tensor of `mf` gets for `outtype` (a FTYPES key or alias), in file order."""
+    ftype = ftype_of(outtype)
+    default = FTYPES[ftype][1]
+    facts = ModelFacts.of(mf)
+    entries = sorted(mf.tensors.values(), key=lambda e: _llama_order(e.name))
+    tied = "output.weight" not in mf.tensors
+    n_attn_v = sum(_category(e.name) == "attn_v" for e in entries)
+    i_attn_v = i_ffn_down = 0
+    out: dict[str, Q] = {}
+    for e in entries:
+        predictor = names.template_of(e.name, names.PREDICTOR_MATRICES) is not None
+        if e.qtype in (Q.I8, Q.I16, Q.I32) or not _allows_quantization(e.name, e.shape):
+            out[e.name] = e.qtype
+            continue
+        if predictor and quants.is_quantized(default):
+            out[e.name] = Q.F16 if e.qtype == Q.F32 else e.qtype
+            continue
+        if not quants.is_quantized(default):
+            out[e.name] = default
+            continue
+        cat = _category(e.name)
+        if tied and cat == "token_embd":
+            cat = "output"  # a tied embedding is the output projection too
+        ncols = e.shape[-1]
+        i, n = 0, 0
+        if cat == "attn_v":
+            i, n = i_attn_v, n_attn_v
+            i_attn_v += 1
+        elif cat == "ffn_down":
+            transposed = names.template_of(e.name, (names.FFN_DOWN_T,)) is not None
+            block = names.block_of(e.name)
+            if facts.n_expert > 1 or transposed:  # by the name's layer (MoE experts, PowerInfer's ffn_down_t)
+                i = block if block is not None else 0
+            else:
+                i = i_ffn_down
+            n = facts.n_layer
+            if not transposed:
+                i_ffn_down += 1
+        qtype = _mixture_type(default, ftype, cat, ncols, facts, i, n)
+        out[e.name] = _fallback(qtype, ncols)
+    return {name: out[name] for name in mf.tensors}
 
 
 def _source_floats(entry: TensorEntry) -> torch.Tensor:
@@ -33,20 +254,15 @@ def _source_floats(entry: TensorEntry) -> torch.Tensor:
 def quantize_file(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], outtype: str, *, progress: bool = False
 ) -> Path:
-    outtype = outtype.lower()
-    if outtype not in OUTTYPES:
-        raise ValueError(f"quantize: type {outtype!r} is not one of {', '.join(OUTTYPES)}")
+    ftype = ftype_of(outtype)
     src, dst = Path(src), Path(dst)
     check_output(dst, [src], what="quantize: output")
     mf = ModelFile(src)
+    types = tensor_types(mf, ftype)
     specs = []
     for entry in mf.tensors.values():
-        is_matrix = len(entry.shape) >= 2 and entry.name.endswith(".weight")
-        if not is_matrix or entry.qtype in (Q.I8, Q.I16, Q.I32):
-            specs.append(TensorSpec(entry.name, entry.shape, entry.qtype, lambda e=entry: e.data))
-            continue
-        qtype = tensor_type(entry.name, entry.shape, outtype)
-        if qtype == entry.qtype:  # already in the target type: copy the bytes
+        qtype = types[entry.name]
+        if qtype == entry.qtype:  # already in the target type (or kept): copy the bytes
             specs.append(TensorSpec(entry.name, entry.shape, qtype, lambda e=entry: np.asarray(e.data)))
         else:
             specs.append(
@@ -54,12 +270,10 @@ def quantize_file(
                     entry.name, entry.shape, qtype, lambda e=entry, q=qtype: encode(_source_floats(e), q)
                 )
             )
-    meta = [
-        m for m in metadata_items(mf) if m[0] not in ("general.file_type", "general.quantization_version")
-    ]
-    meta.append(("general.file_type", FILE_TYPES[outtype], V.UINT32))
-    if outtype in ("q8_0", "q4_0"):
-        meta.append(("general.quantization_version", 2, V.UINT32))
+    meta = [m for m in metadata_items(mf) if m[0] not in (names.FILE_TYPE, names.QUANTIZATION_VERSION)]
+    meta.append((names.FILE_TYPE, int(FTYPES[ftype][0]), V.UINT32))
+    if quants.is_quantized(FTYPES[ftype][1]):
+        meta.append((names.QUANTIZATION_VERSION, 2, V.UINT32))
 
     def bar(items):
         return tqdm(items, desc=f"quantizing -> {dst.name}", unit="tensor") if progress else items
