@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import gguf
 import numpy as np
@@ -215,12 +215,15 @@ class QuantTensor:
 
     data: uint8 [rows, row_bytes] (typically a zero-copy view of the memory-mapped file; rows may
     have a larger stride than row_bytes), qtype: a GGMLQuantizationType (any of SUPPORTED, float
-    types included), shape: (rows, cols) in values.
+    types included), shape: (rows, cols) in values, packed: see below.
     """
 
     data: torch.Tensor
     qtype: GGMLQuantizationType
     shape: tuple[int, int]
+    # A copy of the rows in the C kernels' repacked layout for whole-matrix products (kernels/cpu.pack),
+    # made at load for matrices that are never gathered row by row; select_rows and to() drop it.
+    packed: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "qtype", _qtype(self.qtype))

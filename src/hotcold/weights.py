@@ -13,6 +13,7 @@ from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan, place, place_vector
 from hotcold.gguf_io import ModelFile
+from hotcold.kernels import cpu
 from hotcold.ops import Norm, Weight
 from hotcold.sparse.ffn import FFNWeights
 from hotcold.sparse.predictor import Predictor
@@ -38,11 +39,9 @@ class TensorSource:
     def attention(self, template: str, layer: int, shape: tuple[int, ...], suffix: str = "weight") -> Weight:
         """An attention matrix (or bias: any shape) of `layer`, on the layer's attention device."""
         t = self.raw(template, layer, shape, suffix)
-        return (
-            place(t, self.layer_device(layer))
-            if len(shape) > 1
-            else place_vector(t, self.layer_device(layer))
-        )
+        if len(shape) > 1:  # only ever multiplied whole: the C kernels' packed layout where there is one
+            return cpu.pack(place(t, self.layer_device(layer)))
+        return place_vector(t, self.layer_device(layer))
 
     def norm(self, template: str, layer: int | None, *, rms: bool, bias: bool = False) -> Norm:
         """A norm of `layer` (None: the output norm) on the device that computes it."""
@@ -59,8 +58,12 @@ class TensorSource:
         c, device = self.config, self.plan.ffn[layer]
         D, F = c.n_embd, c.n_ff
 
+        # a dense file's FFN is only ever multiplied whole (no predictor gathers its rows): pack it
+        whole = not c.sparse and expert is None
+
         def matrix(template, shape):
-            return place(self.raw(template, layer, shape, expert=expert), device)
+            w = place(self.raw(template, layer, shape, expert=expert), device)
+            return cpu.pack(w) if whole else w
 
         sparse_layout = self.has(names.FFN_DOWN_T, layer, expert=expert)
         down = names.FFN_DOWN_T if sparse_layout else names.FFN_DOWN
@@ -97,7 +100,7 @@ class TensorSource:
         c = self.config
         tied = not self.has(names.OUTPUT)
         head = self.raw(names.TOKEN_EMBD if tied else names.OUTPUT, None, (c.n_vocab, c.n_embd))
-        return place(head, self.plan.output)
+        return cpu.pack(place(head, self.plan.output))
 
     def output_norm(self, *, rms: bool, bias: bool = False) -> Norm:
         return self.norm(names.OUTPUT_NORM, None, rms=rms, bias=bias)
