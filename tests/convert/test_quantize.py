@@ -261,26 +261,59 @@ def test_k_quant_model_runs_dense_and_sparse(tmp_path, wide, outtype, rel_tol):
         assert isinstance(llm.generate("Line 1", max_tokens=4, ignore_eos=True), str)
 
 
-@pytest.mark.skipif(llama_quantize() is None, reason="llama.cpp's llama-quantize is not built")
+def assert_same_file_as_llama_quantize(src: Path, ftype: str, tmp_path: Path) -> None:
+    """The whole file, tensor by tensor: the same types and the same bytes as llama-quantize's."""
+    exe = llama_quantize()
+    theirs = tmp_path / f"llama.{ftype}.gguf"
+    env = dict(os.environ, LD_LIBRARY_PATH=str(exe.parent))
+    run = subprocess.run(
+        [str(exe), str(src), str(theirs), ftype.upper(), "2"], capture_output=True, text=True, env=env
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    ours = ModelFile(quantize_file(src, tmp_path / f"ours.{ftype}.gguf", ftype))
+    ref = ModelFile(theirs)
+    assert set(ours.tensors) == set(ref.tensors)
+    assert ours.metadata["general.file_type"] == ref.metadata["general.file_type"]
+    for name, e in ours.tensors.items():
+        r = ref.tensors[name]
+        assert e.qtype == r.qtype, f"{ftype} {name}: {e.qtype.name}, llama-quantize {r.qtype.name}"
+        a, b = (np.ascontiguousarray(t.data).view(np.uint8).reshape(-1) for t in (e, r))
+        assert np.array_equal(a, b), f"{ftype} {name} ({e.qtype.name}): bytes differ from llama-quantize's"
+
+
+needs_llama = pytest.mark.skipif(llama_quantize() is None, reason="llama.cpp's llama-quantize is not built")
+
+
+@needs_llama
 @pytest.mark.parametrize(
     "ftype",
     ["q4_k_m", "q4_k_s", "q5_k_m", "q5_k_s", "q6_k", "q3_k_m", "q3_k_s", "q2_k"]
     + ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "f16", "bf16"],
 )
 def test_same_file_as_llama_quantize(tmp_path, wide, ftype):
-    """The whole file, tensor by tensor: the same types and the same bytes as llama-quantize's."""
-    exe = llama_quantize()
-    theirs = tmp_path / "llama.gguf"
-    env = dict(os.environ, LD_LIBRARY_PATH=str(exe.parent))
-    run = subprocess.run(
-        [str(exe), str(wide.f16), str(theirs), ftype.upper(), "2"], capture_output=True, text=True, env=env
+    assert_same_file_as_llama_quantize(wide.f16, ftype, tmp_path)
+
+
+@needs_llama
+def test_falcon_and_mixtral_files_as_llama_quantize(tmp_path, spm_model_file):
+    """Falcon's rules (output Q8_0, fused attn_qkv as attn_v, its own ffn_down mixes) and the 8-expert
+    rules (attn_v/attn_k Q8_0, attn_output Q5_K, stacked [E, F, D] experts, router kept F32)."""
+    from hotcold.convert import convert
+    from tests.models.test_falcon import make_falcon
+    from tests.models.test_mixtral import make_mixtral
+
+    make_falcon(
+        tmp_path / "falcon", spm_model_file, hidden_size=256, ffn_hidden_size=256, num_hidden_layers=16
     )
-    assert run.returncode == 0, run.stderr[-2000:]
-    ours, ref = ModelFile(quantize_file(wide.f16, tmp_path / "ours.gguf", ftype)), ModelFile(theirs)
-    assert set(ours.tensors) == set(ref.tensors)
-    assert ours.metadata["general.file_type"] == ref.metadata["general.file_type"]
-    for name, e in ours.tensors.items():
-        r = ref.tensors[name]
-        assert e.qtype == r.qtype, f"{name}: {e.qtype.name}, llama-quantize {r.qtype.name}"
-        a, b = (np.ascontiguousarray(t.data).view(np.uint8).reshape(-1) for t in (e, r))
-        assert np.array_equal(a, b), f"{name} ({e.qtype.name}): bytes differ from llama-quantize's"
+    make_mixtral(
+        tmp_path / "mixtral",
+        spm_model_file,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=8,
+        num_local_experts=8,
+    )
+    for family in ("falcon", "mixtral"):
+        src = convert(tmp_path / family, None, tmp_path / f"{family}.gguf", outtype="f16")
+        for ftype in ("q4_k_m", "q3_k_m", "q3_k_l"):  # the ftypes with Falcon- and 8-expert-specific rules
+            assert_same_file_as_llama_quantize(src, ftype, tmp_path)
