@@ -82,6 +82,20 @@ def test_quantize_cli_and_errors(tmp_path, tiny_dense_gguf, capsys):
     assert "'q7_k' is not one of" in err and "q4_k_m" in err and "Traceback" not in err
     assert main(["quantize", str(tmp_path / "missing.gguf"), str(tmp_path / "y.gguf"), "q4_0"]) == 1
     assert not (tmp_path / "x.gguf").exists() and not (tmp_path / "y.gguf").exists()
+    # NaN in a weight: one line naming the tensor, no output file, no temp file left
+    mf = ModelFile(tiny_dense_gguf)
+    specs = []
+    for e in mf.tensors.values():
+        values = np.array(e.data, dtype=np.float32)
+        if e.name == "blk.1.ffn_up.weight":
+            values[3, 5] = np.nan
+        specs.append(TensorSpec(e.name, e.shape, Q.F32, lambda v=values: v))
+    bad = write_model_file(tmp_path / "nan.gguf", mf.architecture, metadata_items(mf), specs)
+    capsys.readouterr()
+    assert main(["quantize", str(bad), str(tmp_path / "z.gguf"), "Q4_K_M"]) == 1
+    err = capsys.readouterr().err
+    assert "tensor blk.1.ffn_up.weight" in err and "NaN or inf" in err and "Traceback" not in err
+    assert not (tmp_path / "z.gguf").exists() and not list(tmp_path.glob(".*.tmp"))
 
 
 def powerinfer_layout(src: ModelFile, dst, *, matrix_type: Q, predictor_type: Q):

@@ -251,6 +251,13 @@ def _source_floats(entry: TensorEntry) -> torch.Tensor:
     return value.float()
 
 
+def _encode(src: Path, entry: TensorEntry, qtype: Q) -> np.ndarray:
+    try:
+        return encode(_source_floats(entry), qtype)
+    except ValueError as exc:  # e.g. NaN in the weights: name the file and the tensor
+        raise ValueError(f"{src}: tensor {entry.name}: {exc}") from exc
+
+
 def quantize_file(
     src: str | os.PathLike[str], dst: str | os.PathLike[str], outtype: str, *, progress: bool = False
 ) -> Path:
@@ -266,9 +273,7 @@ def quantize_file(
             specs.append(TensorSpec(entry.name, entry.shape, qtype, lambda e=entry: np.asarray(e.data)))
         else:
             specs.append(
-                TensorSpec(
-                    entry.name, entry.shape, qtype, lambda e=entry, q=qtype: encode(_source_floats(e), q)
-                )
+                TensorSpec(entry.name, entry.shape, qtype, lambda e=entry, q=qtype: _encode(src, e, q))
             )
     meta = [m for m in metadata_items(mf) if m[0] not in (names.FILE_TYPE, names.QUANTIZATION_VERSION)]
     meta.append((names.FILE_TYPE, int(FTYPES[ftype][0]), V.UINT32))
