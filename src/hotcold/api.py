@@ -1,4 +1,8 @@
-"""The Python API: `hotcold.load(...)` returns a Model with tokenize / logits / generate / stream / chat."""
+"""The Python API: `hotcold.load(...)` returns a Model with tokenize / logits / generate / stream / chat.
+
+Structured output: `json_schema=` (a dict or JSON text), `grammar=` (GBNF or Lark text) or
+`json_object=True` on generate / stream / chat / generate_batch constrain the output to it (see
+hotcold.structured; ValueError for a bad schema or grammar)."""
 
 from __future__ import annotations
 
@@ -14,6 +18,7 @@ from hotcold.engine import Chunk, Engine
 from hotcold.generation import Generation
 from hotcold.loader import LoadedModel, load_model
 from hotcold.sampling import SamplingParams
+from hotcold.structured import compile_constraint
 
 
 class Model:
@@ -80,14 +85,23 @@ class Model:
         seed: int | None = None,
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
+        json_schema: dict | str | None = None,
+        grammar: str | None = None,
+        json_object: bool = False,
     ) -> Iterator[Chunk]:
         params = SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed=seed)
+        constraint = compile_constraint(json_schema=json_schema, grammar=grammar, json_object=json_object)
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         ids = self._prompt_ids(prompt)
         self._take_turn()
         try:
             for chunk in self.engine.stream(
-                ids, max_tokens=max_tokens, params=params, stop=stops, ignore_eos=ignore_eos
+                ids,
+                max_tokens=max_tokens,
+                params=params,
+                stop=stops,
+                ignore_eos=ignore_eos,
+                constraint=constraint,
             ):
                 if chunk.finish_reason is not None:
                     self.last_stats = chunk.stats
@@ -116,14 +130,17 @@ class Model:
         seed: int | Sequence[int | None] | None = None,
         stop: str | Sequence[str] | None = None,
         ignore_eos: bool = False,
+        json_schema: dict | str | Sequence[dict | str | None] | None = None,
+        grammar: str | Sequence[str | None] | None = None,
     ) -> list[str]:
         """Generate for every prompt at once, one forward per step for all of them (continuous batching:
         finished ones leave, weights are read once per step). Each result equals `generate` of that prompt
-        alone with the same arguments; `seed` may be one per prompt. Statistics of each generation are in
-        `last_batch_stats`."""
-        seeds = list(seed) if isinstance(seed, (list, tuple)) else [seed] * len(prompts)
-        if len(seeds) != len(prompts):
-            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        alone with the same arguments; `seed`, `json_schema` and `grammar` may be one per prompt (a list;
+        None: that prompt is not constrained). Statistics of each generation are in `last_batch_stats`."""
+        seeds = _per_prompt(seed, prompts, "seeds")
+        schemas = _per_prompt(json_schema, prompts, "json_schema", dict)
+        grammars = _per_prompt(grammar, prompts, "grammar", str)
+        constraints = [compile_constraint(json_schema=j, grammar=g) for j, g in zip(schemas, grammars)]
         stops = [stop] if isinstance(stop, str) else list(stop or [])
         engines = [Engine(self.loaded.model, self.tokenizer, self.ctx_size) for _ in prompts]
         gens = [
@@ -134,8 +151,9 @@ class Model:
                 stop=stops,
                 ignore_eos=ignore_eos,
                 params=SamplingParams(temperature, top_k, top_p, min_p, repeat_penalty, seed=s),
+                constraint=c,
             )
-            for e, p, s in zip(engines, prompts, seeds)
+            for e, p, s, c in zip(engines, prompts, seeds, constraints)
         ]
         texts = ["".join(c.text for c in g.drain()) for g in gens]  # max_tokens=0 is done at once
         while any(not g.done for g in gens):
@@ -161,6 +179,15 @@ class Model:
         if bos_id is not None and len(ids) > 1 and ids[0] == bos_id and ids[1] == bos_id:
             ids = ids[1:]
         return ids
+
+
+def _per_prompt(value, prompts: Sequence, name: str, single: type | tuple = ()) -> list:
+    """`value` for every prompt, or one per prompt when it is a list (a dict or a str is one value)."""
+    if isinstance(value, (list, tuple)) and not isinstance(value, single or ()):
+        if len(value) != len(prompts):
+            raise ValueError(f"{len(value)} {name} for {len(prompts)} prompts")
+        return list(value)
+    return [value] * len(prompts)
 
 
 def load(

@@ -12,6 +12,7 @@ import torch
 from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats, common_prefix
 from hotcold.sampling import SamplingParams, make_generator, sample
 from hotcold.state import Batch, Observer, hot_masks
+from hotcold.structured import Constraint
 from hotcold.tokenizer import Tokenizer
 
 __all__ = ["PREFILL_CHUNK", "Chunk", "Engine", "GenerationStats"]
@@ -116,11 +117,19 @@ class Engine:
         params: SamplingParams = SamplingParams(),
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
+        constraint: Constraint | None = None,
     ) -> Iterator[Chunk]:
         """Text as it is generated. Text that could be the start of a stop string is held back until it
-        is known not to be one; the final chunk has finish_reason and the stats."""
+        is known not to be one; the final chunk has finish_reason and the stats. `constraint`: structured
+        output (hotcold.structured)."""
         gen = Generation(
-            self, prompt_ids, max_tokens=max_tokens, params=params, stop=stop, ignore_eos=ignore_eos
+            self,
+            prompt_ids,
+            max_tokens=max_tokens,
+            params=params,
+            stop=stop,
+            ignore_eos=ignore_eos,
+            constraint=constraint,
         )
         yield from gen.drain()
         while not gen.done:

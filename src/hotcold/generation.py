@@ -17,6 +17,12 @@ by default), with the k most likely tokens of that distribution. Entries are per
 chunk: a chunk carries the entries of the tokens sampled since the previous chunk, whose text may still
 be partly held back (a possible stop string, an unfinished UTF-8 character) for a later chunk. Tokens
 that complete a stop string keep their entries though their text is cut.
+
+Structured output (`constraint`, hotcold.structured): the generation keeps its own matcher, and every
+sampled token comes from the logits with the tokens its grammar does not allow at -inf (log-probabilities
+stay those of the raw logits). The next mask is computed on a worker thread as soon as a token is taken,
+so it overlaps the next forward. The generation ends ("stop") when the grammar is complete or an end
+token is sampled (with a constraint, whatever `ignore_eos` says: the grammar decides when it may end).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hotcold.sampling import SamplingParams, make_generator, sample
+from hotcold.structured import Constraint, Matcher
 from hotcold.tokenizer import StreamingDetokenizer
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the activation memory of long prompts
@@ -43,6 +50,7 @@ class GenerationStats:
     neurons_computed: int = 0  # FFN neurons computed for this request (its prefill and decode), all layers
     neurons_total: int = 0  # the FFN neurons of those forwards, computed or not
     neurons_hot: int = 0  # of neurons_computed: by hot copies on the fast device (hybrid layers; else 0)
+    mask_wait_seconds: float = 0.0  # structured output: time sampling waited for grammar masks
 
     @property
     def prompt_tps(self) -> float:
@@ -105,6 +113,7 @@ class Generation:
         stop: Sequence[str] = (),
         ignore_eos: bool = False,
         logprobs: int | None = None,
+        constraint: Constraint | None = None,
     ):
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
@@ -124,6 +133,10 @@ class Generation:
         self._pending = ""  # text not yet emitted (may hold the start of a stop string)
         self.logprobs = logprobs
         self._lp: list[TokenLogprob] = []  # entries not yet handed out in a chunk
+        self._matcher: Matcher | None = None
+        if constraint is not None and max_tokens > 0:  # ValueError for a grammar llguidance refuses
+            self._matcher = Matcher(engine.tokenizer, constraint)
+            self._matcher.start()  # the first mask, while the prompt runs
         if max_tokens == 0:
             self._finish("length", flush=False)
             return
@@ -171,7 +184,11 @@ class Generation:
             self._decode_t0 = now
         else:
             self.stats.generate_seconds = now - self._decode_t0
-        self._accept(sample(logits, self.params, self._history, self._generator), logits)
+        masked = logits
+        if self._matcher is not None:
+            masked = self._matcher.apply(logits)
+            self.stats.mask_wait_seconds = self._matcher.mask_seconds
+        self._accept(sample(masked, self.params, self._history, self._generator), logits)
 
     def drain(self) -> list[Chunk]:
         """The chunks produced since the last drain; the last one of a finished generation has its
@@ -183,8 +200,12 @@ class Generation:
         s = self.stats
         self._history.append(token)
         s.generated_tokens += 1
-        if not self.ignore_eos and self.engine.tokenizer.is_eog(token):
+        m = self._matcher
+        if (not self.ignore_eos or m is not None) and self.engine.tokenizer.is_eog(token):
             return self._finish("stop", flush=False)
+        if m is not None:
+            m.consume(token)
+            m.start()  # the next mask, while the next forward runs
         if self.logprobs is not None:
             self._lp.append(self._logprob(logits, token))
         self._pending += self._detok.add(token)
@@ -196,7 +217,9 @@ class Generation:
         if safe > 0:
             self._out.append(Chunk(self._pending[:safe], token, None, s, self._take_logprobs()))
             self._pending = self._pending[safe:]
-        if (
+        if m is not None and m.stopped:  # the grammar is complete: nothing but an end token may follow
+            self._finish("stop", flush=True)
+        elif (
             s.generated_tokens >= self.max_tokens
             or len(self.prompt) + s.generated_tokens >= self.engine.ctx_size
         ):
