@@ -474,21 +474,24 @@ def test_dequantize_rows_bad_inputs(backend):
         cpu.dequantize_rows(qt, out=torch.empty(10, 32))
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
 @pytest.mark.parametrize("t", [1, 3, 17])
-def test_packed_matmul(backend, t):
-    """Q4_0 repacked for whole-matrix products (rows in groups of 8; 1001 rows: a padded last group):
+def test_packed_matmul(backend, fmt, t):
+    """Q4_0 and Q4_K repacked for whole-matrix products (rows in groups of 8; 1001 rows: a padded last group):
     the dot with the quantized x to fp32 rounding, bit-identical for any thread count and for a batch
     against token by token; the row kernel's answer to a few ulps."""
     gen = torch.Generator().manual_seed(21)
-    w, w64 = make_weight("q4_0", F, gen)
+    w, w64 = make_weight(fmt, F, gen)
+    d = w64.shape[1]
     p = cpu.pack(w)
     if backend == "torch":  # no C kernels: nothing to pack for
         assert p is w
         return
-    assert p.packed is not None and p.packed.numel() == (F + 7) // 8 * (D_QUANT // 32) * 144
+    per_group = d // 32 * 144 if fmt == "q4_0" else d // 256 * (32 + 8 * 144)
+    assert p.packed is not None and p.packed.numel() == (F + 7) // 8 * per_group
     assert torch.equal(p.data, w.data) and p == w  # the rows themselves are untouched
-    x = torch.randn(t, D_QUANT, generator=gen)
-    xk = kernel_x(backend, "q4_0", x)
+    x = torch.randn(t, d, generator=gen)
+    xk = kernel_x(backend, fmt, x)
     out = {n: cpu.matmul(p, x, threads=n) for n in (1, 2, 3)}
     assert_close(out[1], xk.double() @ w64.T, xk.double().abs() @ w64.abs().T)
     assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
@@ -501,6 +504,6 @@ def test_packed_matmul(backend, t):
 
 def test_pack_leaves_other_weights_alone(backend):
     gen = torch.Generator().manual_seed(22)
-    for fmt in ("f16", "q8_0", "q4_k"):
+    for fmt in ("f16", "q8_0", "q6_k"):
         w, _ = make_weight(fmt, 64, gen)
         assert cpu.pack(w) is w

@@ -1680,7 +1680,7 @@ int hc_dequantize(int wt, const uint8_t *W, int64_t stride, const int32_t *rows,
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Dense GEMV over a repacked copy (Q4_0): rows in groups of 8, each 32-value chunk stored as the 8
+ * Dense GEMV over a repacked copy (Q4_0, Q4_K): rows in groups of 8, each 32-value chunk stored as the 8
  * rows' fp16 scales (16 bytes) and 4 x 32 bytes where byte 4r + j of part k holds value 4k + j of row
  * r in its low nibble and value 4k + 16 + j in its high one. One 32-bit broadcast of 4 activations
  * then multiplies 4 values of all 8 rows (maddubs), a chunk's products add up in 16-bit lanes (at
@@ -1692,33 +1692,63 @@ int hc_dequantize(int wt, const uint8_t *W, int64_t stride, const int32_t *rows,
  * ---------------------------------------------------------------------------------------------- */
 #define PK_ROWS 8
 #define PK_Q4_0_CHUNK (16 + 128) /* bytes of one chunk of a group */
+/* Q4_K: per super-block of a group the 8 rows' d and dmin (fp16), then per chunk their 6-bit scale and
+ * min (one byte each) and the nibbles as Q4_0's: 32 + 8 * (16 + 128) bytes, the file's 8 * 144 + 32. */
+#define PK_Q4_K_SUPER (32 + 8 * (16 + 128))
+
+HC_INLINE int packable(int wt, int64_t D) { return (wt == WT_Q4_0 && D % 32 == 0) || (wt == WT_Q4_K && D % 256 == 0); }
 
 int64_t hc_packed_nbytes(int wt, int64_t F, int64_t D) {
-    if (wt != WT_Q4_0 || D % 32) return -1;
-    return (F + PK_ROWS - 1) / PK_ROWS * (D / 32) * PK_Q4_0_CHUNK;
+    if (!packable(wt, D)) return -1;
+    const int64_t ng = (F + PK_ROWS - 1) / PK_ROWS;
+    return wt == WT_Q4_0 ? ng * (D / 32) * PK_Q4_0_CHUNK : ng * (D / 256) * PK_Q4_K_SUPER;
 }
 
-/* W (Q4_0 rows, stride bytes apart) -> P (hc_packed_nbytes bytes); the last group is padded with zero
- * rows (scale 0). Returns 0, or -1 for a type that has no packed form. */
+/* The nibbles of 8 rows' chunks (u[r]: 32 values 0..15 each) in the packed order. */
+static void pack_nibbles(const uint8_t u[PK_ROWS][32], uint8_t *dst) {
+    for (int r = 0; r < PK_ROWS; r++)
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 4; j++)
+                dst[32 * k + 4 * r + j] = (uint8_t)(u[r][4 * k + j] | (u[r][4 * k + 16 + j] << 4));
+}
+
+/* W (rows stride bytes apart) -> P (hc_packed_nbytes bytes); the last group is padded with zero rows
+ * (scales 0). Returns 0, or -1 for a type that has no packed form. */
 int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint8_t *P) {
-    if (wt != WT_Q4_0 || D % 32) return -1;
+    if (!packable(wt, D)) return -1;
     const int64_t nc = D / 32, ng = (F + PK_ROWS - 1) / PK_ROWS;
-    for (int64_t g = 0; g < ng; g++)
+    memset(P, 0, (size_t)hc_packed_nbytes(wt, F, D));
+    for (int64_t g = 0; g < ng; g++) {
+        const int nr = F - g * PK_ROWS < PK_ROWS ? (int)(F - g * PK_ROWS) : PK_ROWS;
         for (int64_t c = 0; c < nc; c++) {
-            uint8_t *dst = P + (g * nc + c) * PK_Q4_0_CHUNK;
-            memset(dst, 0, PK_Q4_0_CHUNK);
-            for (int r = 0; r < PK_ROWS; r++) {
-                const int64_t row = g * PK_ROWS + r;
-                if (row >= F) continue;
-                const uint8_t *b = W + row * stride + c * 18;
-                memcpy(dst + 2 * r, b, 2);
-                uint8_t u[32];
-                for (int l = 0; l < 16; l++) u[l] = b[2 + l] & 15, u[l + 16] = b[2 + l] >> 4;
-                for (int k = 0; k < 4; k++)
-                    for (int j = 0; j < 4; j++)
-                        dst[16 + 32 * k + 4 * r + j] = (uint8_t)(u[4 * k + j] | (u[4 * k + 16 + j] << 4));
+            uint8_t u[PK_ROWS][32] = {{0}};
+            uint8_t *dst;
+            if (wt == WT_Q4_0) {
+                dst = P + (g * nc + c) * PK_Q4_0_CHUNK;
+                for (int r = 0; r < nr; r++) {
+                    const uint8_t *b = W + (g * PK_ROWS + r) * stride + c * 18;
+                    memcpy(dst + 2 * r, b, 2);
+                    for (int l = 0; l < 16; l++) u[r][l] = b[2 + l] & 15, u[r][l + 16] = b[2 + l] >> 4;
+                }
+                dst += 16;
+            } else { /* Q4_K */
+                const int j = (int)(c & 7);
+                uint8_t *sb = P + (g * (nc / 8) + c / 8) * PK_Q4_K_SUPER;
+                dst = sb + 32 + j * (16 + 128);
+                for (int r = 0; r < nr; r++) {
+                    const uint8_t *b = W + (g * PK_ROWS + r) * stride + (c / 8) * 144;
+                    if (j == 0) memcpy(sb + 2 * r, b, 2), memcpy(sb + 16 + 2 * r, b + 2, 2);
+                    int sc, mn;
+                    scale_min_k4(b + 4, j, &sc, &mn);
+                    dst[r] = (uint8_t)sc, dst[8 + r] = (uint8_t)mn;
+                    const uint8_t *qs = b + 16 + (j >> 1) * 32;
+                    for (int l = 0; l < 32; l++) u[r][l] = (qs[l] >> (4 * (j & 1))) & 15;
+                }
+                dst += 16;
             }
+            pack_nibbles((const uint8_t(*)[32])u, dst);
         }
+    }
     return 0;
 }
 
@@ -1766,11 +1796,77 @@ HC_INLINE void packed_group_q4_0(const uint8_t *Pg, const hc_xq *x, int64_t nc, 
 #endif
 }
 
+#if HC_QSIMD
+/* The 8 rows' sums over one chunk of sum_i u_r[i] x[i] (nib: the chunk's 4 x 32 packed bytes). */
+HC_INLINE __m256i packed_chunk_sums(const uint8_t *nib, const int8_t *xc) {
+    const __m256i m15 = _mm256_set1_epi8(15);
+    __m256i s16 = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        const __m256i p = ld256(nib + 32 * k);
+        int32_t x0, x1;
+        memcpy(&x0, xc + 4 * k, 4);
+        memcpy(&x1, xc + 4 * k + 16, 4);
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(p, m15), _mm256_set1_epi32(x0)));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), m15),
+                                                          _mm256_set1_epi32(x1)));
+    }
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+HC_INLINE __m256 cvt8_u8(const uint8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+#endif
+
+/* Row r's packed chunk sum, portable. */
+HC_INLINE int32_t packed_chunk_sum1(const uint8_t *nib, const int8_t *xc, int r) {
+    int32_t s = 0;
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < 4; j++) {
+            const uint8_t v = nib[32 * k + 4 * r + j];
+            s += (int32_t)(v & 15) * xc[4 * k + j] + (int32_t)(v >> 4) * xc[4 * k + 16 + j];
+        }
+    return s;
+}
+
+/* out[8] = the 8 rows of a Q4_K group (Pg: its super-blocks) with one token: per chunk,
+ * (float)sum * (d * sc * dx) accumulated, then minus the mins' terms (dmin * mn * dx * sum x). */
+HC_INLINE void packed_group_q4_k(const uint8_t *Pg, const hc_xq *x, int64_t nc, float *out8) {
+#if HC_QSIMD
+    __m256 acc = _mm256_setzero_ps(), macc = _mm256_setzero_ps();
+    for (int64_t sbi = 0; sbi < nc / 8; sbi++) {
+        const uint8_t *sb = Pg + sbi * PK_Q4_K_SUPER;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
+        const __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(sb + 16)));
+        for (int j = 0; j < 8; j++) {
+            const int64_t c = sbi * 8 + j;
+            const uint8_t *b = sb + 32 + j * (16 + 128);
+            const __m256i i32 = packed_chunk_sums(b + 16, x->q + 32 * c);
+            const __m256 s = _mm256_mul_ps(_mm256_mul_ps(d, cvt8_u8(b)), _mm256_set1_ps(x->d[c]));
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), s, acc);
+            macc = _mm256_fmadd_ps(_mm256_mul_ps(dmin, cvt8_u8(b + 8)), _mm256_set1_ps(x->hc[c]), macc);
+        }
+    }
+    _mm256_storeu_ps(out8, _mm256_sub_ps(acc, macc));
+#else
+    float acc[PK_ROWS] = {0}, macc[PK_ROWS] = {0};
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *sb = Pg + (c / 8) * PK_Q4_K_SUPER, *b = sb + 32 + (c & 7) * (16 + 128);
+        for (int r = 0; r < PK_ROWS; r++) {
+            const float s = h2f(rd16(sb + 2 * r)) * (float)b[r], m = h2f(rd16(sb + 16 + 2 * r)) * (float)b[8 + r];
+            acc[r] = fmaf((float)packed_chunk_sum1(b + 16, x->q + 32 * c, r), s * x->d[c], acc[r]);
+            macc[r] = fmaf(m, x->hc[c], macc[r]);
+        }
+    }
+    for (int r = 0; r < PK_ROWS; r++) out8[r] = acc[r] - macc[r];
+#endif
+}
+
 /* out [T, F] = x [T, D] @ W.T from W's packed copy P. Returns 0, or -1 (memory, or a type that has
  * no packed form). */
 int hc_packed_matvec(int wt, const uint8_t *P, int64_t F, int64_t D, const float *x, int64_t T, float *out,
                      int nth) {
-    if (wt != WT_Q4_0 || D % 32) return -1;
+    if (!packable(wt, D)) return -1;
+    const int64_t gbytes = hc_packed_nbytes(wt, PK_ROWS, D); /* one group */
     hc_xq_set xq = {NULL, NULL};
     if (xq_make(x, T, D, &xq) != 0) return -1;
     const int64_t nc = D / 32, ng = (F + PK_ROWS - 1) / PK_ROWS;
@@ -1786,7 +1882,8 @@ int hc_packed_matvec(int wt, const uint8_t *P, int64_t F, int64_t D, const float
             for (int64_t g = it * per; g < ng && g < (it + 1) * per; g++)
                 for (int64_t t = 0; t < T; t++) { /* the group stays in L1 for the other tokens */
                     float o[PK_ROWS];
-                    packed_group_q4_0(P + g * nc * PK_Q4_0_CHUNK, xq.tok + t, nc, o);
+                    if (wt == WT_Q4_0) packed_group_q4_0(P + g * gbytes, xq.tok + t, nc, o);
+                    else packed_group_q4_k(P + g * gbytes, xq.tok + t, nc, o);
                     const int64_t n = F - g * PK_ROWS < PK_ROWS ? F - g * PK_ROWS : PK_ROWS;
                     memcpy(out + t * F + g * PK_ROWS, o, sizeof(float) * (size_t)n);
                 }
