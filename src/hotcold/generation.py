@@ -204,8 +204,7 @@ class Generation:
         if (not self.ignore_eos or m is not None) and self.engine.tokenizer.is_eog(token):
             return self._finish("stop", flush=False)
         if m is not None:
-            m.consume(token)
-            m.start()  # the next mask, while the next forward runs
+            m.consume(token)  # and starts the next mask, which the next forward hides
         if self.logprobs is not None:
             self._lp.append(self._logprob(logits, token))
         self._pending += self._detok.add(token)

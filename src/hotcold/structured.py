@@ -5,7 +5,7 @@ constraint library llama.cpp uses; the `structured` extra). The one module that 
     matcher = Matcher(tokenizer, grammar)                   # one per sequence
     matcher.start()                                         # the first mask, computed off the thread
     logits = matcher.apply(logits)                          # -inf outside the grammar  [V]
-    matcher.consume(token); matcher.start()                 # the next mask, while the next forward runs
+    matcher.consume(token)                                  # and the next mask, while the next forward runs
 
 The tokenizer's vocabulary goes to llguidance once per `Tokenizer` (token bytes, control tokens marked
 with a 0xFF byte as llama.cpp marks them, every end-of-generation token as an end token). A mask is
@@ -129,16 +129,45 @@ class _Vocabulary:
         self.special_token_ids = [i for i, b in enumerate(self.tokens) if b.startswith(b"\xff")]
         self.eog = eog
         self._tokenizer = tokenizer
+        self._by_bytes: dict[bytes, int] | None = None  # bytes -> token, built on first need
+        self._longest = 1
 
     def __call__(self, text: str) -> list[int]:  # llguidance passes str (a bytes call raises)
+        """Token ids whose bytes are exactly `text`'s: llguidance tokenizes forced pieces of output
+        with it. The tokenizer's own encoding when it gives those bytes back (SentencePiece without its
+        space prefix), else the longest vocabulary match at each byte (a vocabulary that strips extra
+        whitespace encodes " " as nothing)."""
         if isinstance(text, bytes):
             raise TypeError("text, not bytes")
         tok = self._tokenizer
-        if tok._spm is not None:  # no SentencePiece space prefix: llguidance tokenizes pieces of text
-            out: list[int] = []
+        out: list[int] = []
+        if tok._spm is not None:
             tok._spm.encode(text, out, prefix=False)
+        else:
+            out = tok.encode(text, add_bos=False, parse_special=False)
+        data = text.encode("utf-8")
+        if b"".join(self.tokens[i] for i in out) == data:
             return out
-        return tok.encode(text, add_bos=False, parse_special=False)
+        return self._greedy(data)
+
+    def _greedy(self, data: bytes) -> list[int]:
+        if self._by_bytes is None:
+            self._by_bytes = {}
+            for i in reversed(range(len(self.tokens))):  # the lowest id wins among equal bytes
+                if self.tokens[i] and not self.tokens[i].startswith(b"\xff"):
+                    self._by_bytes[self.tokens[i]] = i
+            self._longest = max(map(len, self._by_bytes), default=1)
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                token = self._by_bytes.get(data[i : i + n])
+                if token is not None:
+                    out.append(token)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"the vocabulary has no token for byte {data[i]:#04x}")
+        return out
 
 
 def _token_bytes(tokenizer: Tokenizer, i: int) -> bytes:
@@ -193,6 +222,15 @@ def _fresh_matcher(tokenizer: Tokenizer, grammar: str):
     return template.deep_copy()
 
 
+def prepare(tokenizer: Tokenizer, constraint: Constraint) -> None:
+    """Build the constraint's matcher for `tokenizer` now (its lexer; later matchers copy it), so a bad
+    grammar fails here with a ValueError and the batch thread only copies it."""
+    try:
+        _fresh_matcher(tokenizer, constraint.grammar)
+    except ValueError as exc:
+        raise ValueError(f"{constraint.field}: {exc}") from exc
+
+
 class Matcher:
     """One sequence's position in its grammar, and the mask of the tokens allowed next."""
 
@@ -205,10 +243,11 @@ class Matcher:
         self._bits = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)  # [ceil(V/32)]
         self._future: Future | None = None
         self.mask_seconds = 0.0  # time `apply` waited for masks (what the overlap did not hide)
+        self.stopped = False  # the grammar is complete: nothing but an end token may follow
 
     def start(self) -> None:
         """Compute the next mask on a worker thread (call after each consume)."""
-        if self._future is None:  # when stopped, the mask allows the end tokens only
+        if self._future is None:
             self._future = _POOL.submit(self._fill)
 
     def _fill(self) -> None:
@@ -237,17 +276,14 @@ class Matcher:
         return out
 
     def consume(self, token: int) -> None:
-        if self._future is not None:  # never consume while a mask is being computed
+        """Advance past `token`, then start the next mask (unless the grammar is complete, `stopped`).
+        The matcher is never touched while a mask is being computed (llguidance's objects are not
+        shared between threads)."""
+        if self._future is not None:
             self._future.result()
             self._future = None
         if not self._m.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
-
-    @property
-    def stopped(self) -> bool:
-        """The grammar is complete and allows nothing but an end token."""
-        return self._m.is_stopped()
-
-    @property
-    def accepting(self) -> bool:
-        return self._m.is_accepting()
+        self.stopped = self._m.is_stopped()
+        if not self.stopped:
+            self.start()

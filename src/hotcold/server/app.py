@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from hotcold import __version__
 from hotcold.engine import Engine
 from hotcold.sampling import SamplingParams
-from hotcold.server import figures
+from hotcold.server import constraints, figures
 from hotcold.server.guard import Guard, add_error_handlers
 from hotcold.server.metrics import Metrics
 from hotcold.server.protocol import (
@@ -159,8 +159,16 @@ def create_app(
             token_bytes=server.token_bytes,
             hybrid=server.hybrid,
         )
+        constraint = await constraints.constraint(body, llm.tokenizer)
         gens = server.generations(
-            ids, body.max_tokens, _openai_params(body), body.stop, body.ignore_eos, body.n, body.logprobs
+            ids,
+            body.max_tokens,
+            _openai_params(body),
+            body.stop,
+            body.ignore_eos,
+            body.n,
+            body.logprobs,
+            constraint=constraint,
         )
         return await server.respond(request, gens, fmt, stream=body.stream)
 
@@ -177,8 +185,16 @@ def create_app(
             server.model_id, include_usage=include_usage, token_bytes=server.token_bytes, hybrid=server.hybrid
         )
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        constraint = await constraints.constraint(body, llm.tokenizer)
         gens = server.generations(
-            ids, max_tokens, _openai_params(body), body.stop, body.ignore_eos, body.n, logprobs
+            ids,
+            max_tokens,
+            _openai_params(body),
+            body.stop,
+            body.ignore_eos,
+            body.n,
+            logprobs,
+            constraint=constraint,
         )
         return await server.respond(request, gens, fmt, stream=body.stream)
 
@@ -194,7 +210,8 @@ def create_app(
             seed=None if body.seed == -1 else body.seed,
         )
         max_tokens = None if body.n_predict == -1 else body.n_predict
-        gens = server.generations(ids, max_tokens, params, body.stop, body.ignore_eos)
+        constraint = await constraints.constraint(body, llm.tokenizer)
+        gens = server.generations(ids, max_tokens, params, body.stop, body.ignore_eos, constraint=constraint)
         fmt = LlamaFormat(server.model_id, hybrid=server.hybrid)
         return await server.respond(request, gens, fmt, stream=body.stream)
 
@@ -276,6 +293,8 @@ class _Server:
         ignore_eos: bool,
         n: int = 1,
         logprobs: int | None = None,
+        *,
+        constraint=None,
     ) -> list[GenerationRequest]:
         """One request per choice; choice i samples with seed `seed + i` (mod 2**64) when a seed is
         given, so it equals the n=1 request with that seed (see hotcold.server.protocol)."""
@@ -286,7 +305,7 @@ class _Server:
         out = []
         for i in range(n):
             seeded = params if params.seed is None else replace(params, seed=(params.seed + i) % SEED_LIMIT)
-            out.append(GenerationRequest(ids, count, seeded, stops, ignore_eos, logprobs))
+            out.append(GenerationRequest(ids, count, seeded, stops, ignore_eos, logprobs, constraint))
         return out
 
     async def respond(self, request: Request, gens: list[GenerationRequest], fmt: Format, *, stream: bool):

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
@@ -81,6 +81,21 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # None: any JSON object
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    """OpenAI's `response_format`: "text", "json_object" or "json_schema" (hotcold.server.constraints)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")  # llama.cpp's spelling of json_object's
+
+
 class _OpenAISampling(_Request):
     model: str | None = None
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -95,6 +110,8 @@ class _OpenAISampling(_Request):
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     repeat_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
+    response_format: ResponseFormat | None = None
+    grammar: str | None = None  # llama.cpp's / vLLM's guided grammar (GBNF or Lark)
 
 
 class CompletionRequest(_OpenAISampling):
@@ -138,6 +155,9 @@ class LlamaCompletionRequest(_Request):
     seed: int = -1  # -1: random
     stop: StopList = []
     ignore_eos: bool = False
+    grammar: str | None = None  # GBNF (or Lark)
+    json_schema: dict[str, Any] | None = None
+    response_format: ResponseFormat | None = None
 
 
 class TokenizeRequest(_Request):

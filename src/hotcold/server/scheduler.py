@@ -23,6 +23,7 @@ from hotcold import batching
 from hotcold.engine import Chunk, Engine
 from hotcold.generation import Generation, common_prefix
 from hotcold.sampling import SamplingParams
+from hotcold.structured import Constraint
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ class GenerationRequest:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token (Generation's logprobs); None: no logprobs
+    constraint: Constraint | None = None  # structured output (hotcold.structured)
 
 
 class QueueFull(RuntimeError):
@@ -187,6 +189,7 @@ class Scheduler:
                     stop=r.stop,
                     ignore_eos=r.ignore_eos,
                     logprobs=r.logprobs,
+                    constraint=r.constraint,
                 )
             except Exception as exc:  # a prompt the engine refuses: this request fails, the others go on
                 job._put(exc)
