@@ -162,3 +162,29 @@ def test_prompt_file_missing(capsys, tmp_path, tiny_dense_gguf):
     assert "nope.txt" in run_error(
         capsys, ["generate", "-m", str(tiny_dense_gguf), "-f", str(tmp_path / "nope.txt")]
     )
+
+
+def test_generate_json_schema_and_grammar_files(tiny_sparse_gguf, tmp_path, capsys):
+    import json
+
+    schema = tmp_path / "s.json"
+    schema.write_text(
+        json.dumps({"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3})
+    )
+    base = ["generate", "-m", str(tiny_sparse_gguf), "-p", "x", "-n", "40", "--seed", "1"]
+    assert main([*base, "--json-schema", str(schema)]) == 0
+    value = json.loads(capsys.readouterr().out)
+    assert isinstance(value, list) and 1 <= len(value) <= 3 and all(isinstance(v, bool) for v in value)
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "yes" | "no"\n')
+    assert main([*base, "--grammar", str(grammar)]) == 0
+    assert capsys.readouterr().out.strip() in ("yes", "no")
+
+
+def test_generate_bad_schema_names_the_flag(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"type": "nonsense"}')
+    err = run_error(capsys, ["generate", "--json-schema", str(bad)])
+    assert "--json-schema" in err and "bad.json" in err
+    err = run_error(capsys, ["generate", "--grammar", str(tmp_path / "missing.gbnf")])
+    assert "no such file" in err

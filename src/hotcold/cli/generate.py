@@ -20,6 +20,12 @@ def add_args(p) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**64) (default: random)")
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     p.add_argument("--ignore-eos", action="store_true", help="always generate n-predict tokens")
+    p.add_argument(
+        "--json-schema", default=None, metavar="FILE", help="constrain the output to this JSON schema"
+    )
+    p.add_argument(
+        "--grammar", default=None, metavar="FILE", help="constrain the output to this grammar (GBNF or Lark)"
+    )
 
 
 def run(args) -> int:
@@ -31,6 +37,7 @@ def run(args) -> int:
         prompt = args.prompt
     else:
         prompt = "Once upon a time"
+    constrain = _constraint_args(args)  # a bad schema or grammar fails before the model loads
     llm = load_from_args(args)
     for note in llm.loaded.notes:
         print(f"hotcold: {note}", file=sys.stderr)
@@ -46,6 +53,7 @@ def run(args) -> int:
         repeat_penalty=args.repeat_penalty,
         seed=args.seed,
         ignore_eos=args.ignore_eos,
+        **constrain,
     ):
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -58,3 +66,18 @@ def run(args) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _constraint_args(args) -> dict:
+    from hotcold.structured import compile_constraint
+    from hotcold.validate import read_text_file
+
+    out = {}
+    if args.json_schema is not None:
+        out["json_schema"] = read_text_file(args.json_schema, "the JSON schema, --json-schema")
+    if args.grammar is not None:
+        out["grammar"] = read_text_file(args.grammar, "the grammar, --grammar")
+    if out:
+        flag = "--json-schema" if "json_schema" in out else "--grammar"
+        compile_constraint(field=f"{flag} {args.json_schema or args.grammar}", **out)
+    return out
