@@ -270,10 +270,12 @@ class Matcher:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """`logits` [V'] with every token the grammar does not allow at -inf (V' >= V: the padding too)."""
         allowed = self.allowed()
-        out = torch.full_like(logits, float("-inf"))
-        n = min(self.n_vocab, logits.shape[-1])
-        out[:n] = torch.where(allowed[:n], logits[:n], out[:n])
-        return out
+        if logits.shape[-1] != self.n_vocab:
+            padded = torch.zeros(logits.shape[-1], dtype=torch.bool)
+            n = min(self.n_vocab, logits.shape[-1])
+            padded[:n] = allowed[:n]
+            allowed = padded
+        return logits.masked_fill(~allowed, float("-inf"))
 
     def consume(self, token: int) -> None:
         """Advance past `token`, then start the next mask (unless the grammar is complete, `stopped`).
