@@ -474,10 +474,10 @@ def test_dequantize_rows_bad_inputs(backend):
         cpu.dequantize_rows(qt, out=torch.empty(10, 32))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_packed_matmul(backend, fmt, t):
-    """Q4_0 and Q4_K repacked for whole-matrix products (rows in groups of 8; 1001 rows: a padded last group):
+    """Q4_0, Q4_K and Q6_K repacked for whole-matrix products (rows in groups of 8; 1001 rows: a padded last group):
     the dot with the quantized x to fp32 rounding, bit-identical for any thread count and for a batch
     against token by token; the row kernel's answer to a few ulps."""
     gen = torch.Generator().manual_seed(21)
@@ -487,7 +487,7 @@ def test_packed_matmul(backend, fmt, t):
     if backend == "torch":  # no C kernels: nothing to pack for
         assert p is w
         return
-    per_group = d // 32 * 144 if fmt == "q4_0" else d // 256 * (32 + 8 * 144)
+    per_group = {"q4_0": d // 32 * 144, "q4_k": d // 256 * (32 + 8 * 144), "q6_k": d // 256 * 8 * 210}[fmt]
     assert p.packed is not None and p.packed.numel() == (F + 7) // 8 * per_group
     assert torch.equal(p.data, w.data) and p == w  # the rows themselves are untouched
     x = torch.randn(t, d, generator=gen)
@@ -504,6 +504,6 @@ def test_packed_matmul(backend, fmt, t):
 
 def test_pack_leaves_other_weights_alone(backend):
     gen = torch.Generator().manual_seed(22)
-    for fmt in ("f16", "q8_0", "q6_k"):
+    for fmt in ("f16", "q8_0", "q5_k"):
         w, _ = make_weight(fmt, 64, gen)
         assert cpu.pack(w) is w

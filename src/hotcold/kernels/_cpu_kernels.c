@@ -695,7 +695,7 @@ HC_INLINE int wt_is_block(const int wt) { return wt >= WT_Q8_0; }
 typedef struct hc_xq_s {
     const int8_t *q;
     const float *d, *hs, *hc;
-    const int32_t *ls, *qsum; /* qsum [D/32]: the sum of q over each chunk */
+    const int32_t *ls, *qsum, *qhs; /* qsum [D/32], qhs [D/16]: the sums of q over each chunk, each half */
 } hc_xq;
 
 typedef struct { /* T tokens' quantized activations in one allocation */
@@ -712,15 +712,15 @@ static void xq_free(hc_xq_set *s) {
 /* Quantize T rows of D floats (D a multiple of 32). Returns 0, or -1 if memory ran out. */
 static int xq_make(const float *x, int64_t T, int64_t D, hc_xq_set *s) {
     const int64_t nc = D / 32;
-    const size_t per = (size_t)D + sizeof(float) * (size_t)(4 * nc) + sizeof(int32_t) * (size_t)(9 * nc);
+    const size_t per = (size_t)D + sizeof(float) * (size_t)(4 * nc) + sizeof(int32_t) * (size_t)(11 * nc);
     s->mem = malloc(sizeof(hc_xq) * (size_t)T + per * (size_t)T + 64);
     if (!s->mem) return -1;
     s->tok = (hc_xq *)s->mem;
     uint8_t *p = (uint8_t *)(s->tok + T);
     for (int64_t t = 0; t < T; t++) {
         float *d = (float *)p, *hs = d + nc, *hc = hs + 2 * nc;
-        int32_t *ls = (int32_t *)(hc + nc), *qsum = ls + 8 * nc;
-        int8_t *q = (int8_t *)(qsum + nc);
+        int32_t *ls = (int32_t *)(hc + nc), *qsum = ls + 8 * nc, *qhs = qsum + nc;
+        int8_t *q = (int8_t *)(qhs + 2 * nc);
         p = (uint8_t *)(q + D);
         const float *xt = x + t * D;
         for (int64_t c = 0; c < nc; c++) {
@@ -744,8 +744,9 @@ static int xq_make(const float *x, int64_t T, int64_t D, hc_xq_set *s) {
             hs[2 * c + 1] = dc * (float)h1;
             hc[c] = dc * (float)(h0 + h1);
             qsum[c] = h0 + h1;
+            qhs[2 * c] = h0, qhs[2 * c + 1] = h1;
         }
-        const hc_xq one = {q, d, hs, hc, ls, qsum};
+        const hc_xq one = {q, d, hs, hc, ls, qsum, qhs};
         s->tok[t] = one;
     }
     return 0;
@@ -1680,7 +1681,7 @@ int hc_dequantize(int wt, const uint8_t *W, int64_t stride, const int32_t *rows,
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Dense GEMV over a repacked copy (Q4_0, Q4_K): rows in groups of 8, each 32-value chunk stored as the 8
+ * Dense GEMV over a repacked copy (Q4_0, Q4_K, Q6_K): rows in groups of 8, each 32-value chunk stored as the 8
  * rows' fp16 scales (16 bytes) and 4 x 32 bytes where byte 4r + j of part k holds value 4k + j of row
  * r in its low nibble and value 4k + 16 + j in its high one. One 32-bit broadcast of 4 activations
  * then multiplies 4 values of all 8 rows (maddubs), a chunk's products add up in 16-bit lanes (at
@@ -1695,13 +1696,23 @@ int hc_dequantize(int wt, const uint8_t *W, int64_t stride, const int32_t *rows,
 /* Q4_K: per super-block of a group the 8 rows' d and dmin (fp16), then per chunk their 6-bit scale and
  * min (one byte each) and the nibbles as Q4_0's: 32 + 8 * (16 + 128) bytes, the file's 8 * 144 + 32. */
 #define PK_Q4_K_SUPER (32 + 8 * (16 + 128))
+/* Q6_K: per super-block the 8 rows' d, then per chunk their two int8 scales (first halves, then second
+ * halves), the low nibbles in Q4_0's order (128 bytes) and the 2 high bits (64 bytes: byte 4r + j of
+ * pair kk holds those of values 4kk + j, 4kk + 16 + j, 4kk + 8 + j, 4kk + 24 + j, two bits each):
+ * exactly the file's 8 * 210 bytes. */
+#define PK_Q6_K_CHUNK (16 + 128 + 64)
+#define PK_Q6_K_SUPER (16 + 8 * PK_Q6_K_CHUNK)
 
-HC_INLINE int packable(int wt, int64_t D) { return (wt == WT_Q4_0 && D % 32 == 0) || (wt == WT_Q4_K && D % 256 == 0); }
+HC_INLINE int packable(int wt, int64_t D) {
+    return (wt == WT_Q4_0 && D % 32 == 0) || ((wt == WT_Q4_K || wt == WT_Q6_K) && D % 256 == 0);
+}
 
 int64_t hc_packed_nbytes(int wt, int64_t F, int64_t D) {
     if (!packable(wt, D)) return -1;
     const int64_t ng = (F + PK_ROWS - 1) / PK_ROWS;
-    return wt == WT_Q4_0 ? ng * (D / 32) * PK_Q4_0_CHUNK : ng * (D / 256) * PK_Q4_K_SUPER;
+    return wt == WT_Q4_0   ? ng * (D / 32) * PK_Q4_0_CHUNK
+           : wt == WT_Q4_K ? ng * (D / 256) * PK_Q4_K_SUPER
+                           : ng * (D / 256) * PK_Q6_K_SUPER;
 }
 
 /* The nibbles of 8 rows' chunks (u[r]: 32 values 0..15 each) in the packed order. */
@@ -1730,6 +1741,33 @@ int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint
                     memcpy(dst + 2 * r, b, 2);
                     for (int l = 0; l < 16; l++) u[r][l] = b[2 + l] & 15, u[r][l + 16] = b[2 + l] >> 4;
                 }
+                dst += 16;
+            } else if (wt == WT_Q6_K) {
+                const int j = (int)(c & 7);
+                uint8_t *sb = P + (g * (nc / 8) + c / 8) * PK_Q6_K_SUPER;
+                dst = sb + 16 + j * PK_Q6_K_CHUNK;
+                uint8_t hb[PK_ROWS][32] = {{0}};
+                for (int r = 0; r < nr; r++) {
+                    const uint8_t *b = W + (g * PK_ROWS + r) * stride + (c / 8) * 210;
+                    if (j == 0) memcpy(sb + 2 * r, b + 208, 2);
+                    chunk_ints ci;
+                    dec_q6_k(b, j, &ci);
+                    const int h = j >> 2, qq = j & 3;
+                    const int8_t *sc = (const int8_t *)(b + 192) + h * 8 + 2 * qq;
+                    dst[r] = (uint8_t)sc[0], dst[8 + r] = (uint8_t)sc[1];
+                    for (int l = 0; l < 32; l++) {
+                        const int v = ci.q[l] + 32; /* 0..63 */
+                        u[r][l] = (uint8_t)(v & 15), hb[r][l] = (uint8_t)(v >> 4);
+                    }
+                }
+                uint8_t *hi = dst + 16 + 128;
+                for (int r = 0; r < PK_ROWS; r++)
+                    for (int kk = 0; kk < 2; kk++)
+                        for (int jj = 0; jj < 4; jj++) {
+                            const int v0 = 4 * kk + jj;
+                            hi[32 * kk + 4 * r + jj] = (uint8_t)(hb[r][v0] | (hb[r][v0 + 16] << 2) | (hb[r][v0 + 8] << 4) |
+                                                                 (hb[r][v0 + 24] << 6));
+                        }
                 dst += 16;
             } else { /* Q4_K */
                 const int j = (int)(c & 7);
@@ -1861,6 +1899,70 @@ HC_INLINE void packed_group_q4_k(const uint8_t *Pg, const hc_xq *x, int64_t nc, 
 #endif
 }
 
+/* Value l of row r in a packed Q6_K chunk (b: the chunk), 0..63. */
+HC_INLINE int packed_q6_value(const uint8_t *b, int r, int l) {
+    const int half = l >> 4, m = l & 15, k = m >> 2, j = m & 3; /* l = 4k + j + 16 half */
+    const uint8_t nib = b[16 + 32 * k + 4 * r + j];
+    const int lo = half ? nib >> 4 : nib & 15;
+    const int kk = k & 1, which = (k >> 1) * 2 + half; /* value 4kk + j + 8 (k >> 1) + 16 half */
+    return lo | (((b[16 + 128 + 32 * kk + 4 * r + j] >> (2 * which)) & 3) << 4);
+}
+
+/* out[8] = the 8 rows of a Q6_K group with one token: per half of each chunk, (float)(sum u x - 32 sum x)
+ * * (d * scale * dx), accumulated in chunk and half order. */
+HC_INLINE void packed_group_q6_k(const uint8_t *Pg, const hc_xq *x, int64_t nc, float *out8) {
+#if HC_QSIMD
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i m15 = _mm256_set1_epi8(15), m3 = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    for (int64_t sbi = 0; sbi < nc / 8; sbi++) {
+        const uint8_t *sb = Pg + sbi * PK_Q6_K_SUPER;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)sb));
+        for (int j = 0; j < 8; j++) {
+            const int64_t c = sbi * 8 + j;
+            const uint8_t *b = sb + 16 + j * PK_Q6_K_CHUNK;
+            const int8_t *xc = x->q + 32 * c;
+            const __m256i h0 = ld256(b + 16 + 128), h1 = ld256(b + 16 + 128 + 32);
+            __m256i i32[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
+            for (int k = 0; k < 4; k++) {
+                const __m256i p = ld256(b + 16 + 32 * k), hb = (k & 1) ? h1 : h0;
+                const int sh = (k >> 1) * 4;
+                const __m256i lo = _mm256_or_si256(_mm256_and_si256(p, m15),
+                                                   _mm256_slli_epi16(_mm256_and_si256(srl16(hb, sh), m3), 4));
+                const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(p, 4), m15),
+                                                   _mm256_slli_epi16(_mm256_and_si256(srl16(hb, sh + 2), m3), 4));
+                int32_t x0, x1;
+                memcpy(&x0, xc + 4 * k, 4);
+                memcpy(&x1, xc + 4 * k + 16, 4);
+                i32[0] = _mm256_add_epi32(i32[0], _mm256_madd_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)), ones));
+                i32[1] = _mm256_add_epi32(i32[1], _mm256_madd_epi16(_mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)), ones));
+            }
+            const __m256 dx = _mm256_set1_ps(x->d[c]);
+            for (int h = 0; h < 2; h++) {
+                const __m256i v = _mm256_sub_epi32(i32[h], _mm256_set1_epi32(32 * x->qhs[2 * c + h]));
+                const __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 8 * h))));
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(_mm256_mul_ps(d, sc), dx), acc);
+            }
+        }
+    }
+    _mm256_storeu_ps(out8, acc);
+#else
+    float acc[PK_ROWS] = {0};
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *sb = Pg + (c / 8) * PK_Q6_K_SUPER, *b = sb + 16 + (c & 7) * PK_Q6_K_CHUNK;
+        const int8_t *xc = x->q + 32 * c;
+        for (int r = 0; r < PK_ROWS; r++)
+            for (int h = 0; h < 2; h++) {
+                int32_t sum = 0;
+                for (int l = 16 * h; l < 16 * h + 16; l++) sum += packed_q6_value(b, r, l) * xc[l];
+                sum -= 32 * x->qhs[2 * c + h];
+                const float s = h2f(rd16(sb + 2 * r)) * (float)(int8_t)b[8 * h + r];
+                acc[r] = fmaf((float)sum, s * x->d[c], acc[r]);
+            }
+    }
+    memcpy(out8, acc, sizeof acc);
+#endif
+}
+
 /* out [T, F] = x [T, D] @ W.T from W's packed copy P. Returns 0, or -1 (memory, or a type that has
  * no packed form). */
 int hc_packed_matvec(int wt, const uint8_t *P, int64_t F, int64_t D, const float *x, int64_t T, float *out,
@@ -1883,7 +1985,8 @@ int hc_packed_matvec(int wt, const uint8_t *P, int64_t F, int64_t D, const float
                 for (int64_t t = 0; t < T; t++) { /* the group stays in L1 for the other tokens */
                     float o[PK_ROWS];
                     if (wt == WT_Q4_0) packed_group_q4_0(P + g * gbytes, xq.tok + t, nc, o);
-                    else packed_group_q4_k(P + g * gbytes, xq.tok + t, nc, o);
+                    else if (wt == WT_Q4_K) packed_group_q4_k(P + g * gbytes, xq.tok + t, nc, o);
+                    else packed_group_q6_k(P + g * gbytes, xq.tok + t, nc, o);
                     const int64_t n = F - g * PK_ROWS < PK_ROWS ? F - g * PK_ROWS : PK_ROWS;
                     memcpy(out + t * F + g * PK_ROWS, o, sizeof(float) * (size_t)n);
                 }
