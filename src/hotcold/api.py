@@ -169,11 +169,12 @@ class Model:
     def stream_chat(self, messages: Sequence[dict], **kwargs) -> Iterator[str]:
         return self.stream(self.chat_prompt_ids(messages), **kwargs)
 
-    def chat_prompt_ids(self, messages: Sequence[dict]) -> list[int]:
+    def chat_prompt_ids(self, messages: Sequence[dict], *, tools: Sequence[dict] | None = None) -> list[int]:
+        """The prompt of a conversation (OpenAI messages; `tools`: function definitions, see hotcold.chat)."""
         from hotcold.chat import render_chat
 
         # a template that writes the BOS text itself gets no second BOS from the tokenizer
-        prompt = render_chat(self.tokenizer, messages)
+        prompt = render_chat(self.tokenizer, messages, tools=tools)
         bos_id = self.tokenizer.bos_id
         ids = self.tokenizer.encode(prompt, add_bos=True, add_eos=False)  # the reply follows the prompt
         if bos_id is not None and len(ids) > 1 and ids[0] == bos_id and ids[1] == bos_id:

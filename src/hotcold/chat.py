@@ -1,8 +1,16 @@
 """Chat prompts: the model's own `tokenizer.chat_template` (jinja2, as transformers renders it), else a
-plain built-in template."""
+plain built-in template.
+
+Tools (OpenAI's function definitions): a template that mentions `tools` gets them (and the history's
+`tool_calls` and `tool` messages) as transformers passes them. Any other template gets the documented
+fallback: a system message (`TOOLS_PROMPT`) listing the functions and asking for calls written as
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (the Hermes / Qwen format), the history's
+calls written the same way in the assistant's turns, and `tool` results as user turns
+`<tool_response>...</tool_response>`. hotcold.server.tools parses calls in that format."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from datetime import datetime
 
@@ -21,7 +29,12 @@ FALLBACK_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
+TOOLS_PROMPT = (
+    "You may call functions. The functions, as JSON schemas:\n{tools}\n"
+    'To call one, answer with <tool_call>{{"name": <function name>, "arguments": <arguments object>}}'
+    "</tool_call> and nothing else."
+)
 
 
 def validate_messages(messages: Sequence[dict]) -> None:
@@ -32,13 +45,62 @@ def validate_messages(messages: Sequence[dict]) -> None:
             raise ValueError(f"messages[{i}] must be an object with 'role' and 'content'")
         if m["role"] not in ROLES:
             raise ValueError(f"messages[{i}].role {m['role']!r} is not one of {ROLES}")
-        if not isinstance(m["content"], str):
+        if not isinstance(m["content"], str) and not (m["content"] is None and m.get("tool_calls")):
             raise ValueError(f"messages[{i}].content must be a string")
 
 
-def render_chat(tokenizer: Tokenizer, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> str:
+def call_text(call: dict) -> str:
+    """One OpenAI tool call ({"function": {"name", "arguments"}}) in the fallback's format."""
+    fn = call.get("function", call)
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args)
+        except ValueError:
+            pass
+    return "<tool_call>" + json.dumps({"name": fn.get("name"), "arguments": args}) + "</tool_call>"
+
+
+def _fallback_tools(messages: Sequence[dict], tools: Sequence[dict] | None) -> list[dict]:
+    """Messages with tools, calls and results written as text (the module docstring's format)."""
+    out = []
+    for m in messages:
+        if m["role"] == "tool":
+            out.append({"role": "user", "content": f"<tool_response>{m['content']}</tool_response>"})
+        elif m.get("tool_calls"):
+            calls = "".join(call_text(c) for c in m["tool_calls"])
+            out.append({"role": "assistant", "content": (m["content"] or "") + calls})
+        else:
+            out.append({"role": m["role"], "content": m["content"]})
+    if tools:
+        prompt = TOOLS_PROMPT.format(tools="\n".join(json.dumps(t.get("function", t)) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + prompt}
+        else:
+            out.insert(0, {"role": "system", "content": prompt})
+    return out
+
+
+def render_chat(
+    tokenizer: Tokenizer,
+    messages: Sequence[dict],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[dict] | None = None,
+) -> str:
     validate_messages(messages)
     template = tokenizer.chat_template or FALLBACK_TEMPLATE
+    native = "tools" in template and "tool_calls" in template  # the template renders tools itself
+    extra: dict = {}
+    if native:
+        if tools:
+            extra["tools"] = list(tools)
+        keep = ("role", "content", "tool_calls", "tool_call_id", "name")
+        messages = [{k: m[k] for k in keep if k in m} for m in messages]
+    elif tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+        messages = _fallback_tools(messages, tools)
+    else:
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
 
     def raise_exception(message):
@@ -55,10 +117,11 @@ def render_chat(tokenizer: Tokenizer, messages: Sequence[dict], *, add_generatio
     eos = tokenizer.piece(tokenizer.eos_id) if tokenizer.eos_id is not None else ""
     try:
         return compiled.render(
-            messages=[{"role": m["role"], "content": m["content"]} for m in messages],
+            messages=messages,
             add_generation_prompt=add_generation_prompt,
             bos_token=bos,
             eos_token=eos,
+            **extra,
         )
     except (jinja2.TemplateError, TypeError) as exc:
         raise ValueError(f"the model's chat template failed: {exc}") from exc

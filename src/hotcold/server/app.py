@@ -25,7 +25,7 @@ from starlette.concurrency import run_in_threadpool
 from hotcold import __version__
 from hotcold.engine import Engine
 from hotcold.sampling import SamplingParams
-from hotcold.server import constraints, figures
+from hotcold.server import constraints, figures, tools
 from hotcold.server.guard import Guard, add_error_handlers
 from hotcold.server.metrics import Metrics
 from hotcold.server.protocol import (
@@ -179,13 +179,22 @@ def create_app(
             raise ApiError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
         messages = chat_messages(body.messages)
-        ids = await server.chat_ids(messages)
+        offered, call_grammar = tools.choice(body.tools, body.tool_choice)
+        ids = await server.chat_ids(messages, offered)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        fmt = ChatFormat(
+        fmt = (tools.ToolChatFormat if offered else ChatFormat)(
             server.model_id, include_usage=include_usage, token_bytes=server.token_bytes, hybrid=server.hybrid
         )
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         constraint = await constraints.constraint(body, llm.tokenizer)
+        if call_grammar is not None:  # tool_choice required or a named function: the call always parses
+            if constraint is not None:
+                raise ApiError(
+                    400,
+                    f"tool_choice {body.tool_choice!r} and {constraint.field} together",
+                    param="tool_choice",
+                )
+            constraint = await constraints.compile_field("tool_choice", llm.tokenizer, grammar=call_grammar)
         gens = server.generations(
             ids,
             max_tokens,
@@ -265,9 +274,9 @@ class _Server:
         self.check_ids(prompt, "prompt")
         return self._check_prompt(list(prompt))
 
-    async def chat_ids(self, messages: list[dict]) -> list[int]:
+    async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
-            ids = await run_in_threadpool(self.llm.chat_prompt_ids, messages)
+            ids = await run_in_threadpool(self.llm.chat_prompt_ids, messages, tools=tools)
         except ValueError as exc:  # bad roles, or the template refused the conversation
             raise ApiError(400, str(exc), param="messages") from exc
         return self._check_prompt(ids)

@@ -57,6 +57,11 @@ async def constraint(body, tokenizer) -> structured.Constraint | None:
         names = " and ".join(name for name, _ in given)
         raise ApiError(400, f"give one structured output constraint, not {names}", param=given[1][0])
     field, kwargs = given[0]
+    return await compile_field(field, tokenizer, **kwargs)
+
+
+async def compile_field(field: str, tokenizer, **kwargs) -> structured.Constraint:
+    """compile_constraint(**kwargs) off the event loop, bounded in time; its matcher built."""
 
     def build() -> structured.Constraint:
         c = structured.compile_constraint(field=field, **kwargs)

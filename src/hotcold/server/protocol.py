@@ -131,6 +131,8 @@ class ChatMessage(_Request):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls (hotcold.server.tools)
+    tool_call_id: str | None = None  # a tool message's answer to that call
 
 
 class ChatCompletionRequest(_OpenAISampling):
@@ -139,6 +141,9 @@ class ChatCompletionRequest(_OpenAISampling):
     max_completion_tokens: int | None = Field(None, ge=0)  # OpenAI's newer name for max_tokens
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # needs logprobs: true
+    tools: Annotated[list[dict[str, Any]], Field(max_length=128)] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # none, auto, required or a function
+    parallel_tool_calls: bool | None = None  # accepted; calls are parsed however many there are
 
 
 class LlamaCompletionRequest(_Request):
@@ -187,7 +192,8 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
         else:
             content = m.content or ""
         role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for the system role
-        out.append({"role": role, "content": content})
+        extra = {k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id)) if v}
+        out.append({"role": role, "content": None if m.content is None and m.tool_calls else content} | extra)
     return out
 
 

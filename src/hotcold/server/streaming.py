@@ -31,7 +31,9 @@ async def events(jobs, fmt: Format) -> AsyncIterator[str]:
         async with contextlib.aclosing(merged(jobs)) as chunks:
             async for i, chunk in chunks:
                 if chunk.text or chunk.logprobs:
-                    yield sse(fmt.chunk(i, chunk.text, chunk.logprobs))
+                    obj = fmt.chunk(i, chunk.text, chunk.logprobs)
+                    if obj is not None:  # a format may hold text back (tool calls: until the end)
+                        yield sse(obj)
                 if chunk.finish_reason is not None:
                     stats[i] = chunk.stats
                     for obj in fmt.end(i, chunk.finish_reason, chunk.stats):
