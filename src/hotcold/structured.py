@@ -275,7 +275,7 @@ class Matcher:
             n = min(self.n_vocab, logits.shape[-1])
             padded[:n] = allowed[:n]
             allowed = padded
-        return logits.masked_fill(~allowed, float("-inf"))
+        return logits.masked_fill(~allowed.to(logits.device), float("-inf"))
 
     def consume(self, token: int) -> None:
         """Advance past `token`, then start the next mask (unless the grammar is complete, `stopped`).

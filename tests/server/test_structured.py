@@ -30,6 +30,52 @@ LIST = {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems"
 CHAT = [{"role": "user", "content": "Describe an item as JSON."}]
 
 
+def obj(props: dict, required: list[str] | None = None) -> dict:
+    req = list(props) if required is None else required
+    return {"type": "object", "properties": props, "required": req, "additionalProperties": False}
+
+
+S = {"type": "string", "maxLength": 5}
+VARIED = [
+    obj({"a": S}),
+    obj({"n": {"type": "integer", "minimum": 0, "maximum": 9}}),
+    obj({"x": {"type": "number", "minimum": -1, "maximum": 1}}),
+    obj({"b": {"type": "boolean"}, "s": S}),
+    obj({"e": {"enum": ["x", "y", "z"]}}),
+    obj({"e": {"enum": [1, 2, "three", None]}}),
+    obj({"l": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 3}}),
+    obj({"l": {"type": "array", "items": S, "minItems": 1, "maxItems": 2}}),
+    obj({"o": obj({"p": obj({"q": {"type": "boolean"}})})}),
+    obj({"k": S, "opt": S}, required=["k"]),
+    {"type": "array", "items": obj({"id": {"type": "integer", "minimum": 1, "maximum": 5}}), "maxItems": 2},
+    {"type": "array", "items": {"enum": ["a", "b"]}, "minItems": 2, "maxItems": 2},
+    obj({"m": {"type": "integer", "minimum": -50, "maximum": -10}}),
+    obj({"f": {"type": "number", "minimum": 100, "maximum": 200}}),
+    obj(
+        {
+            "t": {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+                "maxItems": 2,
+            }
+        }
+    ),
+    obj({"u": S, "v": {"type": "integer", "minimum": 0, "maximum": 3}, "w": {"enum": ["on", "off"]}}),
+    {"type": "boolean"},
+    {"type": "integer", "minimum": 10, "maximum": 20},
+    {"enum": ["alpha", "beta"]},
+    obj(
+        {
+            "list": {
+                "type": "array",
+                "items": obj({"k": {"enum": ["a"]}, "v": {"type": "boolean"}}),
+                "maxItems": 2,
+            }
+        }
+    ),
+]
+
+
 def response_format(schema: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "item", "schema": schema, "strict": True}}
 
@@ -47,6 +93,36 @@ def test_chat_json_schema_parses_and_validates_for_several_seeds(server_url):
         )
         assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
         check(json.loads(r.choices[0].message.content), ITEM)
+
+
+@pytest.mark.parametrize("which", ["sparse", "dense"])
+def test_twenty_varied_schemas(which, server_url, tiny_dense_gguf):
+    """20 schemas (nested objects, arrays, enums, bounded numbers, required and optional fields), each
+    giving output that parses and validates, on the sparse and the dense model."""
+    if which == "dense":
+        with running(create_app(hotcold.load(tiny_dense_gguf, device="cpu"), parallel=4)) as url:
+            return _twenty(url)
+    _twenty(server_url)
+
+
+def _twenty(url: str) -> None:
+    client = openai_client(url)
+
+    def ask(i: int) -> None:
+        r = client.chat.completions.create(
+            model="x",
+            messages=CHAT,
+            max_tokens=120,
+            temperature=1.0,
+            seed=i,
+            response_format=response_format(VARIED[i]),
+        )
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop", (i, text)
+        check(json.loads(text), VARIED[i])
+
+    with ThreadPoolExecutor(4) as pool:  # in batches of 4 on the server's 4 slots
+        list(pool.map(ask, range(len(VARIED))))
 
 
 def test_openai_client_parse_gives_the_pydantic_object(server_url):
