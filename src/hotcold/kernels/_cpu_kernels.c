@@ -1729,6 +1729,9 @@ int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint
     if (!packable(wt, D)) return -1;
     const int64_t nc = D / 32, ng = (F + PK_ROWS - 1) / PK_ROWS;
     memset(P, 0, (size_t)hc_packed_nbytes(wt, F, D));
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) /* groups are independent: at load, every core */
+#endif
     for (int64_t g = 0; g < ng; g++) {
         const int nr = F - g * PK_ROWS < PK_ROWS ? (int)(F - g * PK_ROWS) : PK_ROWS;
         for (int64_t c = 0; c < nc; c++) {

@@ -17,6 +17,8 @@ formats are dequantized on the fly. `dequantize_rows` is the fast float32 copy o
 from __future__ import annotations
 
 import ctypes
+import mmap
+import sys
 
 import torch
 
@@ -308,7 +310,26 @@ def pack(weight: Weight) -> Weight:
     packed = torch.empty(nbytes, dtype=torch.uint8)
     if lib.hc_pack(_WT[qtype], data.data_ptr(), stride, f, d, packed.data_ptr()) != 0:
         return weight
+    _page_out(data.data_ptr(), f * stride)  # the copy serves from now on: one copy resident, not two
     return QuantTensor(weight.data, weight.qtype, weight.shape, packed=packed)
+
+
+_MADV_PAGEOUT = 21  # Linux 5.4+
+
+
+def _page_out(addr: int, nbytes: int) -> None:
+    """Tell the kernel the pages wholly inside [addr, addr + nbytes) will not be needed soon
+    (MADV_PAGEOUT): pages of a memory-mapped file are dropped and read back if touched again; other
+    memory stays as it is (nothing is ever lost). A no-op where madvise or the advice is missing."""
+    page = mmap.PAGESIZE
+    start, end = (addr + page - 1) // page * page, (addr + nbytes) // page * page
+    if end <= start or not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
+    except (OSError, AttributeError):
+        pass
 
 
 class MatvecGroup:
