@@ -202,3 +202,29 @@ def test_bad_tool_requests_are_400(server_url):
     ]:
         r = httpx.post(f"{server_url}/v1/chat/completions", json=base | extra, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_a_template_that_knows_tools_gets_them(llm):
+    """A Qwen-style template renders tools and calls itself (no fallback text)."""
+    import copy
+
+    tok = copy.copy(llm.tokenizer)
+    tok.chat_template = (
+        "{% if tools %}TOOLS:{% for t in tools %}{{ t.function.name }};{% endfor %}\n{% endif %}"
+        "{% for m in messages %}{{ m.role }}:"
+        "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.function.name }}{% endfor %}"
+        "{% else %}{{ m.content }}{% endif %}\n{% endfor %}"
+    )
+    history = ASK + [
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    text = render_chat(tok, history, tools=[WEATHER, TIME])
+    assert text.startswith("TOOLS:get_weather;get_time;") and "assistant:CALL get_weather" in text
+    assert "tool:sunny" in text and "<tool_call>" not in text
