@@ -137,11 +137,10 @@ def _make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, u
     mx = np.maximum.reduce(x, axis=0)
     mn = np.where(lo > 0, _ZERO, lo)
     flat = mx == mn
-    live = ~flat
 
     def in_range(iscale, mn) -> bool:  # |iscale*(x - mn)| stays far below 2**22 in every live sub-block
         bound = np.abs(iscale) * np.maximum(np.abs(mx - mn), np.abs(lo - mn))
-        return bool(np.all(bound[live] < 2.0**21))
+        return bool(((bound < 2.0**21) | flat).all())
 
     sum_w = np.add.reduce(w, axis=0)  # starts from weights[0], not from 0
     sum_x = np.add.reduce(w * x, axis=0)
@@ -152,6 +151,9 @@ def _make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, u
     iscale = _F(nmax) / (mx - mn)
     scale = _F(1) / iscale
     L = _round_clip(iscale * (x - mn), 0, nmax, in_range(iscale, mn))
+    # the kept L is round(L_iscale * (x - L_mn)): remembering the winning candidate's two numbers per
+    # sub-block and recomputing L once at the end is cheaper than copying L under a mask per candidate
+    L_iscale, L_mn = iscale, mn
     diff = scale * L
     diff += mn
     diff -= x
@@ -178,11 +180,15 @@ def _make_qkx2_quants(x, w, nmax: int, rmin: float, rdelta: float, nstep: int, u
         cur = _sum(np.multiply(w, err(d), out=d))
         better = (D > 0) & (cur < best)
         if better.any():
-            L = np.where(better, la, L)
+            L_iscale = np.where(better, iscale, L_iscale)
+            L_mn = np.where(better, mn, L_mn)
             best = np.where(better, cur, best)
             scale = np.where(better, this_scale, scale)
             mn = np.where(better, this_min, mn)
         diff = la  # reuse the buffer
+    L = np.subtract(x, L_mn, out=diff)
+    L *= L_iscale
+    L = _round_clip(L, 0, nmax, in_range(L_iscale, L_mn))
     L[:, flat] = 0
     scale = np.where(flat, _ZERO, scale)
     the_min = -mn
@@ -195,12 +201,12 @@ def _make_qx_quants(x, nmax: int):
     zero = np.abs(mx) < _GROUP_MAX_EPS
     w = x * x
     wx = w * x
-    lq = _rint_clip((_F(-nmax) / mx) * x, -nmax, nmax - 1)
+    L_iscale = _F(-nmax) / mx  # the kept L is round(L_iscale * x): recomputed once at the end
+    lq = _rint_clip(L_iscale * x, -nmax, nmax - 1)
     sumlx = _sum(wx * lq)
     suml2 = _sum((w * lq) * lq)
     scale = np.where(suml2 != 0, sumlx / suml2, _ZERO)
     best = scale * sumlx
-    L = lq + _F(nmax)
     for i in range(-9, 10):
         if i == 0:
             continue
@@ -211,9 +217,11 @@ def _make_qx_quants(x, nmax: int):
         suml2 = _sum((w * lq) * lq)
         better = (suml2 > 0) & (sumlx * sumlx > best * suml2)
         if better.any():
-            L = np.where(better, lq + _F(nmax), L)
+            L_iscale = np.where(better, iscale, L_iscale)
             scale = np.where(better, sumlx / suml2, scale)
             best = np.where(better, scale * sumlx, best)
+    L = _rint_clip(np.multiply(x, L_iscale, out=lq), -nmax, nmax - 1)
+    L += _F(nmax)
     L[:, zero] = 0
     return L, np.where(zero, _ZERO, scale)
 
