@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from hotcold.chat import TOOLS_PROMPT, render_chat
+from hotcold.generation import GenerationStats
 from hotcold.server import tools
 from hotcold.server.protocol import ApiError
 from tests.server.conftest import openai_client, running
@@ -160,6 +161,35 @@ def test_streamed_named_call_reassembles(server_url):
             finish = c.finish_reason or finish
     assert name == "wx" and finish == "tool_calls"
     check(json.loads(args), WX["function"]["parameters"])
+
+
+def test_streamed_auto_sends_text_as_it_comes(server_url):
+    """With tools offered but no call made, the streamed content equals the whole answer's, in pieces."""
+    client = openai_client(server_url)
+    kwargs = dict(model="x", messages=Q, tools=[WX], max_tokens=20, seed=2, temperature=1.0)
+    whole = client.chat.completions.create(**kwargs).choices[0].message
+    pieces = [
+        c.choices[0].delta.content
+        for c in client.chat.completions.create(stream=True, **kwargs)
+        if c.choices and c.choices[0].delta.content
+    ]
+    if whole.tool_calls is None:
+        assert "".join(pieces) == whole.content and len(pieces) > 1
+
+
+def test_format_holds_back_calls_and_their_starts():
+    fmt = tools.ToolChatFormat("m")
+    fmt.start(1)
+    sent = [
+        fmt.chunk(0, t, None)
+        for t in ["Sure", ", <tool", '_call>{"name": "f", "arguments": {}}</tool_call> bye']
+    ]
+    assert [s and s["choices"][0]["delta"].get("content") for s in sent] == ["Sure", ", ", None]
+    end = fmt.end(0, "stop", GenerationStats())
+    assert end[0]["choices"][0]["delta"]["tool_calls"][0]["function"] == {"name": "f", "arguments": "{}"}
+    assert end[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    fmt.start(1)
+    assert fmt.chunk(0, '{"name": "f",', None) is None  # a possible bare call waits
 
 
 def test_tool_messages_in_history_and_auto(server_url):

@@ -112,21 +112,50 @@ def _call(body: str) -> ToolCall | None:
 
 
 class ToolChatFormat(ChatFormat):
-    """Chat responses when tools are offered: text is held back until a choice ends, then sent as its
-    content and its `tool_calls` (streamed: one delta each, the call's whole arguments in one piece, as
-    OpenAI's clients reassemble them), with finish_reason "tool_calls" when there are calls."""
+    """Chat responses when tools are offered. Streamed, text goes out as content as it comes, except
+    from a `<tool_call>` on (and any text that may be its start, or an answer that starts with "{": a
+    possible bare call), which waits for the choice's end; then the calls go out as `tool_calls` deltas
+    (each call's whole arguments in one piece, which OpenAI's clients reassemble), with finish_reason
+    "tool_calls". Text after the last call is dropped."""
+
+    TAG = "<tool_call>"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._text: dict[int, list[str]] = {}
+        self._text: dict[int, str] = {}
+        self._sent: dict[int, int] = {}  # characters of the text already sent as content
+
+    def _safe(self, text: str) -> int:
+        """How much of `text` is content for sure (not a call, nor the start of one)."""
+        if not text.strip() or text.lstrip().startswith("{"):
+            return 0
+        at = text.find(self.TAG)
+        if at >= 0:
+            return at
+        keep = next(
+            (n for n in range(min(len(self.TAG) - 1, len(text)), 0, -1) if text.endswith(self.TAG[:n])), 0
+        )
+        return len(text) - keep
 
     def chunk(self, index: int, text: str, logprobs):
-        self._text.setdefault(index, []).append(text)
-        return self._delta(index, {}, None, logprobs) if logprobs else None
+        full = self._text[index] = self._text.get(index, "") + text
+        sent, safe = self._sent.get(index, 0), self._safe(full)
+        if safe <= sent:
+            return self._delta(index, {}, None, logprobs) if logprobs else None
+        self._sent[index] = safe
+        return self._delta(index, {"content": full[sent:safe]}, None, logprobs)
 
     def end(self, index: int, finish_reason: str, stats) -> list[dict]:
-        content, calls = parse("".join(self._text.pop(index, [])))
-        out = [self._delta(index, {"content": content}, None)] if content else []
+        full, sent = self._text.pop(index, ""), self._sent.pop(index, 0)
+        content, calls = parse(full)
+        out = []
+        rest = full[sent:]
+        if calls:
+            at = full.find(self.TAG)
+            rest = full[sent:at] if at >= sent else ""
+            rest = rest if rest.strip() else ""
+        if rest:
+            out.append(self._delta(index, {"content": rest}, None))
         if calls:
             out.append(self._delta(index, {"tool_calls": [c.wire(i) for i, c in enumerate(calls)]}, None))
         return out + super().end(index, "tool_calls" if calls else finish_reason, stats)
