@@ -11,8 +11,7 @@ doing every float operation in the same order and precision as that C code:
   - `nearest_int` is the 12582912 magic-number trick: round half to even, and for arguments that are
     known to be in range, `rint(clip(v))` gives the same integer (rounding is monotone);
   - reciprocals as ggml writes them (`d = 1/iscale`, not `max/-32`), fp16 rounding to nearest even.
-Work is vectorised over super-blocks; the Python loops run over sub-block elements and candidate
-scales only.
+Vectorised over super-blocks; Python loops run over sub-block elements and candidate scales only.
 
 Algorithms (each sub-block gets a scale, plus a min for the "x" types):
   make_qkx2_quants (Q2_K, Q4_K, Q5_K): L = round((x - min) / scale) in 0..nmax; start from the
@@ -23,8 +22,8 @@ Algorithms (each sub-block gets a scale, plus a min for the "x" types):
   make_qx_quants (Q6_K, rmse_type 1): symmetric L in -nmax..nmax-1, scale from x's largest-magnitude
     value, then 18 more candidate scales, weight x^2, keep the best least-squares fit.
   make_q3_quants (Q3_K): the same start, then up to 5 passes of coordinate descent on each L.
-  The per-sub-block scales (and mins) are then quantized to 4/6/8 bits against one fp16 super-block
-  scale, and x is requantized with the rounded scales.
+  Sub-block scales (and mins) are then quantized to 4/6/8 bits against one fp16 super-block scale,
+  and x is requantized with the rounded scales.
 """
 
 from __future__ import annotations
@@ -121,11 +120,6 @@ def _abs_argmax(x: np.ndarray) -> np.ndarray:
 def _sub_blocks(xb: np.ndarray, n: int) -> np.ndarray:
     """[N, 256] -> [n, N*256/n]: element index first, so that sums run over axis 0."""
     return np.ascontiguousarray(xb.reshape(-1, n).T)
-
-
-def _from_sub_blocks(a: np.ndarray, nb: int) -> np.ndarray:
-    """[n, S] -> [N, 256]."""
-    return a.T.reshape(nb, QK_K)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -299,7 +293,7 @@ def _scales_mins_x(xb, n: int, nmax: int, rmin: float, rdelta: float, nstep: int
     nb = xb.shape[0]
     x = _sub_blocks(xb, n)
     L, scales, mins = _make_qkx2_quants(x, weights(x), nmax, rmin, rdelta, nstep, use_mad)
-    return L, scales.reshape(nb, -1), mins.reshape(nb, -1)
+    return L.T.reshape(nb, QK_K), scales.reshape(nb, -1), mins.reshape(nb, -1)
 
 
 def _weights_q45(x: np.ndarray) -> np.ndarray:
@@ -308,11 +302,8 @@ def _weights_q45(x: np.ndarray) -> np.ndarray:
 
 
 def _q2_k(xb: np.ndarray) -> np.ndarray:
-    nb = xb.shape[0]
     L, scales, mins = _scales_mins_x(xb, 16, 3, -0.5, 0.1, 15, True, np.abs)
-    L = _from_sub_blocks(L, nb)
-    max_scale = _running_max(scales)
-    max_min = _running_max(mins)
+    max_scale, max_min = _running_max(scales), _running_max(mins)
     q4 = _F(15)
     ok, okm = max_scale > 0, max_min > 0
     ls = np.where(ok[:, None], _nearest_int((q4 / max_scale)[:, None] * scales), 0) & 0xFF
@@ -329,7 +320,7 @@ def _q2_k(xb: np.ndarray) -> np.ndarray:
 def _q3_k(xb: np.ndarray) -> np.ndarray:
     nb = xb.shape[0]
     L, scales = _make_q3_quants(_sub_blocks(xb, 16), 4)
-    L = _from_sub_blocks(L, nb)
+    L = L.T.reshape(nb, QK_K)  # back to [N, 256]
     scales = scales.reshape(nb, 16)
     max_scale = _running_absmax(scales)
     ok = max_scale != 0
@@ -355,11 +346,8 @@ def _q3_k(xb: np.ndarray) -> np.ndarray:
 
 def _q45_k(xb: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[np.ndarray, ...]:
     """Q4_K and Q5_K share everything but nmax and the search: -> (L [N, 256] uint8, header [N, 16])."""
-    nb = xb.shape[0]
     L, scales, mins = _scales_mins_x(xb, 32, nmax, rmin, 0.1, nstep, False, _weights_q45)
-    L = _from_sub_blocks(L, nb)
-    max_scale = _running_max(scales)
-    max_min = _running_max(mins)
+    max_scale, max_min = _running_max(scales), _running_max(mins)
     inv_scale = np.where(max_scale > 0, _F(63) / max_scale, _ZERO)
     inv_min = np.where(max_min > 0, _F(63) / max_min, _ZERO)
     ls = np.minimum(_nearest_int(inv_scale[:, None] * scales) & 0xFF, 63)  # uint8_t ls = ...; MIN(63, ls)
@@ -395,7 +383,7 @@ def _q5_k(xb: np.ndarray) -> np.ndarray:
 def _q6_k(xb: np.ndarray) -> np.ndarray:
     nb = xb.shape[0]
     L, scales = _make_qx_quants(_sub_blocks(xb, 16), 32)
-    L = _from_sub_blocks(L, nb)
+    L = L.T.reshape(nb, QK_K)  # back to [N, 256]
     scales = scales.reshape(nb, 16)
     max_scale = _running_absmax(scales)
     zero = np.abs(max_scale) < _GROUP_MAX_EPS
