@@ -197,7 +197,7 @@ def quantize(values: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType | in
     lead, cols = x.shape[:-1], (x.shape[-1] if x.ndim else 1)
     nb = row_bytes(qtype, cols)
     if qtype not in FLOAT_TYPES:
-        from . import kquants  # a sibling of this module: numpy only, nothing else from hotcold
+        from hotcold import kquants  # numpy only: the one hotcold module this layer may import
 
         if qtype in kquants.TYPES:
             return kquants.quantize(x, qtype)
