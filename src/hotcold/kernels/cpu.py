@@ -310,25 +310,36 @@ def pack(weight: Weight) -> Weight:
     packed = torch.empty(nbytes, dtype=torch.uint8)
     if lib.hc_pack(_WT[qtype], data.data_ptr(), stride, f, d, packed.data_ptr()) != 0:
         return weight
-    _page_out(data.data_ptr(), f * stride)  # the copy serves from now on: one copy resident, not two
+    _page_out(data.data_ptr(), f * stride)  # the copy serves from now on: one copy in RSS, not two
     return QuantTensor(weight.data, weight.qtype, weight.shape, packed=packed)
 
 
-_MADV_PAGEOUT = 21  # Linux 5.4+
+_MADV_DONTNEED = 4
 
 
 def _page_out(addr: int, nbytes: int) -> None:
-    """Tell the kernel the pages wholly inside [addr, addr + nbytes) will not be needed soon
-    (MADV_PAGEOUT): pages of a memory-mapped file are dropped and read back if touched again; other
-    memory stays as it is (nothing is ever lost). A no-op where madvise or the advice is missing."""
+    """Drop this process's mapping of the pages wholly inside [addr, addr + nbytes) when they belong to
+    a memory-mapped model file (MADV_DONTNEED: the pages stay in the page cache for anyone else and are
+    mapped again from the file if touched; RSS counts them no more). Anonymous memory is left alone
+    (DONTNEED would zero it), and so are shared writable mappings. Linux only; a no-op elsewhere."""
     page = mmap.PAGESIZE
     start, end = (addr + page - 1) // page * page, (addr + nbytes) // page * page
     if end <= start or not sys.platform.startswith("linux"):
         return
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)
-    except (OSError, AttributeError):
+        with open("/proc/self/maps") as f:
+            for line in f:
+                fields = line.split()
+                lo, hi = (int(v, 16) for v in fields[0].split("-"))
+                if lo <= start and end <= hi:
+                    # a file's pages: read-only, or private (the model reader maps files copy-on-write and
+                    # nothing writes through them, so each page is the file's and comes back from it)
+                    perms = fields[1]
+                    if len(fields) >= 6 and fields[4] != "0" and ("w" not in perms or perms.endswith("p")):
+                        libc = ctypes.CDLL(None, use_errno=True)
+                        libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+                    return
+    except (OSError, ValueError, AttributeError):
         pass
 
 
