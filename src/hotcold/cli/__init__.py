@@ -12,7 +12,10 @@ COMMANDS = {
     "generate": ("generate", "generate text from a prompt"),
     "info": ("info", "show a model's architecture, sizes, sparsity assets and placement"),
     "convert": ("convert", "convert a Hugging Face checkpoint (+ predictors) to GGUF / PowerInfer GGUF"),
-    "quantize": ("quantize", "requantize a GGUF / PowerInfer file (llama.cpp's types: q4_k_m, q5_k_m, q6_k, q8_0, q4_0, ...)"),
+    "quantize": (
+        "quantize",
+        "requantize a GGUF / PowerInfer file (llama.cpp's types: q4_k_m, q5_k_m, q6_k, q8_0, q4_0, ...)",
+    ),
     "place": ("place", "solve the hot-neuron placement for a VRAM budget (writes .generated.gpuidx)"),
     "bench": ("bench", "llama-bench-like speed table: prompt processing and generation, sparse vs dense"),
     "serve": ("serve", "OpenAI-compatible HTTP server with a chat page at /"),
