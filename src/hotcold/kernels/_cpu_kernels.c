@@ -1057,78 +1057,34 @@ HC_INLINE void qdot_row(const int wt, const int NT, const uint8_t *row, const hc
 #endif
 }
 
-/* gather_part for block weights: out[t, i] = the integer dot product of row i with token t. */
-HC_INLINE void qgather_part(const int wt, const hc_args *A, int64_t k0, int64_t k1, int64_t kn) {
-    const int64_t F = A->F, D = A->D, T = A->T;
-    const int32_t *idx = A->idx;
-#define ROW_OF(k) (idx ? (int64_t)idx[k] : (int64_t)(k))
-    if (idx) {
-        const int64_t lo = k0 == 0 ? 0 : idx[k0], hi = k1 == A->n ? F : idx[k1];
-        for (int64_t t = 0; t < T; t++) memset(A->out + t * F + lo, 0, sizeof(float) * (size_t)(hi - lo));
-    }
-    if (T == 1) {
-        const int pf_l2 = HC_G * chunk_off(wt, D / 32) > HC_PF_L1_BYTES;
-        int64_t k = k0;
-        for (; k + HC_G <= k1; k += HC_G) {
-            const uint8_t *rows[4], *pf[4] = {NULL, NULL, NULL, NULL};
-            float res[4];
-            for (int r = 0; r < HC_G; r++) {
-                rows[r] = A->W + ROW_OF(k + r) * A->stride;
-                const int64_t q = next_pos(k + HC_G + r, k1, kn, A->n);
-                if (q >= 0) pf[r] = A->W + ROW_OF(q) * A->stride;
-            }
-            qdot_rows1(wt, HC_G, rows, A->xq, D, res, pf, pf_l2);
-            for (int r = 0; r < HC_G; r++) A->out[ROW_OF(k + r)] = res[r];
-        }
-        for (; k < k1; k++) {
-            const uint8_t *rows[1] = {A->W + ROW_OF(k) * A->stride};
-            qdot_rows1(wt, 1, rows, A->xq, D, A->out + ROW_OF(k), NULL, 0);
-        }
-        return;
-    }
-    for (int64_t k = k0; k < k1; k++) {
-        const int64_t i = ROW_OF(k);
-        const uint8_t *row = A->W + i * A->stride;
-        const int64_t q = next_pos(k + 1, k1, kn, A->n);
-        const uint8_t *pf = q >= 0 ? A->W + ROW_OF(q) * A->stride : NULL;
+/* The dot products a gather takes, by weight type (a constant after inlining): block weights the
+ * integer ones with the tokens' quantized activations, float weights the float ones. NR rows with
+ * token 0, or one row with the NT tokens ts. */
+HC_INLINE void rows_dot1(const int wt, const int NR, const uint8_t *const *rows, const hc_args *A, float *res,
+                         const uint8_t *const *pf, int pf_l2) {
+    if (wt_is_block(wt)) qdot_rows1(wt, NR, rows, A->xq, A->D, res, pf, pf_l2);
+    else dot_rows1(wt, NR, rows, A->x, A->D, res, pf, pf_l2);
+}
+
+#define TOKMAX (QNT > NTMAX ? QNT : NTMAX)
+HC_INLINE int tokens_per_pass(const int wt) { return wt_is_block(wt) ? QNT : NTMAX; }
+
+HC_INLINE void row_dot_tokens(const int wt, const int NT, const uint8_t *row, const hc_args *A, const int64_t *ts,
+                              float *res, const uint8_t *pf) {
+    if (NT > tokens_per_pass(wt)) return; /* never called so: keeps each body's arrays in bounds */
+    if (wt_is_block(wt)) {
         const hc_xq *xs[QNT];
-        int64_t ts[QNT];
-        float res[QNT];
-        int cnt = 0;
-        for (int64_t t = 0; t < T; t++) {
-            if (A->mask && !A->mask[t * F + i]) continue;
-            xs[cnt] = A->xq + t;
-            ts[cnt++] = t;
-            if (cnt == QNT) {
-                qdot_row(wt, QNT, row, xs, D, res, pf);
-                pf = NULL;
-                for (int j = 0; j < QNT; j++) A->out[ts[j] * F + i] = res[j];
-                cnt = 0;
-            }
-        }
-        switch (cnt) { /* a constant token count, so the accumulators stay in registers */
-        case 1: qdot_row(wt, 1, row, xs, D, res, pf); break;
-        case 2: qdot_row(wt, 2, row, xs, D, res, pf); break;
-        case 3: qdot_row(wt, 3, row, xs, D, res, pf); break;
-#if QNT > 4
-        case 4: qdot_row(wt, 4, row, xs, D, res, pf); break;
-        case 5: qdot_row(wt, 5, row, xs, D, res, pf); break;
-        case 6: qdot_row(wt, 6, row, xs, D, res, pf); break;
-        case 7: qdot_row(wt, 7, row, xs, D, res, pf); break;
-#endif
-        default: break;
-        }
-        for (int j = 0; j < cnt; j++) A->out[ts[j] * F + i] = res[j];
+        for (int j = 0; j < NT; j++) xs[j] = A->xq + ts[j];
+        qdot_row(wt, NT, row, xs, A->D, res, pf);
+    } else {
+        const float *xs[NTMAX];
+        for (int j = 0; j < NT; j++) xs[j] = A->x + ts[j] * A->D;
+        dot_row(wt, NT, row, xs, A->D, res, pf);
     }
-#undef ROW_OF
 }
 
 /* gather_matvec over index list entries [k0, k1); kn: see next_pos. */
 HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k1, int64_t kn) {
-    if (wt_is_block(wt) && A->xq) {
-        qgather_part(wt, A, k0, k1, kn);
-        return;
-    }
     const int64_t F = A->F, D = A->D, T = A->T;
     const int32_t *idx = A->idx;
 #define ROW_OF(k) (idx ? (int64_t)idx[k] : (int64_t)(k))
@@ -1147,46 +1103,46 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
                 const int64_t q = next_pos(k + HC_G + r, k1, kn, A->n);
                 if (q >= 0) pf[r] = A->W + ROW_OF(q) * A->stride;
             }
-            dot_rows1(wt, HC_G, rows, A->x, D, res, pf, pf_l2);
+            rows_dot1(wt, HC_G, rows, A, res, pf, pf_l2);
             for (int r = 0; r < HC_G; r++) A->out[ROW_OF(k + r)] = res[r];
         }
         for (; k < k1; k++) {
             const uint8_t *rows[1] = {A->W + ROW_OF(k) * A->stride};
-            dot_rows1(wt, 1, rows, A->x, D, A->out + ROW_OF(k), NULL, 0);
+            rows_dot1(wt, 1, rows, A, A->out + ROW_OF(k), NULL, 0);
         }
         return;
     }
+    const int per = tokens_per_pass(wt);
     for (int64_t k = k0; k < k1; k++) {
         const int64_t i = ROW_OF(k);
         const uint8_t *row = A->W + i * A->stride;
         const int64_t q = next_pos(k + 1, k1, kn, A->n);
         const uint8_t *pf = q >= 0 ? A->W + ROW_OF(q) * A->stride : NULL;
-        const float *xs[NTMAX];
-        int64_t ts[NTMAX];
-        float res[NTMAX];
+        int64_t ts[TOKMAX];
+        float res[TOKMAX];
         int cnt = 0;
         for (int64_t t = 0; t < T; t++) {
             if (A->mask && !A->mask[t * F + i]) continue;
-            xs[cnt] = A->x + t * D;
             ts[cnt++] = t;
-            if (cnt == NTMAX) {
-                dot_row(wt, NTMAX, row, xs, D, res, pf);
+            if (cnt == per) {
+                if (per == QNT) row_dot_tokens(wt, QNT, row, A, ts, res, pf);
+                else row_dot_tokens(wt, NTMAX, row, A, ts, res, pf);
                 pf = NULL;
-                for (int j = 0; j < NTMAX; j++) A->out[ts[j] * F + i] = res[j];
+                for (int j = 0; j < cnt; j++) A->out[ts[j] * F + i] = res[j];
                 cnt = 0;
             }
         }
         switch (cnt) { /* the rest, with a constant token count so the accumulators stay in registers */
-        case 1: dot_row(wt, 1, row, xs, D, res, pf); break;
-#if NTMAX > 2
-        case 2: dot_row(wt, 2, row, xs, D, res, pf); break;
-        case 3: dot_row(wt, 3, row, xs, D, res, pf); break;
+        case 1: row_dot_tokens(wt, 1, row, A, ts, res, pf); break;
+#if TOKMAX > 2
+        case 2: row_dot_tokens(wt, 2, row, A, ts, res, pf); break;
+        case 3: row_dot_tokens(wt, 3, row, A, ts, res, pf); break;
 #endif
-#if NTMAX > 4
-        case 4: dot_row(wt, 4, row, xs, D, res, pf); break;
-        case 5: dot_row(wt, 5, row, xs, D, res, pf); break;
-        case 6: dot_row(wt, 6, row, xs, D, res, pf); break;
-        case 7: dot_row(wt, 7, row, xs, D, res, pf); break;
+#if TOKMAX > 4
+        case 4: row_dot_tokens(wt, 4, row, A, ts, res, pf); break;
+        case 5: row_dot_tokens(wt, 5, row, A, ts, res, pf); break;
+        case 6: row_dot_tokens(wt, 6, row, A, ts, res, pf); break;
+        case 7: row_dot_tokens(wt, 7, row, A, ts, res, pf); break;
 #endif
         default: break;
         }
