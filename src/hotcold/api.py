@@ -202,11 +202,14 @@ def load(
     reset_gpu_index: bool = False,
     disable_gpu_index: bool = False,
     n_gpu_layers: int | None = None,
+    sparsity: float | None = None,
 ) -> Model:
     """Load a GGUF / PowerInfer model (None: the bundled demo model).
 
     vram_budget: GiB of GPU memory to use (None: all free VRAM minus a margin; 0: CPU only).
-    n_gpu_layers: for dense files, offload the last N layers as llama.cpp's -ngl does."""
+    n_gpu_layers: for dense files, offload the last N layers as llama.cpp's -ngl does.
+    sparsity: for a file written by `hotcold sparsify`, the share of FFN neurons skipped per token, in
+    [0, 1) (None: the file's own target; 0: dense)."""
     start = time.perf_counter()
     loaded = load_model(
         path,
@@ -218,5 +221,6 @@ def load(
         reset_gpu_index=reset_gpu_index,
         disable_gpu_index=disable_gpu_index,
         n_gpu_layers=n_gpu_layers,
+        sparsity=sparsity,
     )
     return Model(loaded, time.perf_counter() - start)

@@ -36,6 +36,9 @@ class ModelConfig:
     n_expert: int = 0
     n_expert_used: int = 0
     name: str = ""
+    sparsified: bool = (
+        False  # written by `hotcold sparsify`: thresholds on |silu(gate)| (sparse/thresholded.py)
+    )
 
     @property
     def n_embd_kv(self) -> int:
@@ -140,6 +143,7 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
         n_expert=integer("expert_count", 0, lo=0),
         n_expert_used=integer("expert_used_count", 0, lo=0),
         name=str(meta.get("general.name", "")),
+        sparsified=names.SPARSIFY_SPARSITY in meta,
     )
 
 

@@ -71,15 +71,19 @@ def load_model(
     disable_gpu_index: bool = False,
     n_gpu_layers: int | None = None,
     fast_device: str | None = None,
+    sparsity: float | None = None,
 ) -> LoadedModel:
     """fast_device: where hot rows and offloaded layers go; default the GPU when `device` resolves to cuda.
-    Tests pass "cpu" to exercise the hybrid split with a second CPU placement standing in for the GPU."""
+    Tests pass "cpu" to exercise the hybrid split with a second CPU placement standing in for the GPU.
+    sparsity: for a `hotcold sparsify` file, the share of FFN neurons to skip (None: the file's target;
+    0: dense, the same as dense=True)."""
     path = Path(path) if path is not None else demo_model_path()
     # the rules the CLI and the server apply too (NaN, infinities, out of range: ValueError naming the argument)
     threads = validate.check_optional("threads", threads)
     vram_budget = validate.check_optional("vram_budget", vram_budget)
     n_gpu_layers = validate.check_optional("n_gpu_layers", n_gpu_layers)
     ctx_size = validate.check_optional("ctx_size", ctx_size)
+    sparsity = validate.check_optional("sparsity", sparsity)
     if threads is not None:
         torch.set_num_threads(threads)
     device = resolve_device(device)
@@ -99,6 +103,7 @@ def load_model(
         )
     if vram_budget == 0:
         fast = None
+    thresholded = _thresholded_sparsity(model_file, config, sparsity, dense)
     dense = dense or not config.sparse
     plan, hot = None, None
     devices = DevicePlan.cpu_only(config.n_layer)
@@ -140,16 +145,44 @@ def load_model(
     from hotcold.kernels import cpu
 
     cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
-    model = module.build(
-        TensorSource(model_file, config, devices), ffn_maker(devices, dense=dense, threads=threads)
-    )
-    mode = "dense" if dense else "sparse"
+    src = TensorSource(model_file, config, devices)
+    make_ffn = ffn_maker(devices, dense=dense, threads=threads)
+    if thresholded is not None:
+        from hotcold.sparse.thresholded import thresholded_maker
+
+        assets, level = thresholded
+        src.thresholded = True
+        make_ffn = thresholded_maker(src, assets, level, threads=threads)
+        notes.append(
+            f"sparsify ({assets.method}): skipping {100 * level:.0f}% of FFN neurons per token "
+            f"(the file was calibrated for {100 * assets.sparsity:.0f}%)"
+        )
+    model = module.build(src, make_ffn)
+    mode = "dense" if dense and thresholded is None else "sparse"
     where = "cpu" if fast is None else f"cpu + {fast}"
     notes.insert(
         0,
         f"{config.arch} {mode} on {where}: {config.n_layer} layers, n_embd {config.n_embd}, n_ff {config.n_ff}",
     )
+    dense = dense and thresholded is None  # a thresholded file runs sparse (on a dense device plan)
     return LoadedModel(model, tokenizer, config, model_file, device, dense, ctx, notes, plan, hot, devices)
+
+
+def _thresholded_sparsity(model_file: ModelFile, config: ModelConfig, sparsity: float | None, dense: bool):
+    """(assets, sparsity) when a `hotcold sparsify` file runs thresholded, None when it runs dense
+    (dense=True, sparsity 0, or a file without thresholds). sparsity > 0 on such a file: ValueError."""
+    if not config.sparsified:
+        if sparsity:
+            raise ValueError(
+                f"{model_file.path}: sparsity {sparsity:g} needs a file written by `hotcold sparsify` (this one "
+                "has no thresholds; run `hotcold sparsify -m MODEL -f corpus.txt -o OUT`)"
+            )
+        return None
+    from hotcold.sparse.thresholded import SparsifyAssets
+
+    assets = SparsifyAssets.from_file(model_file, config.n_layer, config.n_ff)
+    level = assets.sparsity if sparsity is None else sparsity
+    return None if dense or level == 0 else (assets, level)
 
 
 def sparse_device_plan(plan: BudgetPlan, fast: torch.device, hot: list[np.ndarray] | None) -> DevicePlan:

@@ -118,6 +118,15 @@ TENSOR_DATA_LAYOUT = Keys.LLM.TENSOR_DATA_LAYOUT  # Falcon: "jploski" (fused qkv
 GPU_INDEX_ARCH = "generic.gpu_index"  # its block count is key(BLOCK_COUNT, GPU_INDEX_ARCH)
 VRAM_CAPACITY = "split.vram_capacity"  # u64: bytes the solver was given for hot neurons
 HOTCOLD_PREFIX = "hotcold."  # every hotcold key starts so; the cache keeps them all as its source signature
+# `hotcold sparsify` (training-free activation sparsity for SwiGLU files: sparse/thresholded.py)
+SPARSIFY_METHOD = "hotcold.sparsify.method"  # "cats": |silu(gate)|; "wina": |silu(gate)| * |down_t row|
+SPARSIFY_SPARSITY = "hotcold.sparsify.sparsity"  # f32: the target the file was calibrated for
+SPARSIFY_THRESHOLDS = "hotcold.sparsify.thresholds"  # f32 [L]: each layer's threshold at that target
+SPARSIFY_GRID = "hotcold.sparsify.grid"  # f32 [G]: sparsity levels of the quantile table, 0 .. 1
+SPARSIFY_TOKENS = "hotcold.sparsify.calibration_tokens"  # u32: tokens the statistics were taken on
+SPARSIFY_QUANTILES = "hotcold.sparsify.quantiles"  # tensor F32 [L, G]: score quantiles at the grid levels
+SPARSIFY_FREQUENCY = "hotcold.sparsify.frequency"  # tensor F32 [L, F]: share of tokens keeping neuron i
+SPARSIFY_SCALE = "hotcold.sparsify.scale"  # tensor F32 [L, F]: per-neuron score weight (wina only)
 MODEL_SIZE = "hotcold.model_size"
 MODEL_MTIME_NS = "hotcold.model_mtime_ns"
 ACTIVATION_SHA256 = "hotcold.activation_sha256"

@@ -62,6 +62,7 @@ RULES: dict[str, Rule] = {
     "vram_budget": Rule(float, lo=0.0, hi=MAX_VRAM_GIB),
     "n_gpu_layers": Rule(int, lo=0),
     "batch_size": Rule(int, lo=1),
+    "sparsity": Rule(float, lo=0.0, hi=1.0, hi_open=True),  # hotcold sparsify: share of FFN neurons skipped
     # corpora, benchmarks, training
     "corpus_tokens": Rule(int, lo=1),
     "n_prompt": Rule(int, lo=0),

@@ -25,6 +25,8 @@ class TensorSource:
         self.config = config
         self.plan = plan
         self.path = model_file.path
+        # a `hotcold sparsify` file run thresholded: its FFN read from ffn_down_t, rows gathered (not packed)
+        self.thresholded = False
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors
@@ -59,13 +61,16 @@ class TensorSource:
         D, F = c.n_embd, c.n_ff
 
         # a dense file's FFN is only ever multiplied whole (no predictor gathers its rows): pack it
-        whole = not c.sparse and expert is None
+        whole = not c.sparse and not self.thresholded and expert is None
 
         def matrix(template, shape):
             w = place(self.raw(template, layer, shape, expert=expert), device)
             return cpu.pack(w) if whole else w
 
-        sparse_layout = self.has(names.FFN_DOWN_T, layer, expert=expert)
+        # a sparsified dense file has both downs: ffn_down_t only where rows are gathered
+        sparse_layout = self.has(names.FFN_DOWN_T, layer, expert=expert) and (
+            c.sparse or self.thresholded or not self.has(names.FFN_DOWN, layer, expert=expert)
+        )
         down = names.FFN_DOWN_T if sparse_layout else names.FFN_DOWN
         return FFNWeights(
             up=matrix(names.FFN_UP, (F, D)),

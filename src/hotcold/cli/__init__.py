@@ -25,6 +25,10 @@ COMMANDS = {
         "train per-layer predictors (which neurons fire) for a ReLU model",
     ),
     "perplexity": ("perplexity", "perplexity over a text; sparse mode adds predictor recall and precision"),
+    "sparsify": (
+        "sparsify",
+        "make a dense SwiGLU model sparse without training: calibrate per-layer thresholds on a corpus",
+    ),
 }
 
 
@@ -53,6 +57,7 @@ ARG_FIELDS = {
     "max_selection": ("max_selection", "--max-selection"),
     "lr": ("learning_rate", "--lr"),
     "pos_weight": ("pos_weight", "--pos-weight"),
+    "sparsity": ("sparsity", "--sparsity"),
 }
 
 
@@ -85,6 +90,12 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dense", action="store_true", help="compute every neuron (ignore predictors)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument(
+        "--sparsity",
+        type=float,
+        default=None,
+        help="`hotcold sparsify` files: share of FFN neurons to skip, in [0, 1) (default: the file's; 0: dense)",
+    )
 
 
 def load_from_args(args):
@@ -100,6 +111,7 @@ def load_from_args(args):
         reset_gpu_index=args.reset_gpu_index,
         disable_gpu_index=args.disable_gpu_index,
         n_gpu_layers=args.n_gpu_layers,
+        sparsity=getattr(args, "sparsity", None),
     )
 
 

@@ -114,9 +114,11 @@ def perplexity(llm, ids: Sequence[int], *, ctx: int | None = None, progress: boo
     chunks = scoring_chunks(ids, ctx, tok.bos_id if tok.add_bos else None)
     layers = getattr(llm.loaded.model, "layers", [])
     sparse = not llm.loaded.dense
-    if sparse and not all(getattr(layer.ffn, "predictor", None) for layer in layers):
+    # a `hotcold sparsify` file: thresholds instead of predictors, so no predictor agreement to report
+    thresholded = sparse and all(getattr(layer.ffn, "threshold", None) is not None for layer in layers)
+    if sparse and not thresholded and not all(getattr(layer.ffn, "predictor", None) for layer in layers):
         raise ValueError(f"{llm.path}: sparse perplexity needs a predictor in every layer's FFN (not MoE)")
-    agreement = MaskAgreement([layer.ffn.predictor for layer in layers] if sparse else [])
+    agreement = MaskAgreement([layer.ffn.predictor for layer in layers] if sparse and not thresholded else [])
     counts = llm.engine.seq.counts  # this model's own sequence: per-layer neurons computed / total
 
     def snapshot() -> list[tuple[int, int]]:
@@ -129,7 +131,8 @@ def perplexity(llm, ids: Sequence[int], *, ctx: int | None = None, progress: boo
     for chunk in tqdm(chunks, desc="perplexity", unit="chunk", disable=not progress):
         if sparse:
             c0 = snapshot()  # the dense pass is not part of the computed rate
-            dense_nll += chunk_nll(llm.engine.logits(chunk, observe=agreement.observe), chunk)[0]
+            observe = None if thresholded else agreement.observe
+            dense_nll += chunk_nll(llm.engine.logits(chunk, dense=True, observe=observe), chunk)[0]
             before = [(b[0] + c[0] - z[0], b[1] + c[1] - z[1]) for b, z, c in zip(before, c0, snapshot())]
         total, n = chunk_nll(llm.logits(chunk), chunk)
         nll += total
@@ -144,7 +147,15 @@ def perplexity(llm, ids: Sequence[int], *, ctx: int | None = None, progress: boo
         "perplexity": math.exp(nll / count),
         "seconds": time.perf_counter() - start,
     }
-    if sparse:
+    if thresholded:
+        after = snapshot()
+        computed = sum(a[0] - b[0] for a, b in zip(after, before))
+        result.update(
+            dense_perplexity=math.exp(dense_nll / count),
+            firing_rate=computed / max(1, sum(a[1] - b[1] for a, b in zip(after, before))),
+        )
+        result["perplexity_increase"] = result["perplexity"] / result["dense_perplexity"] - 1
+    elif sparse:
         after = snapshot()
         per_layer = []
         for i in range(len(layers)):
@@ -184,6 +195,9 @@ def run(args) -> int:
         print(
             f"dense perplexity {result['dense_perplexity']:.4f} (sparse {100 * result['perplexity_increase']:+.2f}%)"
         )
+        if "layers" not in result:  # thresholded (hotcold sparsify): no predictors to grade
+            print(f"FFN neurons computed {100 * result['firing_rate']:.1f}%")
+            return 0
         print(
             f"FFN neurons computed {100 * result['firing_rate']:.1f}%, truly firing {100 * result['true_firing_rate']:.1f}%"
             f"; predictor recall {result['recall_mean']:.4f}, precision {result['precision_mean']:.4f} "

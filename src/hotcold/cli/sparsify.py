@@ -1,0 +1,60 @@
+"""hotcold sparsify: a dense SwiGLU model -> thresholded activation sparsity, calibrated on a corpus
+(training-free, CATS; see hotcold.convert.sparsify)."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def add_args(p) -> None:
+    p.add_argument("-m", "--model", required=True, help="dense SwiGLU model file (.gguf)")
+    p.add_argument("-f", "--file", required=True, help="calibration corpus (UTF-8 text)")
+    p.add_argument("-o", "--outfile", required=True, help="output file (never the input)")
+    p.add_argument(
+        "--sparsity", type=float, default=0.5, help="target share of FFN neurons skipped per token, in (0, 1)"
+    )
+    p.add_argument(
+        "--method",
+        choices=("cats", "wina"),
+        default="cats",
+        help="score: cats |silu(gate)|; wina |silu(gate)| x the neuron's down-projection norm",
+    )
+    p.add_argument("--max-tokens", type=int, default=None, help="calibration tokens (default 16384)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="window length (default 512)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
+    p.add_argument(
+        "--down-type",
+        default="auto",
+        help="type of ffn_down_t: auto (float types kept, block types -> q8_0), same, f32, f16, bf16, q8_0, "
+        "q4_0, q4_k, q6_k",
+    )
+    p.add_argument("--json", action="store_true", help="print what was written as JSON")
+
+
+def run(args) -> int:
+    from hotcold.convert.sparsify import DEFAULT_TOKENS, sparsify_file
+
+    result = sparsify_file(
+        args.model,
+        args.outfile,
+        args.file,
+        sparsity=args.sparsity,
+        method=args.method,
+        max_tokens=args.max_tokens or DEFAULT_TOKENS,
+        ctx=args.ctx_size,
+        threads=args.threads,
+        down=args.down_type,
+        progress=not args.json,
+    )
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    print(
+        f"hotcold: wrote {result['file']}: {result['method']} thresholds for sparsity {result['sparsity']:g} "
+        f"from {result['calibration_tokens']} tokens (kept on the calibration text: "
+        f"{100 * (1 - result['calibration_sparsity']):.1f}% of FFN neurons), ffn_down_t {result['ffn_down_t_type']}, "
+        f"{result['seconds']:.1f} s",
+        file=sys.stderr,
+    )
+    return 0

@@ -1,0 +1,310 @@
+"""`hotcold sparsify`: a dense SwiGLU GGUF -> the same file plus what thresholded sparsity runs on.
+
+Calibration (training-free, CATS): the dense model runs over a corpus; every layer's FFN input h gives
+each neuron's score |silu(gate_i . h)| ("wina": times |down[:, i]|, the neuron's output norm). Scores go
+into per-layer log-spaced histograms (fine: 16384 bins over 1e-12 .. 1e4, 0.1% of a decade each), so
+memory does not grow with the corpus; a layer's threshold for sparsity s is the s-quantile of its scores.
+A coarser per-neuron histogram gives how often each neuron is kept at the target (the activation
+statistics hot/cold placement ranks neurons by).
+
+The output (sparse/thresholded.py reads it) is the input's tensors and keys unchanged, plus
+- `blk.N.ffn_down_t.weight` [F, D]: ffn_down transposed, row i = neuron i, for the axpy kernel. Float
+  types stay as they are (an exact transpose); block types are re-quantized along the neuron's row, to
+  Q8_0 by default (benchmarks/RESULTS.md: re-quantizing a Q4_0 down to Q4_0 along the other axis adds
+  its rounding a second time);
+- the keys and tensors named in names.py under `hotcold.sparsify.*`: method, target sparsity, per-layer
+  thresholds, the quantile table on a grid of levels (any sparsity can be derived at load) and the
+  per-neuron keep frequency.
+Written atomically (hotcold.atomic), never over the input or the corpus.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from gguf import GGUFValueType as V
+from tqdm import tqdm
+
+from hotcold import names, quants
+from hotcold.atomic import check_output
+from hotcold.config import ModelConfig, config_from_file
+from hotcold.convert import encode
+from hotcold.gguf_io import ModelFile, TensorSpec, as_torch, metadata_items, write_model_file
+from hotcold.kernels import cpu
+from hotcold.ops import linear
+from hotcold.sparse.thresholded import METHODS
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TOKENS = 16384  # calibration tokens (evenly spread pieces of the corpus)
+GRID = tuple(round(i / 100, 2) for i in range(101))  # quantile levels 0, 0.01, .., 1
+LOG_LO, LOG_HI, BINS = -12.0, 4.0, 16384  # layer histograms over log10(score)
+NEURON_BINS = 256  # per-neuron histograms: 1/16 decade each
+DOWN_TYPES = ("auto", "same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+
+
+class ScoreHistograms:
+    """Per-layer fine and per-neuron coarse histograms of log10(score); scores <= 1e-12 in the first bin."""
+
+    def __init__(self, n_layer: int, n_ff: int):
+        self.n_ff = n_ff
+        self.layer = torch.zeros(n_layer, BINS, dtype=torch.int64)
+        self.neuron = torch.zeros(n_layer, n_ff * NEURON_BINS, dtype=torch.int32)
+        self.tokens = [0] * n_layer
+        self._offsets = torch.arange(n_ff) * NEURON_BINS
+
+    def add(self, layer: int, score: torch.Tensor) -> None:
+        """score [T, F] >= 0."""
+        pos = (score.float().clamp_min(10.0**LOG_LO).log10() - LOG_LO) * (BINS / (LOG_HI - LOG_LO))
+        b = pos.long().clamp_(0, BINS - 1)
+        self.layer[layer] += torch.bincount(b.flatten(), minlength=BINS)
+        coarse = b // (BINS // NEURON_BINS) + self._offsets  # [T, F]
+        self.neuron[layer] += torch.bincount(coarse.flatten(), minlength=self.n_ff * NEURON_BINS).int()
+        self.tokens[layer] += score.shape[0]
+
+    def quantile(self, layer: int, q: float) -> float:
+        """The score below which a share q of the layer's scores lie (log-linear inside a bin)."""
+        hist = self.layer[layer].double()
+        cdf = hist.cumsum(0)
+        target = q * float(cdf[-1])
+        j = int(torch.searchsorted(cdf, torch.tensor(target, dtype=torch.float64)))
+        j = min(j, BINS - 1)
+        below = float(cdf[j - 1]) if j else 0.0
+        frac = 0.0 if hist[j] == 0 else min(max((target - below) / float(hist[j]), 0.0), 1.0)
+        return 10.0 ** (LOG_LO + (j + frac) * (LOG_HI - LOG_LO) / BINS)
+
+    def kept_frequency(self, layer: int, threshold: float) -> torch.Tensor:
+        """[F]: share of the layer's tokens whose score exceeds threshold, per neuron (coarse bins)."""
+        width = (LOG_HI - LOG_LO) / NEURON_BINS
+        pos = (np.log10(max(threshold, 10.0**LOG_LO)) - LOG_LO) / width
+        k = min(int(pos), NEURON_BINS - 1)
+        h = self.neuron[layer].view(self.n_ff, NEURON_BINS).double()
+        kept = h[:, k + 1 :].sum(1) + (1.0 - (pos - k)) * h[:, k]
+        return (kept / max(1, self.tokens[layer])).float()
+
+
+@dataclass
+class Calibration:
+    method: str
+    sparsity: float
+    thresholds: list[float]  # [L]
+    quantiles: torch.Tensor  # [L, G]
+    frequency: torch.Tensor  # [L, F]
+    scale: torch.Tensor | None  # [L, F] (wina)
+    tokens: int
+    measured: list[float]  # [L]: share of calibration scores <= the threshold (the sparsity reached)
+
+
+def check_swiglu(mf: ModelFile, config: ModelConfig) -> None:
+    """A dense, gated SiLU FFN without experts, not already sparsified; ValueError saying what it is."""
+    path = mf.path
+    if mf.is_sparse:
+        raise ValueError(
+            f"{path}: a PowerInfer (PWRI) file is already sparse (ReLU with predictors); sparsify is for dense "
+            "SwiGLU files"
+        )
+    if config.sparsified:
+        raise ValueError(
+            f"{path}: already written by `hotcold sparsify` (target {config_key(mf, names.SPARSIFY_SPARSITY)}): "
+            "pick another level at load with --sparsity, or sparsify the original dense file"
+        )
+    if config.n_expert:
+        raise ValueError(f"{path}: mixture-of-experts files are not supported by sparsify")
+    if config.ffn_kind != "gated" or config.ffn_activation != "silu":
+        raise ValueError(
+            f"{path}: sparsify needs a SwiGLU model (silu(gate) * up); this {config.arch} file's FFN is "
+            f"{config.ffn_kind} with {config.ffn_activation}"
+        )
+
+
+def config_key(mf: ModelFile, key: str):
+    return mf.metadata.get(key)
+
+
+def check_target(sparsity: float) -> float:
+    if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not 0.0 < sparsity < 1.0:
+        raise ValueError(
+            f"--sparsity must be a number in (0, 1) (the share of FFN neurons skipped), got {sparsity!r}"
+        )
+    return float(sparsity)
+
+
+def neuron_scale(mf: ModelFile, layer: int, config: ModelConfig) -> torch.Tensor:
+    """|down[:, i]|_2 per neuron [F] (the wina score weight)."""
+    down = mf.weight(names.tensor(names.FFN_DOWN, layer), (config.n_embd, config.n_ff))
+    floats = cpu.dequantize_rows(down) if isinstance(down, quants.QuantTensor) else down.float()
+    return floats.double().pow(2).sum(0).sqrt().float()
+
+
+def calibrate(
+    llm,
+    ids: Sequence[int],
+    *,
+    sparsity: float,
+    method: str = "cats",
+    ctx: int | None = None,
+    progress: bool = False,
+) -> Calibration:
+    """Thresholds for `sparsity` from the dense model's scores on `ids` (corpus tokens without BOS), run in
+    windows of ctx tokens (BOS first). `llm` is a hotcold Model loaded dense."""
+    from hotcold.placement.profile import run_windows, token_windows, window_ctx
+
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    sparsity = check_target(sparsity)
+    c, mf = llm.config, llm.loaded.file
+    layers = llm.loaded.model.layers
+    gates = [layer.ffn.weights.gate for layer in layers]
+    scale = torch.stack([neuron_scale(mf, i, c) for i in range(c.n_layer)]) if method == "wina" else None
+    hist = ScoreHistograms(c.n_layer, c.n_ff)
+
+    def observe(layer: int, h: torch.Tensor, _p: torch.Tensor, _a: torch.Tensor) -> None:
+        score = F.silu(linear(h, gates[layer])).abs()  # [T, F]
+        hist.add(layer, score if scale is None else score * scale[layer])
+
+    ctx = window_ctx(ctx, c.n_ctx_train)
+    if ctx > llm.ctx_size:
+        raise ValueError(f"window of {ctx} tokens is longer than the model's context size {llm.ctx_size}")
+    windows = token_windows(ids, ctx, llm.tokenizer.bos_id)
+    run_windows(llm, windows, observe, desc="calibrating", progress=progress)
+    quantiles = torch.tensor(
+        [[hist.quantile(i, q) for q in GRID] for i in range(c.n_layer)], dtype=torch.float32
+    )
+    thresholds = [hist.quantile(i, sparsity) for i in range(c.n_layer)]
+    frequency = torch.stack([hist.kept_frequency(i, t) for i, t in enumerate(thresholds)])
+    measured = []
+    for i, t in enumerate(thresholds):
+        log.info("layer %d: threshold %.4g for sparsity %.2f", i, t, sparsity)
+        measured.append(1.0 - float(frequency[i].mean()))
+    return Calibration(method, sparsity, thresholds, quantiles, frequency, scale, hist.tokens[0], measured)
+
+
+def down_type(source: Q, choice: str, n_embd: int) -> Q:
+    """ffn_down_t's type: "auto" keeps float types and re-quantizes block types to Q8_0; "same" keeps the
+    source's type; else the named type. A block the row length does not divide falls back to F16."""
+    if choice not in DOWN_TYPES:
+        raise ValueError(f"--down-type must be one of {', '.join(DOWN_TYPES)}, got {choice!r}")
+    if choice == "auto":
+        qtype = source if not quants.is_quantized(source) else Q.Q8_0
+    elif choice == "same":
+        qtype = source
+    else:
+        qtype = Q[choice.upper()]
+    return qtype if n_embd % GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16
+
+
+def _down_t(mf: ModelFile, layer: int, config: ModelConfig, qtype: Q) -> np.ndarray:
+    entry = mf.entry(names.tensor(names.FFN_DOWN, layer), (config.n_embd, config.n_ff))
+    value = as_torch(entry, mf.path)
+    if isinstance(value, torch.Tensor) and entry.qtype == qtype:  # float: an exact transpose
+        return value.t().contiguous().numpy() if qtype != Q.BF16 else encode(value.t().float(), qtype)
+    floats = cpu.dequantize_rows(value) if isinstance(value, quants.QuantTensor) else value.float()
+    return encode(floats.t().contiguous(), qtype)
+
+
+def write_sparsified(
+    mf: ModelFile,
+    dst: str | os.PathLike[str],
+    cal: Calibration,
+    *,
+    down: str = "auto",
+    inputs: Sequence[str | os.PathLike[str]] = (),
+    progress: bool = False,
+) -> Path:
+    c = config_from_file(mf)
+    specs = [
+        TensorSpec(e.name, e.shape, e.qtype, lambda e=e: np.asarray(e.data)) for e in mf.tensors.values()
+    ]
+    for i in range(c.n_layer):
+        src_type = mf.entry(names.tensor(names.FFN_DOWN, i)).qtype
+        qtype = down_type(src_type, down, c.n_embd)
+        specs.append(
+            TensorSpec(
+                names.tensor(names.FFN_DOWN_T, i),
+                (c.n_ff, c.n_embd),
+                qtype,
+                lambda i=i, q=qtype: _down_t(mf, i, c, q),
+            )
+        )
+
+    def table(name, t):
+        t = t.float().contiguous()
+        return TensorSpec(name, tuple(t.shape), Q.F32, lambda t=t: t.numpy())
+
+    specs.append(table(names.SPARSIFY_QUANTILES, cal.quantiles))
+    specs.append(table(names.SPARSIFY_FREQUENCY, cal.frequency))
+    if cal.scale is not None:
+        specs.append(table(names.SPARSIFY_SCALE, cal.scale))
+    meta = metadata_items(mf) + [
+        (names.SPARSIFY_METHOD, cal.method, V.STRING),
+        (names.SPARSIFY_SPARSITY, cal.sparsity, V.FLOAT32),
+        (names.SPARSIFY_THRESHOLDS, [float(t) for t in cal.thresholds], V.ARRAY, V.FLOAT32),
+        (names.SPARSIFY_GRID, list(GRID), V.ARRAY, V.FLOAT32),
+        (names.SPARSIFY_TOKENS, int(cal.tokens), V.UINT32),
+    ]
+
+    def bar(items):
+        return tqdm(items, desc=f"writing {Path(dst).name}", unit="tensor") if progress else items
+
+    return write_model_file(
+        dst, mf.architecture, meta, specs, sparse=False, progress=bar, inputs=[mf.path, *inputs]
+    )
+
+
+def sparsify_file(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    corpus: str | os.PathLike[str],
+    *,
+    sparsity: float,
+    method: str = "cats",
+    max_tokens: int = DEFAULT_TOKENS,
+    ctx: int | None = None,
+    threads: int | None = None,
+    down: str = "auto",
+    progress: bool = False,
+) -> dict:
+    """Calibrate `src` on `corpus` for `sparsity` and write `dst`; what was done, as a dict."""
+    import hotcold
+    from hotcold.placement.profile import corpus_tokens, read_corpus
+    from hotcold.registry import require
+
+    start = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    check_target(sparsity)
+    if method not in METHODS:
+        raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
+    if down not in DOWN_TYPES:
+        raise ValueError(f"--down-type must be one of {', '.join(DOWN_TYPES)}, got {down!r}")
+    check_output(dst, [src, corpus], what="sparsify: output")
+    mf = ModelFile(src)
+    require(mf.architecture, str(src))
+    check_swiglu(mf, config_from_file(mf))
+    text = read_corpus(corpus)
+    llm = hotcold.load(src, dense=True, threads=threads, ctx_size=ctx, device="cpu")
+    ids = corpus_tokens(llm.tokenizer, text, max_tokens=max_tokens, spread=True, source=str(corpus))
+    cal = calibrate(llm, ids, sparsity=sparsity, method=method, ctx=ctx, progress=progress)
+    del llm
+    write_sparsified(mf, dst, cal, down=down, inputs=[corpus], progress=progress)
+    c = config_from_file(mf)
+    return {
+        "file": str(dst),
+        "source": str(src),
+        "method": method,
+        "sparsity": sparsity,
+        "calibration_tokens": cal.tokens,
+        "calibration_sparsity": sum(cal.measured) / len(cal.measured),
+        "thresholds": cal.thresholds,
+        "ffn_down_t_type": down_type(mf.entry(names.tensor(names.FFN_DOWN, 0)).qtype, down, c.n_embd).name,
+        "seconds": time.perf_counter() - start,
+    }

@@ -1,0 +1,196 @@
+"""Training-free activation sparsity for SwiGLU FFNs (files written by `hotcold sparsify`).
+
+CATS rule: neuron i of a token is computed iff its score |silu(gate_i . h)| is above the layer's
+threshold (the "wina" method weights the score by |down_t[i]|, the neuron's output norm). The gate is
+computed densely (the dense matvec kernels, packed where the type has a packed form); up only for the
+kept rows (row-gather GEMV with the per-token mask) and down as the axpy over `ffn_down_t` for the kept
+neurons: a decode token reads all of gate and (1 - sparsity) of up and down.
+
+Masks are per token and, below `cpu.GEMM_MIN_TOKENS` rows, every kernel computes each row on its own
+(the C kernels' contract), so a row's bits do not depend on the batch (batching.py). From that many rows
+on (prefill), the same masked function is computed with the dense GEMM path and the file's own
+`ffn_down`: every row is wanted by some token there, and GEMM is compute-bound, not bandwidth-bound.
+
+The file keeps, per layer, the quantiles of the score over the calibration tokens on a grid of levels,
+so a threshold can be derived for any sparsity at load (`--sparsity`): `threshold_at` interpolates them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+
+from hotcold import names
+from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.kernels import cpu
+from hotcold.ops import Norm, Weight, linear
+from hotcold.sparse.ffn import FFN, FFNWeights
+from hotcold.state import Batch
+
+METHODS = ("cats", "wina")
+CPU = torch.device("cpu")
+
+
+def threshold_at(grid: torch.Tensor, quantiles: torch.Tensor, sparsity: float) -> float:
+    """The score below which a share `sparsity` of the calibration scores fall: `quantiles` [G] at the
+    increasing levels `grid` [G] (0 .. 1), linearly interpolated between levels."""
+    if not 0.0 <= sparsity <= 1.0:
+        raise ValueError(f"sparsity must be in [0, 1], got {sparsity}")
+    g = grid.double()
+    j = int(torch.searchsorted(g, torch.tensor(sparsity, dtype=torch.float64), right=True))
+    j = min(max(j, 1), len(g) - 1)
+    lo, hi = float(g[j - 1]), float(g[j])
+    w = 0.0 if hi == lo else (sparsity - lo) / (hi - lo)
+    w = min(max(w, 0.0), 1.0)
+    return float(quantiles[j - 1]) * (1.0 - w) + float(quantiles[j]) * w
+
+
+@dataclass(frozen=True)
+class SparsifyAssets:
+    """What `hotcold sparsify` stored: the method, the target sparsity, each layer's threshold at it, the
+    quantile table (quantiles [L, G] at levels grid [G]) for any other sparsity, the share of calibration
+    tokens keeping each neuron at the target (frequency [L, F], the activation statistics hot/cold
+    placement ranks neurons by) and, for wina, the per-neuron score weights (scale [L, F])."""
+
+    method: str
+    sparsity: float
+    thresholds: tuple[float, ...]
+    grid: torch.Tensor
+    quantiles: torch.Tensor
+    frequency: torch.Tensor | None
+    scale: torch.Tensor | None
+    tokens: int
+
+    def threshold(self, layer: int, sparsity: float) -> float:
+        """Layer's threshold for `sparsity`: the stored one at the file's target, else from the table."""
+        if math.isclose(sparsity, self.sparsity, rel_tol=0.0, abs_tol=1e-9):
+            return self.thresholds[layer]
+        return threshold_at(self.grid, self.quantiles[layer], sparsity)
+
+    @classmethod
+    def from_file(cls, mf: ModelFile, n_layer: int, n_ff: int) -> SparsifyAssets:
+        """Read and check the keys and tensors; GGUFError naming the file and the part that is wrong."""
+        meta, path = mf.metadata, mf.path
+
+        def need(key):
+            if key not in meta:
+                raise GGUFError(
+                    f"{path}: has {names.SPARSIFY_SPARSITY} but no {key} (a damaged sparsify output)"
+                )
+            return meta[key]
+
+        def table(name, shape):
+            entry = mf.entry(name, shape)
+            return mf.tensor(entry.name).float().clone()
+
+        method = need(names.SPARSIFY_METHOD)
+        if method not in METHODS:
+            raise GGUFError(f"{path}: {names.SPARSIFY_METHOD} {method!r} is not one of {METHODS}")
+        sparsity = float(need(names.SPARSIFY_SPARSITY))
+        thresholds = tuple(float(t) for t in need(names.SPARSIFY_THRESHOLDS))
+        grid = torch.tensor(need(names.SPARSIFY_GRID), dtype=torch.float64)
+        if not 0.0 < sparsity < 1.0 or len(thresholds) != n_layer:
+            raise GGUFError(
+                f"{path}: sparsify target {sparsity} / {len(thresholds)} thresholds for {n_layer} layers"
+            )
+        if len(grid) < 2 or bool((grid[1:] <= grid[:-1]).any()) or grid[0] != 0.0 or grid[-1] != 1.0:
+            raise GGUFError(f"{path}: {names.SPARSIFY_GRID} must rise from 0 to 1")
+        quantiles = table(names.SPARSIFY_QUANTILES, (n_layer, len(grid)))
+        freq = (
+            table(names.SPARSIFY_FREQUENCY, (n_layer, n_ff))
+            if names.SPARSIFY_FREQUENCY in mf.tensors
+            else None
+        )
+        scale = table(names.SPARSIFY_SCALE, (n_layer, n_ff)) if method == "wina" else None
+        tokens = int(meta.get(names.SPARSIFY_TOKENS, 0))
+        return cls(method, sparsity, thresholds, grid, quantiles, freq, scale, tokens)
+
+
+class ThresholdedFFN(FFN):
+    """A SwiGLU FFN computing, per token, only the neurons whose score is over the layer's threshold.
+
+    weights: gate [F, D] (multiplied whole), up [F, D] and down_t [F, D] (gathered row by row), kind
+    "gated", SiLU; down: the file's ffn_down [D, F] for many-row forwards (None: the axpy there too);
+    scale: [F] per-neuron score weights (None: CATS)."""
+
+    def __init__(
+        self,
+        weights: FFNWeights,
+        threshold: float,
+        *,
+        layer: int,
+        norm: Norm | None = None,
+        down: Weight | None = None,
+        scale: torch.Tensor | None = None,
+        threads: int | None = None,
+    ):
+        if weights.gate is None or weights.down_t is None or weights.kind != "gated":
+            raise ValueError("a thresholded FFN needs gate, up and ffn_down_t of a gated (SwiGLU) FFN")
+        self.weights, self.threshold, self.norm = weights, float(threshold), norm
+        self.layer, self.expert, self.down, self.scale, self.threads = layer, None, down, scale, threads
+        devices = {_device(m).type for m in (weights.gate, weights.up, weights.down_t)}
+        self.gathers = devices == {"cpu"} and cpu.backend() == "c"  # the row kernels, else dense-masked
+
+    def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
+        w = self.weights
+        act = F.silu(linear(h, w.gate))  # [T, F]: the gate, every row
+        if ctx.dense:  # the reference: every neuron
+            a = act * linear(h, w.up)
+            if ctx.observe is not None:
+                ctx.observe(self.layer, h, p, a)
+            ctx.count_all(self.layer, a)
+            return self._down_dense(a, h.device)
+        score = act.abs() if self.scale is None else act.abs() * self.scale.to(act.device)
+        mask = score > self.threshold  # [T, F] bool, per token
+        if self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS:
+            hc, mc = h.to(CPU), mask.to(CPU)
+            up = cpu.gather_matvec(w.up, hc, mc, threads=self.threads)
+            a = torch.where(mc, act.to(CPU) * up, 0.0)
+            out = cpu.sparse_axpy(w.down_t, a, mc, threads=self.threads).to(h.device)
+        else:
+            a = torch.where(mask, act * linear(h, w.up), 0.0)
+            out = self._down_dense(a, h.device)
+        ctx.count(self.layer, mask)
+        if ctx.keep_masks:
+            ctx.keep(self.layer, p, mask)
+        return out
+
+    def _down_dense(self, a: torch.Tensor, device: torch.device) -> torch.Tensor:
+        if self.down is not None:
+            return linear(a, self.down)
+        return cpu.sparse_axpy(self.weights.down_t, a.to(CPU), None, threads=self.threads).to(device)
+
+
+def _device(weight: Weight) -> torch.device:
+    return weight.device if isinstance(weight, torch.Tensor) else weight.data.device
+
+
+def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: int | None = None):
+    """make_ffn for the families (loader.py): each layer's ThresholdedFFN at `sparsity`, its gate packed
+    (only ever multiplied whole), its ffn_down read for the many-row path."""
+
+    def make(layer: int, weights: FFNWeights, predictor, norm, *, expert: int | None = None):
+        if expert is not None:
+            raise ValueError(f"{src.path}: thresholded sparsity does not run mixture-of-experts layers")
+        device = src.plan.ffn[layer]
+        down = None
+        if src.has(names.FFN_DOWN, layer):
+            from hotcold.device import place
+
+            c = src.config
+            down = place(src.raw(names.FFN_DOWN, layer, (c.n_embd, c.n_ff)), device)
+        scale = None if assets.scale is None else assets.scale[layer]
+        return ThresholdedFFN(
+            replace(weights, gate=cpu.pack(weights.gate)),
+            assets.threshold(layer, sparsity),
+            layer=layer,
+            norm=None if norm is None else norm.to(device),
+            down=down,
+            scale=scale,
+            threads=threads,
+        )
+
+    return make
