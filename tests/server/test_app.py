@@ -233,10 +233,11 @@ def test_metrics_count_requests_and_tokens(server_url):
     assert values["hotcold_generated_tokens_total"] >= 3 and values["hotcold_prompt_tokens_total"] >= 1
     assert values["hotcold_queue_depth"] == 0 and values["hotcold_slots_total"] == 4
     assert "hotcold_tokens_per_second" in values
-    # the router-facing names, with their meanings: nothing running or waiting now; the slot that served
-    # the request keeps its tokens cached (prefix reuse), so the KV usage is above 0 and below 1
+    # the router-facing names, with their meanings: nothing running or waiting now, so no KV cache in use
+    # (the slot that served the request keeps its tokens for prefix reuse, but any request may take it:
+    # free, as in vLLM; test_lifecycle checks the values under load)
     assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
-    assert 0 < values["vllm:gpu_cache_usage_perc"] < 1
+    assert values["vllm:gpu_cache_usage_perc"] == 0
     assert values["llamacpp:tokens_predicted_total"] == values["hotcold_generated_tokens_total"]
     assert values["llamacpp:prompt_tokens_total"] == values["hotcold_prompt_tokens_total"]
 

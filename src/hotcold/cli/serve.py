@@ -1,10 +1,18 @@
-"""hotcold serve: the OpenAI-compatible HTTP API and a chat page at /, on 127.0.0.1 unless told otherwise."""
+"""hotcold serve: the OpenAI-compatible HTTP API and a chat page at /, on 127.0.0.1 unless told otherwise.
+
+The server listens at once and answers 503 until the model is loaded (`/health` too); SIGTERM drains it
+(new requests 503, running ones finish, exit 0). `--ray --replicas N`: the same server as N Ray Serve
+replicas behind Ray's proxy (hotcold.server.ray_serve)."""
 
 from __future__ import annotations
 
+import importlib.util
 import ipaddress
+import logging
 import os
+import signal
 import sys
+import threading
 
 from hotcold.cli import add_model_args, load_from_args
 
@@ -33,6 +41,21 @@ def add_args(p) -> None:
     p.add_argument(
         "--max-body-kib", type=int, default=1024, help="largest request body in KiB; beyond that 413"
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, seconds running requests get to finish (new ones get 503) before the exit",
+    )
+    ray = p.add_argument_group("Ray Serve (pip install 'hotcold[ray]')")
+    ray.add_argument("--ray", action="store_true", help="serve as Ray Serve replicas, one model each")
+    ray.add_argument("--replicas", type=int, default=1, help="replicas (with --max-replicas: the minimum)")
+    ray.add_argument(
+        "--max-replicas", type=int, default=None, help="autoscale between --replicas and this on load"
+    )
+    ray.add_argument(
+        "--ray-address", default=None, help="an existing Ray cluster (default: start a local one)"
+    )
 
 
 def _is_loopback(host: str) -> bool:
@@ -45,10 +68,6 @@ def _is_loopback(host: str) -> bool:
 
 
 def run(args) -> int:
-    import uvicorn
-
-    from hotcold.server.app import Limits, create_app
-
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.parallel < 1:
@@ -59,23 +78,125 @@ def run(args) -> int:
         raise ValueError(f"--max-body-kib must be >= 1, got {args.max_body_kib}")
     if args.max_tokens is not None and args.max_tokens < 1:
         raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.drain_timeout < 0:
+        raise ValueError(f"--drain-timeout must be >= 0, got {args.drain_timeout}")
     if not _is_loopback(args.host) and not args.api_key:
         print(
             f"hotcold: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
             file=sys.stderr,
         )
-    llm = load_from_args(args)
-    for note in llm.loaded.notes:
-        print(f"hotcold: {note}", file=sys.stderr)
+    if args.ray:
+        return _run_ray(args)
+    return _run_plain(args)
+
+
+def _log_requests() -> None:
+    """One line per request on stderr (hotcold.server.access: request id, route, status, time), in place
+    of uvicorn's access log, which has no request id."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("INFO:     %(message)s"))
+    access = logging.getLogger("hotcold.server.access")
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+
+
+def _run_plain(args) -> int:
+    import uvicorn
+
+    from hotcold.server.app import Limits, create_app
+    from hotcold.server.lifecycle import DrainingServer, Lifecycle
+
     limits = Limits(
         max_body_bytes=args.max_body_kib * 1024, max_tokens=args.max_tokens, max_queue=args.max_queue
     )
-    app = create_app(llm, parallel=args.parallel, api_key=args.api_key or None, limits=limits)
-    print(
-        f"hotcold: {llm.path} loaded in {llm.load_seconds:.1f} s; context {llm.ctx_size} tokens,"
-        f" {args.parallel} slot(s){', API key required' if args.api_key else ''}",
-        file=sys.stderr,
-    )
+
+    def build():  # in a thread, once the server listens: /health says 503 "loading model" meanwhile
+        llm = load_from_args(args)
+        for note in llm.loaded.notes:
+            print(f"hotcold: {note}", file=sys.stderr)
+        app = create_app(llm, parallel=args.parallel, api_key=args.api_key or None, limits=limits)
+        print(
+            f"hotcold: {llm.path} loaded in {llm.load_seconds:.1f} s; context {llm.ctx_size} tokens,"
+            f" {args.parallel} slot(s){', API key required' if args.api_key else ''}",
+            file=sys.stderr,
+        )
+        return app
+
+    lifecycle = Lifecycle(build)
+    _log_requests()
     # uvicorn prints the address it listens on (with the real port when --port 0)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(
+        lifecycle,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+    DrainingServer(config, lifecycle, drain_timeout=args.drain_timeout).run()
+    if lifecycle.error is not None:
+        raise lifecycle.error
     return 0
+
+
+def _run_ray(args) -> int:
+    if importlib.util.find_spec("ray") is None or importlib.util.find_spec("ray.serve") is None:
+        from hotcold.server.ray_serve import RAY_MISSING
+
+        print(f"hotcold: error: {RAY_MISSING}", file=sys.stderr)
+        return 1
+    from hotcold.server.ray_serve import ReplicaConfig, deployment, serving
+
+    local = args.ray_address is None
+    threads = args.threads
+    if threads is None:  # share this machine's cores between the replicas of a local cluster
+        threads = max(1, (os.cpu_count() or 1) // args.replicas) if local else (os.cpu_count() or 1)
+    config = ReplicaConfig(
+        model=args.model,
+        threads=threads,
+        ctx_size=args.ctx_size,
+        device=args.device,
+        dense=args.dense,
+        vram_budget=args.vram_budget,
+        parallel=args.parallel,
+        api_key=args.api_key or None,
+        max_tokens=args.max_tokens,
+        max_queue=args.max_queue,
+        max_body_kib=args.max_body_kib,
+    )
+
+    def make_app(resources: dict):  # once Ray is up: a GPU per replica where the cluster has them
+        gpus = 0 if args.device == "cpu" or resources.get("GPU", 0) < 1 else 1
+        info["gpus"] = gpus
+        return deployment(
+            config,
+            replicas=args.replicas,
+            max_replicas=args.max_replicas,
+            num_gpus=gpus,
+            graceful_shutdown_timeout_s=args.drain_timeout,
+        )
+
+    info: dict = {}
+    port = args.port or _free_port(args.host)
+    with serving(make_app, host=args.host, port=port, address=args.ray_address) as url:
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        count = f"{args.replicas}-{args.max_replicas}" if args.max_replicas else str(args.replicas)
+        print(
+            f"hotcold: {count} Ray Serve replica(s), {threads} thread(s) and {info['gpus']} GPU each;"
+            f" running on {url} (SIGINT or SIGTERM: drain and stop)",
+            file=sys.stderr,
+        )
+        stop.wait()
+        print("hotcold: draining the replicas", file=sys.stderr)
+    return 0
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -26,7 +26,7 @@ from hotcold import __version__
 from hotcold.engine import Engine
 from hotcold.sampling import SamplingParams
 from hotcold.server import constraints, figures, tools
-from hotcold.server.guard import Guard, add_error_handlers
+from hotcold.server.guard import Guard, add_error_handlers, request_id
 from hotcold.server.metrics import Metrics
 from hotcold.server.protocol import (
     ApiError,
@@ -70,9 +70,11 @@ def create_app(
     api_key: str | None = None,
     limits: Limits = Limits(),
     scheduler: Scheduler | None = None,
+    request_id_header: bool = True,
 ) -> FastAPI:
     """The app for a loaded `hotcold.Model`. Each of the `parallel` slots is an Engine with its own KV
-    cache over the model's shared weights (pass `scheduler` to supply the engines yourself)."""
+    cache over the model's shared weights (pass `scheduler` to supply the engines yourself).
+    `request_id_header=False`: a proxy in front adds `X-Request-Id` to responses (Ray Serve's)."""
     if parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {parallel}")
     if limits.max_tokens is not None and limits.max_tokens < 1:
@@ -92,7 +94,13 @@ def create_app(
 
     app = FastAPI(title="hotcold", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = server
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=limits.max_body_bytes, metrics=metrics)
+    app.add_middleware(
+        Guard,
+        api_key=api_key,
+        max_body_bytes=limits.max_body_bytes,
+        metrics=metrics,
+        id_header=request_id_header,
+    )
     add_error_handlers(app)
 
     page = (resources.files("hotcold.server") / "static" / "index.html").read_text(encoding="utf-8")
@@ -318,6 +326,10 @@ class _Server:
         return out
 
     async def respond(self, request: Request, gens: list[GenerationRequest], fmt: Format, *, stream: bool):
+        rid = request_id(request.scope)
+        fmt.id = f"{fmt.id.partition('-')[0]}-{rid}"  # the response's id is the request's (as vLLM)
+        for g in gens:
+            g.request_id = rid
         try:
             jobs = self.scheduler.submit_all(gens)
         except QueueFull as exc:

@@ -1,10 +1,14 @@
 """In front of every route: OpenAI-shaped errors, the API key, the request body limit, the JSON-only rule,
-request counts for /metrics, and a JSON 500 for anything unexpected (the server carries on)."""
+request counts for /metrics, a request id (`X-Request-Id`, the client's own when it sends a usable one)
+in the response and in the log, and a JSON 500 for anything unexpected (the server carries on)."""
 
 from __future__ import annotations
 
 import hmac
 import logging
+import re
+import time
+import uuid
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -15,6 +19,10 @@ from hotcold.server.metrics import Metrics
 from hotcold.server.protocol import ApiError, error_body
 
 log = logging.getLogger(__name__)
+access_log = logging.getLogger("hotcold.server.access")  # one line per request: id, route, status, time
+
+REQUEST_ID_KEY = "hotcold.request_id"  # where a request's id lives in its ASGI scope
+_USABLE_ID = re.compile(rb"[\x21-\x7e]{1,128}")  # printable ASCII, no spaces, bounded: safe in a log line
 
 ROUTES = frozenset(
     (
@@ -73,15 +81,29 @@ def add_error_handlers(app: FastAPI) -> None:
         return _json_error(exc.status_code, str(exc.detail), type=kind)
 
 
-class Guard:
-    """Pure ASGI middleware in front of every route: the API key, the body size limit (the body is read
-    here, bounded, then replayed), request counts for /metrics, and a JSON 500 for anything unexpected."""
+def request_id(scope) -> str:
+    """This request's id: the incoming `X-Request-Id` when it is usable (printable, at most 128
+    characters), else a new one; the same for every later call on this scope."""
+    if REQUEST_ID_KEY not in scope:
+        given = next((v for k, v in scope.get("headers", ()) if k == b"x-request-id"), b"")
+        scope[REQUEST_ID_KEY] = given.decode() if _USABLE_ID.fullmatch(given) else uuid.uuid4().hex
+    return scope[REQUEST_ID_KEY]
 
-    def __init__(self, app, *, api_key: str | None, max_body_bytes: int, metrics: Metrics):
+
+class Guard:
+    """Pure ASGI middleware in front of every route: the request id, the API key, the body size limit
+    (the body is read here, bounded, then replayed), request counts for /metrics, and a JSON 500 for
+    anything unexpected. `id_header=False` leaves the `X-Request-Id` response header to a proxy in front
+    that adds it itself (Ray Serve's, which also hands us its id in the request headers)."""
+
+    def __init__(
+        self, app, *, api_key: str | None, max_body_bytes: int, metrics: Metrics, id_header: bool = True
+    ):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
         self.metrics = metrics
+        self.id_header = id_header
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -90,11 +112,18 @@ class Guard:
         route = path if path in ROUTES else "other"
         status = 500
         started = False
+        rid = request_id(scope)
+        t0 = time.perf_counter()
 
         async def send_counted(message) -> None:
             nonlocal status, started
             if message["type"] == "http.response.start":
                 status, started = message["status"], True
+                if self.id_header:
+                    message = {
+                        **message,
+                        "headers": [*message.get("headers", ()), (b"x-request-id", rid.encode())],
+                    }
             await send(message)
 
         try:
@@ -127,13 +156,16 @@ class Guard:
         except _ClientGone:
             status = 499  # nginx's "client closed request": nothing to answer
         except Exception:
-            log.exception("internal error on %s %s", scope.get("method"), path)
+            log.exception("%s: internal error on %s %s", rid, scope.get("method"), path)
             if not started:
                 await _json_error(500, "internal server error", type="server_error")(
                     scope, receive, send_counted
                 )
         finally:
             self.metrics.request_done(route, status)
+            access_log.info(
+                '%s "%s %s" %d %.3f s', rid, scope["method"], path, status, time.perf_counter() - t0
+            )
 
     def _authorized(self, scope) -> bool:
         for name, value in scope.get("headers", ()):

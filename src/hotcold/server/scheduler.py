@@ -37,6 +37,7 @@ class GenerationRequest:
     ignore_eos: bool = False
     logprobs: int | None = None  # top alternatives per token (Generation's logprobs); None: no logprobs
     constraint: Constraint | None = None  # structured output (hotcold.structured)
+    request_id: str = ""  # the HTTP request's id (X-Request-Id), for the log
 
 
 class QueueFull(RuntimeError):
@@ -126,6 +127,11 @@ class Scheduler:
         return len(self._engines)
 
     @property
+    def alive(self) -> bool:
+        """The batch thread runs and takes requests (a replica's health check)."""
+        return self._thread.is_alive() and not self._closed
+
+    @property
     def queue_depth(self) -> int:
         return len(self._pending)
 
@@ -134,8 +140,11 @@ class Scheduler:
         return len(self._running)
 
     def kv_usage(self) -> float:
-        """Share of the slots' KV cache positions holding tokens (vllm:gpu_cache_usage_perc's meaning)."""
-        used = sum(len(e.cached_ids) for e in self._engines)
+        """Share of all slots' KV cache positions held by running requests (vllm:gpu_cache_usage_perc's
+        meaning: as in vLLM, cached tokens that no running request holds count as free, since any new
+        request may take that slot; an idle server reports 0)."""
+        with self._cond:
+            used = sum(len(r.engine.cached_ids) for r in self._running)
         return used / sum(e.ctx_size for e in self._engines)
 
     def submit(self, request: GenerationRequest, loop: asyncio.AbstractEventLoop | None = None) -> Job:
@@ -206,7 +215,7 @@ class Scheduler:
         while True:
             with self._cond:
                 for r in [r for r in self._running if r.job.cancelled.is_set()]:
-                    log.info("request cancelled after %d tokens", r.job.generated)
+                    log.info("%s: cancelled after %d tokens", r.job.request.request_id, r.job.generated)
                     self._release(r)
                 if not self._closed:
                     self._admit()
