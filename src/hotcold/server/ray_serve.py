@@ -79,10 +79,6 @@ class HotcoldReplica:
         if not self._app.state.server.scheduler.alive:
             raise RuntimeError("the batch thread has stopped")
 
-    def pid(self) -> int:
-        """The replica's process id (for tests and operators who want to know which process serves)."""
-        return os.getpid()
-
 
 def replica_options(
     config: ReplicaConfig,
