@@ -55,6 +55,9 @@
 #endif
 #ifndef HC_AXB
 #define HC_AXB 64 /* active rows per block of an axpy sum (part of the arithmetic: fixed, never tuned per call) */
+#ifndef HC_AXPY_PART_BYTES
+#define HC_AXPY_PART_BYTES (256 * 1024) /* a batch axpy's partial sums per thread */
+#endif
 #endif
 #if HC_G < 1 || HC_G > 4
 #error "HC_G must be 1..4"
@@ -371,12 +374,16 @@ HC_INLINE void vprefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
 #ifndef UNR
 #define UNR 1 /* chunks per step of a dot product (1: one cache line of F16 per row per step) */
 #endif
-#define NACC (UNR * NV) /* vector accumulators per token in a dot product */
+/* Vector accumulators per dot product: vector v of a chunk goes into accumulator v % NACC, so a dot's
+ * fma chain is the same whatever else shares its pass (2: enough chains in flight for one token, few
+ * enough registers that several tokens share a pass over a row on AVX2). */
+#define NACC 2
+#define ACC_OF(u, v) (((u) * NV + (v)) % NACC)
 #ifndef NTMAX /* tokens sharing one pass over a weight row: NTMAX * NACC accumulators in registers */
 #if VL == 16
 #define NTMAX 8
 #else
-#define NTMAX 2
+#define NTMAX 4
 #endif
 #endif
 
@@ -584,7 +591,7 @@ HC_INLINE void dot_row(const int wt, const int NT, const uint8_t *row, const flo
             load32(wt, row, c + u, w);
             for (int t = 0; t < NT; t++)
                 for (int v = 0; v < NV; v++)
-                    acc[t][u * NV + v] = vfma(w[v], vloadu(xs[t] + (c + u) * 32 + v * VL), acc[t][u * NV + v]);
+                    acc[t][ACC_OF(u, v)] = vfma(w[v], vloadu(xs[t] + (c + u) * 32 + v * VL), acc[t][ACC_OF(u, v)]);
         }
         if (pf) {
             const int64_t end = chunk_off(wt, c + UNR);
@@ -595,12 +602,50 @@ HC_INLINE void dot_row(const int wt, const int NT, const uint8_t *row, const flo
         vf w[NV];
         load32(wt, row, c, w);
         for (int t = 0; t < NT; t++)
-            for (int v = 0; v < NV; v++) acc[t][v] = vfma(w[v], vloadu(xs[t] + c * 32 + v * VL), acc[t][v]);
+            for (int v = 0; v < NV; v++) acc[t][ACC_OF(0, v)] = vfma(w[v], vloadu(xs[t] + c * 32 + v * VL), acc[t][ACC_OF(0, v)]);
     }
     for (int t = 0; t < NT; t++) {
         float r = vhsum(vsum_acc(acc[t]));
         for (int64_t j = nchunk * 32; j < D; j++) r = fmaf(wscalar(wt, row, j), xs[t][j], r);
         res[t] = r;
+    }
+}
+
+/* Vector v of chunk c of a float row, as fp32 (load32's float cases, one vector at a time). */
+HC_INLINE vf load_vec(const int wt, const uint8_t *row, int64_t c, int v) {
+    if (wt == WT_F32) return vloadu((const float *)row + c * 32 + v * VL);
+    if (wt == WT_F16) return vload_f16((const uint16_t *)row + c * 32 + v * VL);
+    return vload_bf16((const uint16_t *)row + c * 32 + v * VL);
+}
+
+#define TILE_T (VL == 16 ? 4 : 3) /* tokens of a two-row tile: 2 * TILE_T * NACC accumulators */
+
+/* Dot products of two float rows with NT token vectors (NT <= TILE_T): each weight vector serves NT
+ * tokens and each token vector two rows, so a batch's dense GEMV does more fma per load than dot_row.
+ * Every (row, token) keeps dot_row's accumulators and reduction, so its result has the same bits. */
+HC_INLINE void dot_rows2_tokens(const int wt, const int NT, const uint8_t *r0, const uint8_t *r1,
+                                const float *const *xs, int64_t D, float *res0, float *res1) {
+    vf acc[2][TILE_T][NACC];
+    for (int t = 0; t < NT; t++)
+        for (int a = 0; a < NACC; a++) acc[0][t][a] = acc[1][t][a] = vzero();
+    const int64_t nchunk = D / 32;
+    for (int64_t c = 0; c < nchunk; c++)
+        for (int v = 0; v < NV; v++) {
+            const vf w0 = load_vec(wt, r0, c, v), w1 = load_vec(wt, r1, c, v);
+            for (int t = 0; t < NT; t++) {
+                const vf xv = vloadu(xs[t] + c * 32 + v * VL);
+                acc[0][t][ACC_OF(0, v)] = vfma(w0, xv, acc[0][t][ACC_OF(0, v)]);
+                acc[1][t][ACC_OF(0, v)] = vfma(w1, xv, acc[1][t][ACC_OF(0, v)]);
+            }
+        }
+    for (int t = 0; t < NT; t++) {
+        float q0 = vhsum(vsum_acc(acc[0][t])), q1 = vhsum(vsum_acc(acc[1][t]));
+        for (int64_t j = nchunk * 32; j < D; j++) {
+            q0 = fmaf(wscalar(wt, r0, j), xs[t][j], q0);
+            q1 = fmaf(wscalar(wt, r1, j), xs[t][j], q1);
+        }
+        res0[t] = q0;
+        res1[t] = q1;
     }
 }
 
@@ -621,7 +666,7 @@ HC_INLINE void dot_rows1(const int wt, const int NR, const uint8_t *const *rows,
             for (int r = 0; r < NR; r++) {
                 vf w[NV];
                 load32(wt, rows[r], c + u, w);
-                for (int v = 0; v < NV; v++) acc[r][u * NV + v] = vfma(w[v], xv[v], acc[r][u * NV + v]);
+                for (int v = 0; v < NV; v++) acc[r][ACC_OF(u, v)] = vfma(w[v], xv[v], acc[r][ACC_OF(u, v)]);
             }
         }
 #if HC_PF
@@ -646,7 +691,7 @@ HC_INLINE void dot_rows1(const int wt, const int NR, const uint8_t *const *rows,
         for (int r = 0; r < NR; r++) {
             vf w[NV];
             load32(wt, rows[r], c, w);
-            for (int v = 0; v < NV; v++) acc[r][v] = vfma(w[v], xv[v], acc[r][v]);
+            for (int v = 0; v < NV; v++) acc[r][ACC_OF(0, v)] = vfma(w[v], xv[v], acc[r][ACC_OF(0, v)]);
         }
     }
     for (int r = 0; r < NR; r++) {
@@ -1112,6 +1157,32 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
         }
         return;
     }
+    if (!wt_is_block(wt) && !A->mask) { /* every token needs every row: two-row tiles */
+        int64_t k = k0;
+        for (; k + 2 <= k1; k += 2) {
+            const int64_t i0 = ROW_OF(k), i1 = ROW_OF(k + 1);
+            const uint8_t *r0 = A->W + i0 * A->stride, *r1 = A->W + i1 * A->stride;
+            for (int64_t t0 = 0; t0 < T; t0 += TILE_T) {
+                const float *xs[TILE_T];
+                float res0[TILE_T], res1[TILE_T];
+                const int nt = T - t0 < TILE_T ? (int)(T - t0) : TILE_T;
+                for (int j = 0; j < nt; j++) xs[j] = A->x + (t0 + j) * D;
+                switch (nt) { /* a constant token count keeps the accumulators in registers */
+                case 1: dot_rows2_tokens(wt, 1, r0, r1, xs, D, res0, res1); break;
+                case 2: dot_rows2_tokens(wt, 2, r0, r1, xs, D, res0, res1); break;
+#if TILE_T > 3
+                case 3: dot_rows2_tokens(wt, 3, r0, r1, xs, D, res0, res1); break;
+#endif
+                default: dot_rows2_tokens(wt, TILE_T, r0, r1, xs, D, res0, res1); break;
+                }
+                for (int j = 0; j < nt; j++) {
+                    A->out[(t0 + j) * F + i0] = res0[j];
+                    A->out[(t0 + j) * F + i1] = res1[j];
+                }
+            }
+        }
+        k0 = k; /* an odd last row: below */
+    }
     const int per = tokens_per_pass(wt);
     for (int64_t k = k0; k < k1; k++) {
         const int64_t i = ROW_OF(k);
@@ -1554,7 +1625,7 @@ int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t 
     } else if (n > 0) {
         /* Columns split among the threads; each item keeps every token's open block for its columns
          * (at most ~256 KB of partial sums per thread). */
-        int64_t cb = (256 * 1024 / 4) / (32 * T);
+        int64_t cb = (HC_AXPY_PART_BYTES / 4) / (32 * T);
         const int64_t cb_even = nchunk / (2 * (int64_t)(nth > 1 ? nth : 1));
         cb = cb > cb_even ? cb_even : cb;
         cb = cb < 1 ? 1 : cb;
