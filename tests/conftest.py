@@ -56,3 +56,12 @@ def tiny_sparse_gguf(tmp_path_factory, spm_model_file) -> Path:
     make_llama(folder / "hf", spm_model_file)
     write_predictors(folder / "pred", 2, 64, 1280, threshold=0.0)
     return convert(folder / "hf", folder / "pred", folder / "tiny.powerinfer.gguf", outtype="f32")
+
+
+@pytest.fixture(scope="session")
+def tiny_swiglu(tmp_path_factory, spm_model_file):
+    """A tiny random SwiGLU LLaMA (hidden_act silu), converted dense to F16 and Q8_0, and each sparsified
+    by `hotcold sparsify` at 0.5 on the test corpus (tests/fixtures.swiglu_files)."""
+    from tests.fixtures import swiglu_files
+
+    return swiglu_files(tmp_path_factory.mktemp("tiny_swiglu"), spm_model_file)

@@ -403,3 +403,27 @@ def random_blocks(qtype, n: int, rng: np.random.Generator) -> np.ndarray:
         raw[:, off : off + 2] = values.view(np.uint8).reshape(n, 2)
     raw[4] = 0  # an all-zero block
     return raw
+
+
+@dataclass
+class SwigluFiles:
+    hf: object  # the transformers model (eval mode, fp32)
+    corpus: Path
+    dense: dict  # outtype -> dense GGUF path
+    sparse: dict  # outtype -> sparsified path (target 0.5)
+    tokens: int  # calibration tokens
+
+
+def swiglu_files(folder: Path, spm_model: Path, *, sparsity: float = 0.5, tokens: int = 3000) -> SwigluFiles:
+    from hotcold.convert import convert
+    from hotcold.convert.sparsify import sparsify_file
+
+    hf = make_llama(folder / "hf", spm_model, hidden_act="silu")
+    corpus = folder / "corpus.txt"
+    corpus.write_text(training_text())
+    dense, sparse = {}, {}
+    for outtype in ("f16", "q8_0"):
+        dense[outtype] = convert(folder / "hf", None, folder / f"swiglu.{outtype}.gguf", outtype=outtype)
+        sparse[outtype] = folder / f"swiglu.{outtype}.sparse.gguf"
+        sparsify_file(dense[outtype], sparse[outtype], corpus, sparsity=sparsity, max_tokens=tokens)
+    return SwigluFiles(hf, corpus, dense, sparse, tokens)

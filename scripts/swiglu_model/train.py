@@ -11,7 +11,8 @@ files are. Every flag of ``train_model.py`` applies (``--minutes``, ``--threads`
         --tokenizer /work/swiglu_build/tokenizer --out /work/swiglu_build/hf --minutes 12 --threads 1
     hotcold convert /work/swiglu_build/hf -o /work/swiglu_build/swiglu.f32.gguf --outtype f32 --dense
 
-(`train_log.json`'s "sparsity" figures count exact zeros of the activation: about 0 for SiLU.)
+Training runs in fp32 (``--bf16`` for the demo script's bf16 autocast, which CPUs without bf16
+instructions emulate slowly). (`train_log.json`'s "sparsity" figures count exact zeros of the activation: about 0 for SiLU.)
 """
 
 from __future__ import annotations
@@ -33,6 +34,25 @@ def silu_config(args, vocab_size):
 
 
 train_model.model_config = silu_config
+
+
+class _NoAutocast:
+    """fp32 training: bf16 autocast is emulated (slow) on CPUs without bf16 instructions, as this one."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+if "--bf16" in sys.argv:
+    sys.argv.remove("--bf16")
+else:
+    train_model.torch.autocast = _NoAutocast  # this script's own process only
 
 if __name__ == "__main__":
     train_model.main()

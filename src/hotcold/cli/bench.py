@@ -50,13 +50,19 @@ def add_args(p) -> None:
 
 def weight_bytes(model_file) -> dict[str, int]:
     """Bytes a decode step reads, split by role: FFN matrices (what sparsity saves), predictors, the rest.
-    The token embedding is excluded: a step reads one row of it."""
+    The token embedding is excluded: a step reads one row of it. A `hotcold sparsify` file reads its gate
+    whole (counted as "other") and one of ffn_down / ffn_down_t (counted once)."""
     parts = {"ffn": 0, "predictor": 0, "other": 0}
+    sparsified = names.SPARSIFY_SPARSITY in model_file.metadata
     for entry in model_file.tensors.values():
         name = entry.name
         if name == names.tensor(names.TOKEN_EMBD) and names.tensor(names.OUTPUT) in model_file.tensors:
             continue
-        if names.template_of(name, names.FFN_MATRICES):
+        if sparsified and names.template_of(name, (names.FFN_DOWN_T,)):
+            continue
+        if sparsified and names.template_of(name, (names.FFN_GATE,)):
+            parts["other"] += entry.n_bytes
+        elif names.template_of(name, names.FFN_MATRICES):
             parts["ffn"] += entry.n_bytes
         elif names.template_of(name, names.PREDICTOR_MATRICES):
             parts["predictor"] += entry.n_bytes
@@ -168,7 +174,7 @@ def run_bench(
         print(f"hotcold: warning: {context_warning(longest, first.config.n_ctx_train)}", file=sys.stderr)
     modes = (
         ["dense"]
-        if not first.config.sparse
+        if not (first.config.sparse or first.config.sparsified)
         else {"both": ["sparse", "dense"], "sparse": ["sparse"], "dense": ["dense"]}[mode]
     )
     mf = first.loaded.file
@@ -192,7 +198,8 @@ def run_bench(
 
     groups = [[m] for m in modes] if on_gpu else [modes]
     for group in groups:
-        models = {m: first if m == "sparse" and first.config.sparse else load(m) for m in group}
+        has_sparse = first.config.sparse or first.config.sparsified
+        models = {m: first if m == "sparse" and has_sparse else load(m) for m in group}
         for test, n in tests:
             for m in group:  # warm-up: page in the weights, compile kernels
                 one(models[m], test, min(n, 8))

@@ -57,7 +57,25 @@ def describe(path: str | None) -> dict:
         "activation_stats": str(activation_dir) if activation_dir.is_dir() else None,
         "placement_cache": _placement(gpuidx),
         "n_expert": c.n_expert or None,
+        "sparsify": _sparsify(mf, c),
     }
+
+
+def _sparsify(mf, c) -> str | None:
+    """The `hotcold sparsify` assets in one line: method, target, thresholds, statistics, ffn_down_t type."""
+    if not c.sparsified:
+        return None
+    from hotcold import names
+    from hotcold.sparse.thresholded import SparsifyAssets
+
+    a = SparsifyAssets.from_file(mf, c.n_layer, c.n_ff)
+    t = a.thresholds
+    down = mf.tensors.get(names.tensor(names.FFN_DOWN_T, 0))
+    return (
+        f"{a.method}, target sparsity {a.sparsity:g} (override: --sparsity), thresholds {min(t):.3g}..{max(t):.3g}"
+        f" over {c.n_layer} layers, quantiles at {len(a.grid)} levels from {a.tokens} calibration tokens, "
+        f"ffn_down_t {down.qtype.name if down else '-'}, keep frequencies {'yes' if a.frequency is not None else 'no'}"
+    )
 
 
 def run(args) -> int:
