@@ -1,26 +1,31 @@
-"""hotcold on Ray Serve (issue #17): a local Ray cluster on 127.0.0.1 started here, 2 replicas of the
-bundled demo model behind Ray's proxy, 16 concurrent `openai` clients whose greedy text must equal
-`llm.generate`; one replica's process killed mid-run (every request completes or gets a clean 5xx, in
-bounded time), Ray brings it back, the next 16 all succeed. One cluster for the module; every wait is
-bounded, and a SIGALRM watchdog stops the module if Ray itself hangs."""
+"""hotcold on Ray Serve (issue #17): `hotcold serve --ray --replicas 2` (a real subprocess, which starts a
+local Ray cluster, its HTTP proxy on 127.0.0.1) over the bundled demo model; 16 concurrent `openai`
+clients whose greedy text must equal `llm.generate`; one replica's process killed mid-run (every request
+completes or gets a clean 5xx, in bounded time), Ray brings it back, the next 16 all succeed; SIGTERM
+stops it all, exit status 0. One cluster for the module; the replicas are found as processes (Ray
+titles them ray::ServeReplica:APP:DEPLOYMENT) in the CLI's session. Every wait is bounded; a SIGALRM watchdog ends the module if Ray itself hangs, and the
+subprocess's whole process group (Ray's processes with it) is killed on the way out in any case."""
 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor, wait
 
+import httpx
 import openai
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'hotcold[ray]'")
+pytest.importorskip("ray", reason="Ray Serve is an optional extra: pip install 'hotcold[ray]'")
 pytest.importorskip("ray.serve", reason="Ray Serve is an optional extra: pip install 'hotcold[ray]'")
 
-from ray import serve  # noqa: E402
-
-from hotcold.server.ray_serve import APP_NAME, DEPLOYMENT, ReplicaConfig, deployment, serving  # noqa: E402
+from hotcold.server.ray_serve import APP_NAME, DEPLOYMENT  # noqa: E402
 from tests.server.conftest import off_main_thread, openai_client  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -37,6 +42,8 @@ class Watchdog(Exception):
 
 @pytest.fixture(scope="module")
 def cluster():
+    """{"url", "proc", "stderr"}: `hotcold serve --ray` running."""
+
     def expired(*_):
         raise Watchdog(f"the Ray test module ran past {MODULE_LIMIT_S} s")
 
@@ -45,14 +52,31 @@ def cluster():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = ReplicaConfig(threads=1, parallel=4, ctx_size=256)
+    cmd = [sys.executable, "-m", "hotcold", "serve", "--ray", "--replicas", "2", "-t", "1", "-np", "4"]
+    cmd += ["-c", "256", "--port", str(port), "--drain-timeout", "10"]
+    env = os.environ | {"RAY_USAGE_STATS_ENABLED": "0"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    seen: list[str] = []
+    threading.Thread(target=lambda: seen.extend(proc.stderr), daemon=True).start()
     try:
-        with serving(lambda resources: deployment(config, replicas=2), port=port, num_cpus=2) as url:
-            yield url
-            signal.alarm(90)  # what is left of the limit no longer matters: the shutdown gets its own
+        found, deadline = None, time.monotonic() + 240
+        while found is None:
+            assert proc.poll() is None and time.monotonic() < deadline, "did not start:\n" + "".join(seen)
+            pattern = r"running on (http://127\.0\.0\.1:\d+) \(Ray cluster at ([\w.:-]+);"
+            found = next((m for line in list(seen) if (m := re.search(pattern, line))), None)
+            time.sleep(0.2)
+        assert "2 Ray Serve replica(s), 1 thread(s) and 0 GPU each" in found.string
+        yield {"url": found.group(1), "proc": proc, "stderr": seen}
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+        try:  # whatever happened above: nothing of this cluster outlives the module
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the CLI and the Ray processes it started
+        except ProcessLookupError:
+            pass  # all gone already
+        proc.wait(timeout=30)
 
 
 @pytest.fixture(scope="module")
@@ -68,28 +92,36 @@ def _complete(url: str, prompt: str) -> str:
     return client.completions.create(model="demo", prompt=prompt, max_tokens=N, temperature=0).choices[0].text
 
 
-def _replica_pids() -> set[int]:
-    """The live replicas' process ids, from their actors (named SERVE_REPLICA::app#deployment#id)."""
-    prefix = f"SERVE_REPLICA::{APP_NAME}#{DEPLOYMENT}#"
-    actors = [a for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(prefix)]
-    calls = [
-        ray.get_actor(a["name"], namespace=a["namespace"]).__ray_call__.remote(lambda _: os.getpid())
-        for a in actors
-    ]
-    return set(ray.get(calls, timeout=30))
+def _replica_pids(session: int) -> set[int]:
+    """The live replica processes of the CLI started in `session`."""
+    title = f"ray::ServeReplica:{APP_NAME}:{DEPLOYMENT}".encode()
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and os.getsid(int(entry)) == session:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if f.read().startswith(title):
+                        pids.add(int(entry))
+        except OSError:
+            pass  # gone meanwhile
+    return pids
 
 
-def _running_replicas() -> dict:
-    return serve.status().applications[APP_NAME].deployments[DEPLOYMENT].replica_states
+def _completions_counted(url: str) -> float:
+    """Completions the replica answering this /metrics request has counted."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    line = re.search(r'hotcold_requests_total\{route="/v1/completions",status="200"\} (\d+)', text)
+    return float(line.group(1)) if line else 0.0
 
 
 def test_two_replicas_serve_greedy_text_survive_a_killed_replica_and_recover(cluster, expected):
-    url = cluster
+    url = cluster["url"]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         # 16 concurrent requests over 2 replicas: each the text llm.generate gives
         got = list(pool.map(lambda p: _complete(url, p), PROMPTS, timeout=REQUEST_TIMEOUT_S * 2))
         assert got == expected
-        pids = _replica_pids()
+        session = cluster["proc"].pid
+        pids = _replica_pids(session)
         assert len(pids) == 2, pids
 
         # again, and kill one replica's process once the first request is back (the rest still running)
@@ -113,13 +145,14 @@ def test_two_replicas_serve_greedy_text_survive_a_killed_replica_and_recover(clu
         assert outstanding > 0, "every request had finished before the kill: nothing was mid-run"
         print(f"killed replica pid {victim} with {outstanding} requests outstanding: statuses {outcomes}")
 
-        # Ray replaces the dead replica
+        # Ray replaces the dead replica: a new process, which takes requests once it has loaded (a
+        # fresh replica's /metrics counts no completions; the survivor's counts at least 8)
         deadline = time.monotonic() + 120
-        while _running_replicas() != {"RUNNING": 2} or len(new_pids := _replica_pids() - {victim}) < 2:
-            assert time.monotonic() < deadline, f"not recovered: {_running_replicas()}"
-            time.sleep(0.5)
-        assert victim not in _replica_pids()
-        print(f"recovered in {time.monotonic() - t_kill:.1f} s: replicas {sorted(new_pids)}")
+        while len(new := _replica_pids(session) - {victim}) < 2 or _completions_counted(url) > 0:
+            assert time.monotonic() < deadline, f"not recovered: replicas {new}"
+            time.sleep(0.2)
+        assert victim not in _replica_pids(session)
+        print(f"recovered in {time.monotonic() - t_kill:.1f} s: replicas {sorted(new)}")
 
         # and the next 16 all succeed
         got = list(pool.map(lambda p: _complete(url, p), PROMPTS, timeout=REQUEST_TIMEOUT_S * 2))
@@ -127,17 +160,23 @@ def test_two_replicas_serve_greedy_text_survive_a_killed_replica_and_recover(clu
 
 
 def test_health_metrics_and_request_ids_through_the_proxy(cluster):
-    import httpx
-
-    r = httpx.get(cluster + "/health", timeout=10)
+    url = cluster["url"]
+    r = httpx.get(url + "/health", timeout=10)
     assert r.status_code == 200 and r.json()["status"] == "ok"
     r = httpx.post(
-        cluster + "/v1/completions",
+        url + "/v1/completions",
         json={"prompt": "x", "max_tokens": 2},
         headers={"X-Request-Id": "ray-7"},
         timeout=REQUEST_TIMEOUT_S,
     )
     # Ray's proxy adds the header (the client's id when sent); the replica uses the same id, once
     assert r.headers.get_list("x-request-id") == ["ray-7"] and r.json()["id"] == "cmpl-ray-7"
-    text = httpx.get(cluster + "/metrics", timeout=10).text  # one replica's gauges
+    text = httpx.get(url + "/metrics", timeout=10).text  # one replica's gauges
     assert "vllm:num_requests_waiting 0" in text and "vllm:gpu_cache_usage_perc" in text
+
+
+def test_sigterm_drains_and_stops_the_cluster_with_status_0(cluster):
+    proc = cluster["proc"]
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=150) == 0, "".join(cluster["stderr"])
+    assert any("draining the replicas" in line for line in cluster["stderr"])

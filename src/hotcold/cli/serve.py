@@ -87,6 +87,8 @@ def run(args) -> int:
         )
     if args.ray:
         return _run_ray(args)
+    if args.replicas != 1 or args.max_replicas is not None or args.ray_address is not None:
+        raise ValueError("--replicas, --max-replicas and --ray-address go with --ray")
     return _run_plain(args)
 
 
@@ -146,7 +148,7 @@ def _run_ray(args) -> int:
 
         print(f"hotcold: error: {RAY_MISSING}", file=sys.stderr)
         return 1
-    from hotcold.server.ray_serve import ReplicaConfig, deployment, serving
+    from hotcold.server.ray_serve import ReplicaConfig, deployment, replica_options, serving
 
     local = args.ray_address is None
     threads = args.threads
@@ -165,6 +167,7 @@ def _run_ray(args) -> int:
         max_queue=args.max_queue,
         max_body_kib=args.max_body_kib,
     )
+    replica_options(config, replicas=args.replicas, max_replicas=args.max_replicas)  # bad counts: say so now
 
     def make_app(resources: dict):  # once Ray is up: a GPU per replica where the cluster has them
         gpus = 0 if args.device == "cpu" or resources.get("GPU", 0) < 1 else 1
@@ -179,17 +182,22 @@ def _run_ray(args) -> int:
 
     info: dict = {}
     port = args.port or _free_port(args.host)
-    with serving(make_app, host=args.host, port=port, address=args.ray_address) as url:
+    stop_s = args.drain_timeout + 60
+    with serving(make_app, host=args.host, port=port, address=args.ray_address, stop_timeout_s=stop_s) as (
+        url,
+        address,
+    ):
         stop = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: stop.set())
         count = f"{args.replicas}-{args.max_replicas}" if args.max_replicas else str(args.replicas)
         print(
             f"hotcold: {count} Ray Serve replica(s), {threads} thread(s) and {info['gpus']} GPU each;"
-            f" running on {url} (SIGINT or SIGTERM: drain and stop)",
+            f" running on {url} (Ray cluster at {address}; SIGINT or SIGTERM: drain and stop)",
             file=sys.stderr,
         )
-        stop.wait()
+        while not stop.wait(1.0):
+            pass
         print("hotcold: draining the replicas", file=sys.stderr)
     return 0
 

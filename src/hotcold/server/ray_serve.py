@@ -12,9 +12,13 @@ it only when a deployment is made, so it can be named in a config file checked w
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
+
+log = logging.getLogger(__name__)
 
 RAY_MISSING = "--ray needs Ray Serve, an optional extra: pip install 'hotcold[ray]'"
 DEPLOYMENT = "HotcoldReplica"  # the deployment's name (in `serve status`, config files, metrics)
@@ -134,32 +138,43 @@ def build(args: dict):
 
 @contextmanager
 def serving(
-    make_app, *, host: str = "127.0.0.1", port: int = 8000, address: str | None = None, num_cpus=None
+    make_app,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    address: str | None = None,
+    num_cpus: int | None = None,
+    stop_timeout_s: float = 90.0,
 ):
-    """Run `make_app(cluster resources)` (an application, e.g. from `deployment`) on Ray Serve at
-    http://host:port/ and yield that URL: on the cluster at `address`, or on a local one started here
-    (on 127.0.0.1, no dashboard) and stopped on exit. On exit the app is deleted, which drains its
-    replicas."""
+    """Run `make_app(cluster resources)` (an application, e.g. from `deployment`) on Ray Serve with its
+    HTTP proxy at host:port and yield (that URL, the Ray cluster's address): on the cluster at `address`,
+    or on a local one started here (no dashboard) and stopped on exit. On exit the app is deleted, which
+    drains its replicas, for at most `stop_timeout_s` seconds.
+
+    Only the HTTP proxy listens on `host`; Ray's own processes listen on every interface, as Ray always
+    does (ray.init turns a 127.0.0.1 node address into the machine's), and since Ray 2.52 they want the
+    cluster's token (~/.ray/auth_token)."""
     import ray
     from ray import serve
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")  # no reports sent from a cluster we start
     local = address is None
     if local:
-        ray.init(
-            num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1", log_to_driver=False
-        )
+        ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False)
     else:
         ray.init(address=address, log_to_driver=False)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(make_app(ray.cluster_resources()), name=APP_NAME, route_prefix="/")
-        yield f"http://{host}:{port}"
+        yield f"http://{host}:{port}", ray.get_runtime_context().gcs_address
     finally:
-        try:
-            if local:
-                serve.shutdown()
-            else:
-                serve.delete(APP_NAME)
-        finally:
-            ray.shutdown()
+        # bounded: a Ray process that took the signal too (a terminal's Ctrl-C reaches the whole process
+        # group) must not make the stop hang
+        stop = threading.Thread(
+            target=serve.shutdown if local else lambda: serve.delete(APP_NAME), daemon=True
+        )
+        stop.start()
+        stop.join(timeout=stop_timeout_s)
+        if stop.is_alive():
+            log.warning("Ray Serve did not stop within %.0f s; stopping Ray", stop_timeout_s)
+        ray.shutdown()
