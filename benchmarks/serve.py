@@ -8,12 +8,15 @@ measured alongside, so the server's overhead shows as a ratio. Prints JSON and a
 benchmarks/RESULTS.md.
 
     python benchmarks/serve.py [MODEL] [--clients 1,4,8] [--max-tokens 32] [-t THREADS] [--modes sparse,dense]
-        [--llama-server BIN --anchor-model DENSE.gguf]
+        [--llama-server BIN --anchor-model DENSE.gguf] [--ray --replicas 2]
 
 The server batches: every running request's next token goes in one forward (continuous batching), so the
 aggregate grows with the clients while the weights are read once per step. With --llama-server, upstream
 llama.cpp's server (continuous batching, -np = the most clients, same threads) runs the same loads on the
 same weights in the dense layout (`benchmarks/synth.py --dense` with the same seed), in the same run.
+With --ray (issue #17), the same loads also go to N Ray Serve replicas of each mode on a local Ray cluster
+(`hotcold serve --ray`'s deployment, each replica with threads / N threads and --parallel slots, behind
+Ray's proxy): aggregate throughput against the one plain server, plus what the cluster costs to start.
 """
 
 from __future__ import annotations
@@ -138,7 +141,8 @@ def results_section(res: dict, cmd: str, label: str) -> str:
     m = res["machine"]
     lines = [
         "",
-        f"## Server throughput, continuous batching (issue #14) — {res['date'][:16]}",
+        f"## Server throughput, continuous batching (issue #14{', Ray Serve: #17' if res.get('ray') else ''})"
+        f" — {res['date'][:16]}",
         "",
         f"Command: `{cmd}`",
         f"Model: {label}",
@@ -156,6 +160,13 @@ def results_section(res: dict, cmd: str, label: str) -> str:
                 f"| {name} | {r['clients']} | {r['aggregate_tokens_per_s']} | {r['per_client_tokens_per_s_mean']} "
                 f"| {r['ttft_s_mean']} s / {r['ttft_s_max']} s | {r['wall_s']} s |"
             )
+    if res.get("ray"):
+        ray_rows = [r for name, runs in res["servers"].items() if "Ray" in name for r in runs]
+        lines.append(
+            f"\nRay Serve: {res['ray']['replicas']} replicas of {ray_rows[0]['threads_per_replica']} thread(s)"
+            f" each, --parallel {res['parallel']} each, behind Ray's proxy; the local cluster took"
+            f" {ray_rows[0]['cluster_start_s']} s to start with its replicas loaded."
+        )
     for name, tps in res["direct_tokens_per_s"].items():
         lines.append(f"\nSingle request without HTTP, {name} (`llm.generate`, best of 3): {tps} tokens/s.")
     return "\n".join(lines) + "\n"
@@ -207,6 +218,31 @@ def llama_server_runs(binary: str, model: str, *, parallel: int, threads: int, c
         proc.wait(timeout=30)
 
 
+def ray_runs(path: Path, mode: str, *, replicas: int, threads: int, parallel: int, clients, max_tokens: int):
+    """The same loads against `replicas` Ray Serve replicas (threads split between them)."""
+    from hotcold.server.ray_serve import ReplicaConfig, deployment, serving
+
+    per_replica = max(1, threads // replicas)
+    config = ReplicaConfig(
+        model=str(path), threads=per_replica, parallel=parallel, dense=mode == "dense", device="cpu"
+    )
+    t0 = time.perf_counter()
+    with serving(lambda _: deployment(config, replicas=replicas), port=free_port(), num_cpus=threads) as (
+        url,
+        _,
+    ):
+        started = time.perf_counter() - t0
+        run_clients(url, replicas, 4)  # warm up the HTTP path and every replica (likely)
+        runs = [run_clients(url, n, max_tokens) for n in clients]
+    for r in runs:
+        r["cluster_start_s"] = round(started, 1)
+        r["threads_per_replica"] = per_replica
+    print(
+        f"# Ray Serve x{replicas} {mode}: started in {started:.1f} s, runs done", file=sys.stderr, flush=True
+    )
+    return runs
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default=None, help="model file (default: the bundled demo model)")
@@ -220,6 +256,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--anchor-model", default=None, help="the same weights in the dense layout, for llama-server"
     )
+    ap.add_argument(
+        "--ray", action="store_true", help="also N Ray Serve replicas (pip install 'hotcold[ray]')"
+    )
+    ap.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas with --ray (threads split)")
     ap.add_argument("--label", default=None, help="how to name the model in RESULTS.md")
     ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -242,6 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_tokens": args.max_tokens,
         "parallel": parallel,
         "direct_tokens_per_s": {},
+        "ray": {"replicas": args.replicas} if args.ray else None,
         "servers": {},
     }
     prompt = "Client 0: once upon a time"
@@ -270,6 +311,16 @@ def main(argv: list[str] | None = None) -> dict:
                 print(f"# hotcold {mode}: {n} clients done", file=sys.stderr, flush=True)
         res["servers"][f"hotcold {mode}"] = runs
         del llm
+        if args.ray:
+            res["servers"][f"hotcold {mode}, Ray Serve x{args.replicas}"] = ray_runs(
+                path,
+                mode,
+                replicas=args.replicas,
+                threads=args.threads or torch.get_num_threads(),
+                parallel=parallel,
+                clients=clients,
+                max_tokens=args.max_tokens,
+            )
     if args.llama_server:
         threads = args.threads or torch.get_num_threads()
         res["servers"]["llama-server (dense)"] = llama_server_runs(
