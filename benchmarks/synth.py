@@ -117,7 +117,14 @@ def synthesize(
     outtype: str = "f16",
     seed: int = 0,
     dense: bool = False,
+    activation: str = "relu",
+    gate_scale: np.ndarray | None = None,
 ) -> dict:
+    """activation "silu" (dense only): an ordinary SwiGLU file (no hotcold.ffn_activation key), for
+    `hotcold sparsify`; gate_scale [F]: each neuron's gate row multiplied by it (the spread of gate
+    magnitudes, benchmarks/sparsify_speed.py)."""
+    if activation not in ("relu", "silu") or (activation == "silu" and not dense):
+        raise ValueError("activation is relu, or silu for a dense file")
     qtype = {"f32": Q.F32, "f16": Q.F16}[outtype]
     dtype = {"f32": np.float32, "f16": np.float16}[outtype]
     gen = torch.Generator().manual_seed(seed)
@@ -131,6 +138,12 @@ def synthesize(
     def ones(n):
         return lambda: np.ones(n, dtype=np.float32)
 
+    def scaled_gate():
+        make = rand((n_ff, n_embd), n_embd)
+        if gate_scale is None:
+            return make
+        return lambda: (make().astype(np.float32) * gate_scale[:, None].astype(np.float32)).astype(dtype)
+
     specs = [TensorSpec("token_embd.weight", (N_VOCAB, n_embd), qtype, rand((N_VOCAB, n_embd), 1))]
     predictors, activations = [], []
     for i in range(n_layer):
@@ -142,7 +155,7 @@ def synthesize(
             TensorSpec(p + "attn_v.weight", (kv, n_embd), qtype, rand((kv, n_embd), n_embd)),
             TensorSpec(p + "attn_output.weight", (n_embd, n_embd), qtype, rand((n_embd, n_embd), n_embd)),
             TensorSpec(p + "ffn_norm.weight", (n_embd,), Q.F32, ones(n_embd)),
-            TensorSpec(p + "ffn_gate.weight", (n_ff, n_embd), qtype, rand((n_ff, n_embd), n_embd)),
+            TensorSpec(p + "ffn_gate.weight", (n_ff, n_embd), qtype, scaled_gate()),
             TensorSpec(p + "ffn_up.weight", (n_ff, n_embd), qtype, rand((n_ff, n_embd), n_embd)),
         ]
         if dense:
@@ -170,7 +183,7 @@ def synthesize(
 
     arch = "llama"
     meta = [
-        ("general.name", f"synthetic-relu-llama-{n_embd}x{n_layer}", V.STRING),
+        ("general.name", f"synthetic-{activation}-llama-{n_embd}x{n_layer}", V.STRING),
         (f"{arch}.context_length", 4096, V.UINT32),
         (f"{arch}.embedding_length", n_embd, V.UINT32),
         (f"{arch}.block_count", n_layer, V.UINT32),
@@ -182,7 +195,7 @@ def synthesize(
         ("general.file_type", {"f32": 0, "f16": 1}[outtype], V.UINT32),
         *vocab_metadata(),
     ]
-    if dense:
+    if dense and activation == "relu":
         meta.append(("hotcold.ffn_activation", "relu", V.STRING))
     write_model_file(out, arch, meta, specs, sparse=not dense)
     if activations:
