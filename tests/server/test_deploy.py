@@ -84,3 +84,24 @@ def test_litellm_balances_entries_naming_the_served_model():
         "usage-based-routing",
         "latency-based-routing",
     }
+
+
+def test_replica_options_reserve_the_threads_and_scale_between_the_counts():
+    config = ray_serve.ReplicaConfig(threads=3, parallel=4, max_queue=8)
+    fixed = ray_serve.replica_options(config, replicas=2, num_gpus=1)
+    assert fixed["num_replicas"] == 2 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 3, "num_gpus": 1}
+    assert fixed["max_ongoing_requests"] == 12 and fixed["max_queued_requests"] == 8
+    scaled = ray_serve.replica_options(config, replicas=1, max_replicas=4)
+    assert "num_replicas" not in scaled
+    assert scaled["autoscaling_config"] == {
+        "min_replicas": 1,
+        "max_replicas": 4,
+        "target_ongoing_requests": 4,
+    }
+    with pytest.raises(ValueError, match="--max-replicas"):
+        ray_serve.replica_options(config, replicas=3, max_replicas=2)
+    with pytest.raises(ValueError, match="--replicas must be >= 1"):
+        ray_serve.replica_options(config, replicas=0)
+    with pytest.raises(ValueError, match="unknown replica settings"):
+        ray_serve.ReplicaConfig.from_dict({"modle": "x.gguf"})

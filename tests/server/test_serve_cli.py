@@ -137,6 +137,9 @@ def test_sigterm_drains_a_streaming_request_refuses_new_ones_and_exits_0():
         (["--parallel", "0"], "--parallel must be >= 1"),
         (["--port", "70000"], "--port must be in"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
+        (["--replicas", "2"], "go with --ray"),
+        (["--ray", "--replicas", "0"], "--replicas must be >= 1"),
+        (["--drain-timeout", "-1"], "--drain-timeout must be >= 0"),
     ],
 )
 def test_serve_refuses_bad_flags(tiny_sparse_gguf, capsys, flags, message):

@@ -150,6 +150,8 @@ def _run_ray(args) -> int:
         return 1
     from hotcold.server.ray_serve import ReplicaConfig, deployment, replica_options, serving
 
+    if args.replicas < 1:
+        raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
     local = args.ray_address is None
     threads = args.threads
     if threads is None:  # share this machine's cores between the replicas of a local cluster
