@@ -183,7 +183,7 @@ def run_family_checks(path, hf, *, greedy: bool = True, rel: float = 1e-4) -> No
     """The checks every family passes, run the same way for each (as mlx-lm's shared model runner):
     logits == transformers' on 40 random tokens; greedy tokens == transformers' generate (unless greedy is
     False); cached decode == one full forward; a generation split in two == the same generation in one go
-    (the second half reuses the cached prefix)."""
+    (the second half reuses the cached prefix); a batch of sequences == each alone."""
     import hotcold
     from hotcold.sampling import SamplingParams
 
@@ -207,6 +207,11 @@ def run_family_checks(path, hf, *, greedy: bool = True, rel: float = 1e-4) -> No
     steps.close()
     steps = engine.generate_step(prompt + first[:8], SamplingParams())
     assert [next(steps) for _ in range(8)] == first[8:]
+
+    # batched decode (one forward for all sequences, each over its own cache) == each alone
+    prompts = [random_ids(n, seed=10 + n) for n in (3, 7, 12)]
+    alone = [llm.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
+    assert llm.generate_batch(prompts, max_tokens=6, ignore_eos=True) == alone
 
 
 # ---------------------------------------------------------------------------------------------------

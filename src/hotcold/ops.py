@@ -153,6 +153,13 @@ class RopeTables:
         cos, sin = tables
         return cos[pos : pos + T], sin[pos : pos + T]
 
+    def rows(self, positions: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [N, R/2] at the given positions (one decode token of each sequence of a batch)."""
+        self(max(positions), 1, device)  # long enough
+        cos, sin = self._tables[device]
+        idx = torch.tensor(positions, dtype=torch.long, device=cos.device)
+        return cos.index_select(0, idx), sin.index_select(0, idx)
+
 
 def rope_attention(
     q: torch.Tensor,
@@ -184,6 +191,37 @@ def rope_attention(
         )
     q, k = apply_rope(q, cos, sin, neox=neox), apply_rope(k, cos, sin, neox=neox)
     return attention(q, k, v, k_cache, v_cache, pos, sliding_window=sliding_window)
+
+
+def rope_attention_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    positions: list[int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    neox: bool,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """rope_attention for N decode tokens of N sequences on the CPU (row n at positions[n] over its own
+    caches), one C call: each row as rope_attention computes it alone. q [N, H, Dh] -> [N, H*Dh]."""
+    for p, kc in zip(positions, k_caches):
+        check_context(p + 1, kc.shape[0])
+    return cpu.attention_decode_rows(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        k_caches,
+        v_caches,
+        positions,
+        cos.contiguous(),
+        sin.contiguous(),
+        neox=neox,
+        sliding_window=sliding_window,
+    )
 
 
 def check_context(end: int, n_ctx: int) -> None:

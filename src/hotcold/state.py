@@ -154,6 +154,12 @@ class Batch:
             n_hot = 0 if hot is None else int(hot.sum())
             self.seqs[0].count(layer, int(mask.sum()) if fired is None else fired, mask.numel(), n_hot)
             return
+        if rows is None and self.rows == len(self.seqs):  # a decode step: one row per sequence
+            per_row = mask.sum(1).tolist()
+            per_hot = [0] * len(per_row) if hot is None else hot.sum(1).tolist()
+            for seq, c, h in zip(self.seqs, per_row, per_hot):
+                seq.count(layer, int(c), mask.shape[1], int(h))
+            return
         seg = self._segment_of_row() if rows is None else self._segment_of_row()[rows]
         n = len(self.seqs)
         computed = torch.bincount(seg, weights=mask.sum(1, dtype=torch.float64), minlength=n)

@@ -374,6 +374,62 @@ def test_attention_decode_bad_inputs(backend):
         cpu.attention_decode(q, k, k.clone(), kc, vc, 0, torch.ones(1, 9), torch.ones(1, 9), neox=False)
 
 
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_decode_rows_equals_each_row_alone(backend, window):
+    """A batched decode step's attention (one token of each of 3 sequences, each over its own cache at its
+    own position) equals attention_decode of each row alone, bit for bit, caches included."""
+    gen = torch.Generator().manual_seed(15)
+    h, n_kv, dh, n_ctx, r = 8, 2, 16, 16, 8
+    positions = [0, 6, 11]
+    cos_t, sin_t = torch.rand(n_ctx, r // 2, generator=gen), torch.rand(n_ctx, r // 2, generator=gen)
+    caches = [[torch.randn(n_ctx, n_kv, dh, generator=gen) for _ in range(2)] for _ in positions]
+    alone_caches = [[c.clone() for c in kv] for kv in caches]
+    q, k, v = (torch.randn(3, n, dh, generator=gen) for n in (h, n_kv, n_kv))
+    idx = torch.tensor(positions)
+    got = cpu.attention_decode_rows(
+        q.clone(),
+        k.clone(),
+        v,
+        [c[0] for c in caches],
+        [c[1] for c in caches],
+        positions,
+        cos_t[idx],
+        sin_t[idx],
+        neox=False,
+        sliding_window=window,
+        threads=2,
+    )
+    for j, p in enumerate(positions):
+        kc, vc = alone_caches[j]
+        alone = cpu.attention_decode(
+            q[j : j + 1].clone(),
+            k[j : j + 1].clone(),
+            v[j : j + 1],
+            kc,
+            vc,
+            p,
+            cos_t[p : p + 1],
+            sin_t[p : p + 1],
+            neox=False,
+            sliding_window=window,
+            threads=1,
+        )
+        assert torch.equal(got[j : j + 1], alone)
+        assert torch.equal(caches[j][0], kc) and torch.equal(caches[j][1], vc)
+    with pytest.raises(ValueError, match="context overflow: position 17"):
+        cpu.attention_decode_rows(
+            q,
+            k,
+            v,
+            [c[0] for c in caches],
+            [c[1] for c in caches],
+            [0, 6, 16],
+            cos_t[idx],
+            sin_t[idx],
+            neox=False,
+        )
+
+
 def ffn_steps(up, gate, down_t, kind, bias, x, mask):
     """The sparse FFN step op by op (as SparseFFN's unfused path computes it)."""
     live, g = mask, None

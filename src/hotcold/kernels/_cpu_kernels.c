@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 11
+#define HC_ABI_VERSION 12
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -2219,56 +2219,80 @@ HC_INLINE void rope_head(float *h, int64_t R, const float *cos, const float *sin
     }
 }
 
-/* One token at position pos: rotates q [H, Dh] and k [Hkv, Dh] in place, stores k and v in row pos of
- * the float32 caches [n_ctx, Hkv, Dh], and writes out [H, Dh] = softmax(q k^T / sqrt(Dh)) v over cache
- * rows lo..pos (lo = pos - window + 1 with a sliding window, else 0); query head h reads kv head
- * h / (H / Hkv). Heads are split among threads. Returns 0, or -1 if memory ran out. */
-int hc_attn_decode(float *q, float *k, const float *v, float *kc, float *vc, int64_t pos, int64_t H, int64_t Hkv,
-                   int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, int64_t window, float *out,
-                   int nth) {
-    for (int64_t h = 0; h < Hkv; h++) rope_head(k + h * Dh, R, cos, sin, neox);
-    memcpy(kc + pos * Hkv * Dh, k, sizeof(float) * (size_t)(Hkv * Dh));
-    memcpy(vc + pos * Hkv * Dh, v, sizeof(float) * (size_t)(Hkv * Dh));
-    const int64_t lo = (window > 0 && pos - window + 1 > 0) ? pos - window + 1 : 0, S = pos + 1 - lo;
-    const int64_t group = H / Hkv;
+/* Query head qh (rotated here) of one token over cache rows lo..lo+S-1 of its kv head: out oh [Dh] =
+ * softmax(q k^T / sqrt(Dh)) v; s: S floats of scratch. */
+HC_INLINE void attn_head(float *qh, const float *kc, const float *vc, int64_t lo, int64_t S, int64_t Hkv, int64_t kvh,
+                         int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, float *s, float *oh) {
     const float scale = 1.0f / sqrtf((float)Dh);
-    nth = clamp_threads(nth, H);
-    if ((H * S * Dh) < (1 << 15)) nth = 1; /* not worth waking a thread */
+    rope_head(qh, R, cos, sin, neox);
+    float mx = -INFINITY;
+    for (int64_t j = 0; j < S; j++) {
+        const float *kr = kc + ((lo + j) * Hkv + kvh) * Dh;
+        s[j] = dot_f32(qh, kr, Dh) * scale;
+        mx = s[j] > mx ? s[j] : mx;
+    }
+    float sum = 0.0f;
+    for (int64_t j = 0; j < S; j++) {
+        s[j] = expf(s[j] - mx);
+        sum += s[j];
+    }
+    const float inv = 1.0f / sum;
+    for (int64_t e = 0; e < Dh; e++) oh[e] = 0.0f;
+    for (int64_t j = 0; j < S; j++) {
+        const float *vr = vc + ((lo + j) * Hkv + kvh) * Dh;
+        const float p = s[j] * inv;
+        for (int64_t e = 0; e < Dh; e++) oh[e] += p * vr[e];
+    }
+}
+
+/* N decode tokens, token n of its own sequence at position pos[n] (the rows of a batched decode step):
+ * rotates q [N, H, Dh] and k [N, Hkv, Dh] in place, stores row n's k and v at row pos[n] of the float32
+ * caches kcs[n] / vcs[n] ([n_ctx, Hkv, Dh] each), and writes out [N, H, Dh] = softmax(q k^T / sqrt(Dh)) v
+ * over cache rows lo..pos[n] (lo = pos - window + 1 with a sliding window, else 0); query head h reads kv
+ * head h / (H / Hkv); cos/sin [N, R/2]. (token, head) pairs are split among threads; each is computed as
+ * for the token alone. Returns 0, or -1 if memory ran out. */
+int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *const *kcs, float *const *vcs,
+                        const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
+                        const float *sin, int neox, int64_t window, float *out, int nth) {
+    int64_t smax = 1, work = 0;
+    for (int64_t n = 0; n < N; n++) {
+        const int64_t R2 = R / 2;
+        for (int64_t h = 0; h < Hkv; h++) rope_head(k + (n * Hkv + h) * Dh, R, cos + n * R2, sin + n * R2, neox);
+        memcpy(kcs[n] + pos[n] * Hkv * Dh, k + n * Hkv * Dh, sizeof(float) * (size_t)(Hkv * Dh));
+        memcpy(vcs[n] + pos[n] * Hkv * Dh, v + n * Hkv * Dh, sizeof(float) * (size_t)(Hkv * Dh));
+        const int64_t lo = (window > 0 && pos[n] - window + 1 > 0) ? pos[n] - window + 1 : 0, S = pos[n] + 1 - lo;
+        smax = S > smax ? S : smax;
+        work += H * S * Dh;
+    }
+    const int64_t group = H / Hkv;
+    nth = clamp_threads(nth, N * H);
+    if (work < (1 << 15)) nth = 1; /* not worth waking a thread */
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nth) reduction(| : failed)
 #endif
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)S);
+        float *s = (float *)malloc(sizeof(float) * (size_t)smax);
         failed = s == NULL;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t h = 0; h < H; h++) {
+        for (int64_t nh = 0; nh < N * H; nh++) {
             if (failed) continue;
-            float *qh = q + h * Dh, *oh = out + h * Dh;
-            const int64_t kvh = h / group;
-            rope_head(qh, R, cos, sin, neox);
-            float mx = -INFINITY;
-            for (int64_t j = 0; j < S; j++) {
-                const float *kr = kc + ((lo + j) * Hkv + kvh) * Dh;
-                s[j] = dot_f32(qh, kr, Dh) * scale;
-                mx = s[j] > mx ? s[j] : mx;
-            }
-            float sum = 0.0f;
-            for (int64_t j = 0; j < S; j++) {
-                s[j] = expf(s[j] - mx);
-                sum += s[j];
-            }
-            const float inv = 1.0f / sum;
-            for (int64_t e = 0; e < Dh; e++) oh[e] = 0.0f;
-            for (int64_t j = 0; j < S; j++) {
-                const float *vr = vc + ((lo + j) * Hkv + kvh) * Dh;
-                const float p = s[j] * inv;
-                for (int64_t e = 0; e < Dh; e++) oh[e] += p * vr[e];
-            }
+            const int64_t n = nh / H, h = nh % H;
+            const int64_t lo = (window > 0 && pos[n] - window + 1 > 0) ? pos[n] - window + 1 : 0, S = pos[n] + 1 - lo;
+            attn_head(q + nh * Dh, kcs[n], vcs[n], lo, S, Hkv, h / group, Dh, R, cos + n * (R / 2), sin + n * (R / 2),
+                      neox, s, out + nh * Dh);
         }
         free(s);
     }
     return failed ? -1 : 0;
+}
+
+/* One token at position pos: hc_attn_decode_rows of one row (q [H, Dh], k [Hkv, Dh], caches [n_ctx, Hkv,
+ * Dh], out [H, Dh]). Returns 0, or -1 if memory ran out. */
+int hc_attn_decode(float *q, float *k, const float *v, float *kc, float *vc, int64_t pos, int64_t H, int64_t Hkv,
+                   int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, int64_t window, float *out,
+                   int nth) {
+    return hc_attn_decode_rows(1, q, k, v, &kc, &vc, &pos, H, Hkv, Dh, R, cos, sin, neox, window, out, nth);
 }

@@ -36,7 +36,12 @@ from hotcold.kernels.build import (
     simd,
     weight_view,
 )
-from hotcold.kernels.decode_glue import apply_rope, attention_decode, rms_norm  # re-exported: the ops' home
+from hotcold.kernels.decode_glue import (  # re-exported: the ops' home
+    apply_rope,
+    attention_decode,
+    attention_decode_rows,
+    rms_norm,
+)
 from hotcold.quants import QuantTensor
 
 __all__ = [
@@ -52,6 +57,7 @@ __all__ = [
     "MatvecGroup",
     "rms_norm",
     "attention_decode",
+    "attention_decode_rows",
     "apply_rope",
 ]
 

@@ -1,8 +1,11 @@
-"""The C decode-step glue for one token on the CPU: RMS norm and attention (RoPE, KV cache write, GQA
-softmax attention), one call each instead of a dozen small tensor ops, with their torch fallbacks.
+"""The C decode-step glue on the CPU: RMS norm and attention (RoPE, KV cache write, GQA softmax
+attention) for one token, or for the decode rows of a batch (each over its own cache), one call each
+instead of a dozen small tensor ops per row, with their torch fallbacks.
 `hotcold.kernels.cpu` re-exports them."""
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
@@ -10,7 +13,7 @@ import torch.nn.functional as F
 from hotcold.kernels import build
 from hotcold.kernels.build import f32_contiguous, nthreads
 
-__all__ = ["rms_norm", "apply_rope", "attention_decode"]
+__all__ = ["rms_norm", "apply_rope", "attention_decode", "attention_decode_rows"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -95,3 +98,85 @@ def _torch_attention_decode(q, k, v, k_cache, v_cache, pos, cos, sin, neox, wind
     _, h, dh = q.shape
     out = F.scaled_dot_product_attention(qr.transpose(0, 1)[None], keys, values, enable_gqa=h != k.shape[1])
     return out[0].transpose(0, 1).reshape(1, h * dh)
+
+
+def attention_decode_rows(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_caches: list[torch.Tensor],
+    v_caches: list[torch.Tensor],
+    positions: list[int],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    neox: bool,
+    sliding_window: int | None = None,
+    threads: int | None = None,
+) -> torch.Tensor:
+    """attention_decode for N tokens of N different sequences (a batched decode step): row n of q [N, H, Dh],
+    k/v [N, Hkv, Dh] at positions[n] over caches k_caches[n] / v_caches[n], cos/sin [N, R/2] -> [N, H*Dh],
+    each row exactly as attention_decode computes it alone. One C call when everything is float32 and
+    contiguous on the CPU, else a loop of attention_decode."""
+    n = q.shape[0]
+    if not (
+        k.shape[0] == v.shape[0] == len(k_caches) == len(v_caches) == len(positions) == n == cos.shape[0]
+    ):
+        raise ValueError(f"{n} query rows need as many k/v rows, caches, positions and cos/sin rows")
+    lib = build.get_lib()
+    tensors = (q, k, v, cos, sin, *k_caches, *v_caches)
+    shapes_ok = q.dim() == 3 and k.dim() == 3 and v.shape == k.shape and sin.shape == cos.shape
+    shapes_ok = shapes_ok and all(
+        kc.shape == k_caches[0].shape == vc.shape for kc, vc in zip(k_caches, v_caches)
+    )
+    if lib is None or n == 0 or not shapes_ok or not all(f32_contiguous(t) for t in tensors):
+        rows = [
+            attention_decode(
+                q[j : j + 1],
+                k[j : j + 1],
+                v[j : j + 1],
+                k_caches[j],
+                v_caches[j],
+                positions[j],
+                cos[j : j + 1],
+                sin[j : j + 1],
+                neox=neox,
+                sliding_window=sliding_window,
+                threads=threads,
+            )
+            for j in range(n)
+        ]
+        return torch.cat(rows) if rows else q.new_empty(0, q.shape[1] * q.shape[2])
+    h, dh, hkv, s_ctx = q.shape[1], q.shape[2], k.shape[1], k_caches[0].shape[0]
+    r = cos.shape[1] * 2
+    if k_caches[0].shape[1:] != (hkv, dh) or h % hkv or r > dh:
+        raise ValueError(
+            "want q [N, H, Dh], k/v [N, Hkv, Dh], caches [S, Hkv, Dh], Hkv | H, cos [N, R/2] with R <= Dh"
+        )
+    for p in positions:
+        if not 0 <= p < s_ctx:
+            raise ValueError(f"context overflow: position {p + 1} exceeds the context size {s_ctx}")
+    window = sliding_window if sliding_window and sliding_window > 0 else 0
+    out = torch.empty(n, h * dh, dtype=torch.float32)
+    kcs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in k_caches])
+    vcs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in v_caches])
+    pos = (ctypes.c_int64 * n)(*positions)
+    rope = (r, cos.data_ptr(), sin.data_ptr(), int(neox), window)
+    rc = lib.hc_attn_decode_rows(
+        n,
+        q.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        kcs,
+        vcs,
+        pos,
+        h,
+        hkv,
+        dh,
+        *rope,
+        out.data_ptr(),
+        nthreads(threads),
+    )
+    if rc != 0:
+        raise MemoryError("hc_attn_decode_rows: out of memory")
+    return out

@@ -16,7 +16,7 @@ import torch
 
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan
-from hotcold.ops import Norm, Weight, linear
+from hotcold.ops import Norm, RopeTables, Weight, linear, rope_attention, rope_attention_rows
 from hotcold.state import Batch, SequenceState
 
 # make_ffn(layer, weights, predictor or None, norm or None, expert=None) -> an FFN: ffn(x, ctx) / ffn.apply(h, p, ctx)
@@ -48,6 +48,46 @@ class Head:
             x = x[-1:] if len(ctx.seqs) == 1 else x[ctx.last_rows()]
         x = x.to(self.device)
         return linear(self.norm(x), self.weight).float().cpu()
+
+
+def rope_attention_segments(
+    ctx: Batch,
+    layer: int,
+    q,
+    k,
+    v,
+    rope: RopeTables,
+    device: torch.device,
+    *,
+    neox: bool,
+    sliding_window=None,
+) -> torch.Tensor:
+    """RoPE attention of every segment over its own sequence's layer cache (q [T, H, Dh], k/v [T, Hkv, Dh])
+    -> [T, H*Dh]. A batched decode step on the CPU (every segment one token) is one call for all rows."""
+    if len(ctx.seqs) > 1 and ctx.rows == len(ctx.seqs) and device.type == "cpu":
+        cos, sin = rope.rows(ctx.starts, device)
+        kcs, vcs = [s.kv.k[layer] for s in ctx.seqs], [s.kv.v[layer] for s in ctx.seqs]
+        return rope_attention_rows(
+            q, k, v, kcs, vcs, ctx.starts, cos, sin, neox=neox, sliding_window=sliding_window
+        )
+
+    def attend(a, b, seq, pos):
+        cos, sin = rope(pos, b - a, device)
+        kv = seq.kv
+        return rope_attention(
+            q[a:b],
+            k[a:b],
+            v[a:b],
+            kv.k[layer],
+            kv.v[layer],
+            pos,
+            cos,
+            sin,
+            neox=neox,
+            sliding_window=sliding_window,
+        )
+
+    return per_sequence(ctx, attend)
 
 
 def per_sequence(ctx: Batch, attend) -> torch.Tensor:

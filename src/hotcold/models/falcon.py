@@ -15,8 +15,8 @@ import torch
 
 from hotcold import names
 from hotcold.config import ModelConfig
-from hotcold.models.base import FFNMaker, Head, new_sequence, per_sequence
-from hotcold.ops import Norm, RopeTables, Weight, embed, linear, rope_attention
+from hotcold.models.base import FFNMaker, Head, new_sequence, rope_attention_segments
+from hotcold.ops import Norm, RopeTables, Weight, embed, linear
 from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
@@ -54,13 +54,7 @@ class Falcon:
             q, k, v = qkv.split((H * Dh, Hkv * Dh, Hkv * Dh), dim=-1)
             q, k, v = q.reshape(T, H, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dh)
 
-            def attend(a, b, seq, pos, i=i, q=q, k=k, v=v, device=layer.device):
-                cos, sin = self.rope(pos, b - a, device)
-                return rope_attention(
-                    q[a:b], k[a:b], v[a:b], seq.kv.k[i], seq.kv.v[i], pos, cos, sin, neox=True
-                )
-
-            attn = per_sequence(ctx, attend)
+            attn = rope_attention_segments(ctx, i, q, k, v, self.rope, layer.device, neox=True)
             x = x + linear(attn, layer.wo) + layer.ffn(x, ctx)  # parallel residual off the layer input
         return self.head(x, ctx, last_only=last_only)
 

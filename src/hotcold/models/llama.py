@@ -14,8 +14,8 @@ import torch
 from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan
-from hotcold.models.base import FFNMaker, Head, new_sequence, per_sequence
-from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear, rope_attention
+from hotcold.models.base import FFNMaker, Head, new_sequence, rope_attention_segments
+from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear
 from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
@@ -53,23 +53,10 @@ class Llama:
             q = q.view(T, c.n_head, c.head_dim)
             k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
 
-            def attend(a, b, seq, pos, i=i, q=q, k=k, v=v, device=layer.device):
-                cos, sin = self.rope(pos, b - a, device)
-                kv = seq.kv
-                return rope_attention(
-                    q[a:b],
-                    k[a:b],
-                    v[a:b],
-                    kv.k[i],
-                    kv.v[i],
-                    pos,
-                    cos,
-                    sin,
-                    neox=False,
-                    sliding_window=c.sliding_window,
-                )
-
-            x = x + linear(per_sequence(ctx, attend), layer.wo)
+            attn = rope_attention_segments(
+                ctx, i, q, k, v, self.rope, layer.device, neox=False, sliding_window=c.sliding_window
+            )
+            x = x + linear(attn, layer.wo)
             x = x + layer.ffn(x, ctx)
         return self.head(x, ctx, last_only=last_only)
 
