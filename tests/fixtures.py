@@ -430,5 +430,7 @@ def swiglu_files(folder: Path, spm_model: Path, *, sparsity: float = 0.5, tokens
     for outtype in ("f16", "q8_0"):
         dense[outtype] = convert(folder / "hf", None, folder / f"swiglu.{outtype}.gguf", outtype=outtype)
         sparse[outtype] = folder / f"swiglu.{outtype}.sparse.gguf"
-        sparsify_file(dense[outtype], sparse[outtype], corpus, sparsity=sparsity, max_tokens=tokens)
+        sparsify_file(
+            dense[outtype], sparse[outtype], corpus, sparsity=sparsity, max_tokens=tokens, method="cats"
+        )
     return SwigluFiles(hf, corpus, dense, sparse, tokens)

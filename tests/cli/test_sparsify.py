@@ -32,7 +32,9 @@ def test_sparsify_then_run(tiny_swiglu, tmp_path, capsys):
     assert r["mode"] == "sparse" and r["dense_perplexity"] > 0 and 0.4 < r["firing_rate"] < 0.8
 
     assert main(["info", "-m", str(out), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["sparsify"].startswith("cats, target sparsity 0.4")
+    assert json.loads(capsys.readouterr().out)["sparsify"].startswith(
+        "wina, target sparsity 0.4"
+    )  # the default
 
 
 def test_bad_arguments(tiny_swiglu, tmp_path, capsys):

@@ -1,5 +1,5 @@
 """hotcold sparsify: a dense SwiGLU model -> thresholded activation sparsity, calibrated on a corpus
-(training-free, CATS; see hotcold.convert.sparsify)."""
+(training-free, CATS / WINA-weighted; see hotcold.convert.sparsify)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ def add_args(p) -> None:
     p.add_argument(
         "--method",
         choices=("cats", "wina"),
-        default="cats",
-        help="score: cats |silu(gate)|; wina |silu(gate)| x the neuron's down-projection norm",
+        default="wina",
+        help="score: wina (default) |silu(gate)| x the norm of the neuron's down-projection column; cats "
+        "|silu(gate)|",
     )
     p.add_argument("--max-tokens", type=int, default=None, help="calibration tokens (default 16384)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="window length (default 512)")
