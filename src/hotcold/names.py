@@ -127,6 +127,7 @@ SPARSIFY_TOKENS = "hotcold.sparsify.calibration_tokens"  # u32: tokens the stati
 SPARSIFY_QUANTILES = "hotcold.sparsify.quantiles"  # tensor F32 [L, G]: score quantiles at the grid levels
 SPARSIFY_FREQUENCY = "hotcold.sparsify.frequency"  # tensor F32 [L, F]: share of tokens keeping neuron i
 SPARSIFY_SCALE = "hotcold.sparsify.scale"  # tensor F32 [L, F]: per-neuron score weight (wina only)
+FFN_GATE_PROBE = "blk.{bid}.ffn_gate_probe"  # [F, D] Q4_0 copy of ffn_gate: the mask's score, read whole
 MODEL_SIZE = "hotcold.model_size"
 MODEL_MTIME_NS = "hotcold.model_mtime_ns"
 ACTIVATION_SHA256 = "hotcold.activation_sha256"

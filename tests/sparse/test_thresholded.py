@@ -182,3 +182,59 @@ def test_bad_sparsity_values(tiny_swiglu, tiny_dense_gguf):
     with pytest.raises(ValueError, match="hotcold sparsify"):
         hotcold.load(tiny_dense_gguf, sparsity=0.4)
     assert hotcold.load(tiny_dense_gguf, sparsity=0).loaded.dense  # 0 is dense for any file
+
+
+@pytest.mark.parametrize("T", [1, 5, 64])
+def test_gate_probe_scores_and_the_exact_gate_computes(T):
+    """With a probe the mask comes from the probe's score, the kept neurons' activation from the exact gate."""
+    from gguf import GGMLQuantizationType as Q
+
+    from hotcold import quants
+    from hotcold.kernels import cpu
+
+    F_, D = 512, 64
+    w = ffn_weights(F_, D, dtype=torch.float16, seed=T, scale=4.0)
+    w.activation = "silu"
+    data = quants.quantize(w.gate.float(), Q.Q4_0)
+    probe = quants.QuantTensor(torch.from_numpy(data).reshape(F_, -1), Q.Q4_0, (F_, D))
+    h = torch.randn(T, D, generator=torch.Generator().manual_seed(2))
+    probe_score = F.silu(cpu.matmul(probe, h)).abs()
+    t = float(probe_score.flatten().quantile(0.5))
+    down = w.down_t.T.contiguous() if T == 64 else None
+    seq = SequenceState(None, [FFNCounts()], keep_masks=True)
+    out = ThresholdedFFN(w, t, layer=0, down=down, probe=probe).apply(h, h, Batch.single(seq, 0, T))
+    mask = seq.masks[0][1]
+    assert torch.equal(mask, probe_score > np.float32(t))
+    h64 = h.double()
+    a = torch.where(mask, F.silu(h64 @ w.gate.double().T) * (h64 @ w.up.double().T), 0.0)
+    expect = a @ w.down_t.double()
+    assert torch.allclose(out.double(), expect, rtol=1e-3, atol=1e-3 * float(expect.abs().max()))
+
+
+def test_sparsified_with_a_gate_probe(tiny_swiglu, tmp_path):
+    from hotcold.convert.sparsify import sparsify_file
+    from hotcold.gguf_io import ModelFile
+
+    out = tmp_path / "probe.gguf"
+    r = sparsify_file(
+        tiny_swiglu.dense["f16"], out, tiny_swiglu.corpus, sparsity=0.5, max_tokens=1500, probe="q4_0"
+    )
+    assert r["gate_probe"] == "q4_0" and abs(r["calibration_sparsity"] - 0.5) < 0.03
+    assert ModelFile(out).entry(names.tensor(names.FFN_GATE_PROBE, 0)).qtype.name == "Q4_0"
+    llm = hotcold.load(out, threads=1)
+    seq = llm.engine.seq
+    seq.keep_masks = True
+    ids = llm.tokenize(PROMPT * 4)[:20]
+    llm.logits(ids)
+    for i, layer in enumerate(llm.loaded.model.layers):
+        p, mask = seq.masks[i]
+        ffn = layer.ffn
+        own = F.silu(linear(ffn.norm(p.float()), ffn.probe)).abs()
+        if ffn.scale is not None:
+            own = own * ffn.scale
+        assert torch.equal(mask, own > np.float32(ffn.threshold))
+    dense = hotcold.load(tiny_swiglu.dense["f16"], threads=1)
+    assert torch.equal(hotcold.load(out, threads=1, sparsity=0).logits(ids), dense.logits(ids))
+    prompts = [PROMPT, "The quick brown fox"]
+    alone = [llm.generate(p, max_tokens=8, ignore_eos=True) for p in prompts]
+    assert llm.generate_batch(prompts, max_tokens=8, ignore_eos=True) == alone

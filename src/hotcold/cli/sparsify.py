@@ -30,6 +30,13 @@ def add_args(p) -> None:
         help="type of ffn_down_t: auto (float types kept, block types -> q8_0), same, f32, f16, bf16, q8_0, "
         "q4_0, q4_k, q6_k",
     )
+    p.add_argument(
+        "--gate-probe",
+        choices=("none", "q4_0"),
+        default="none",
+        help="q4_0: score neurons with a Q4_0 copy of the gate (read whole) and gather the exact gate of the "
+        "kept rows only: fewer bytes per token for 16-bit and 8-bit files",
+    )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
 
 
@@ -46,6 +53,7 @@ def run(args) -> int:
         ctx=args.ctx_size,
         threads=args.threads,
         down=args.down_type,
+        probe=args.gate_probe,
         progress=not args.json,
     )
     if args.json:

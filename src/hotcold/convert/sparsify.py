@@ -53,6 +53,7 @@ GRID = tuple(round(i / 100, 2) for i in range(101))  # quantile levels 0, 0.01, 
 LOG_LO, LOG_HI, BINS = -12.0, 4.0, 16384  # layer histograms over log10(score)
 NEURON_BINS = 256  # per-neuron histograms: 1/16 decade each
 DOWN_TYPES = ("auto", "same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+PROBES = ("none", "q4_0")  # the gate probe: a Q4_0 copy of the gate the score is computed from
 
 
 class ScoreHistograms:
@@ -155,10 +156,12 @@ def calibrate(
     sparsity: float,
     method: str = "wina",
     ctx: int | None = None,
+    probes: Sequence | None = None,
     progress: bool = False,
 ) -> Calibration:
     """Thresholds for `sparsity` from the dense model's scores on `ids` (corpus tokens without BOS), run in
-    windows of ctx tokens (BOS first). `llm` is a hotcold Model loaded dense."""
+    windows of ctx tokens (BOS first). `llm` is a hotcold Model loaded dense; probes: per layer the gate
+    copy the score is computed from at run time (None: the gate)."""
     from hotcold.placement.profile import run_windows, token_windows, window_ctx
 
     if method not in METHODS:
@@ -166,7 +169,7 @@ def calibrate(
     sparsity = check_target(sparsity)
     c, mf = llm.config, llm.loaded.file
     layers = llm.loaded.model.layers
-    gates = [layer.ffn.weights.gate for layer in layers]
+    gates = list(probes) if probes is not None else [layer.ffn.weights.gate for layer in layers]
     scale = torch.stack([neuron_scale(mf, i, c) for i in range(c.n_layer)]) if method == "wina" else None
     hist = ScoreHistograms(c.n_layer, c.n_ff)
 
@@ -214,11 +217,20 @@ def _down_t(mf: ModelFile, layer: int, config: ModelConfig, qtype: Q) -> np.ndar
     return encode(floats.t().contiguous(), qtype)
 
 
+def gate_probe(mf: ModelFile, layer: int, config: ModelConfig) -> quants.QuantTensor:
+    """The Q4_0 copy of layer's ffn_gate [F, D]."""
+    gate = mf.weight(names.tensor(names.FFN_GATE, layer), (config.n_ff, config.n_embd))
+    floats = cpu.dequantize_rows(gate) if isinstance(gate, quants.QuantTensor) else gate.float()
+    data = quants.quantize(floats.contiguous(), Q.Q4_0)
+    return quants.QuantTensor(torch.from_numpy(data).reshape(config.n_ff, -1), Q.Q4_0, tuple(floats.shape))
+
+
 def write_sparsified(
     mf: ModelFile,
     dst: str | os.PathLike[str],
     cal: Calibration,
     *,
+    probes: Sequence[quants.QuantTensor] | None = None,
     down: str = "auto",
     inputs: Sequence[str | os.PathLike[str]] = (),
     progress: bool = False,
@@ -236,6 +248,16 @@ def write_sparsified(
                 (c.n_ff, c.n_embd),
                 qtype,
                 lambda i=i, q=qtype: _down_t(mf, i, c, q),
+            )
+        )
+
+    for i, probe in enumerate(probes or []):
+        specs.append(
+            TensorSpec(
+                names.tensor(names.FFN_GATE_PROBE, i),
+                (c.n_ff, c.n_embd),
+                Q.Q4_0,
+                lambda p=probe: p.data.numpy().reshape(-1),
             )
         )
 
@@ -274,9 +296,11 @@ def sparsify_file(
     ctx: int | None = None,
     threads: int | None = None,
     down: str = "auto",
+    probe: str = "none",
     progress: bool = False,
 ) -> dict:
-    """Calibrate `src` on `corpus` for `sparsity` and write `dst`; what was done, as a dict."""
+    """Calibrate `src` on `corpus` for `sparsity` and write `dst`; what was done, as a dict.
+    probe "q4_0": also write a Q4_0 copy of every gate, the score's source at run time."""
     import hotcold
     from hotcold.placement.profile import corpus_tokens, read_corpus
     from hotcold.registry import require
@@ -288,6 +312,8 @@ def sparsify_file(
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
     if down not in DOWN_TYPES:
         raise ValueError(f"--down-type must be one of {', '.join(DOWN_TYPES)}, got {down!r}")
+    if probe not in PROBES:
+        raise ValueError(f"--gate-probe must be one of {', '.join(PROBES)}, got {probe!r}")
     check_output(dst, [src, corpus], what="sparsify: output")
     mf = ModelFile(src)
     require(mf.architecture, str(src))
@@ -295,10 +321,13 @@ def sparsify_file(
     text = read_corpus(corpus)
     llm = hotcold.load(src, dense=True, threads=threads, ctx_size=ctx, device="cpu")
     ids = corpus_tokens(llm.tokenizer, text, max_tokens=max_tokens, spread=True, source=str(corpus))
-    cal = calibrate(llm, ids, sparsity=sparsity, method=method, ctx=ctx, progress=progress)
-    del llm
-    write_sparsified(mf, dst, cal, down=down, inputs=[corpus], progress=progress)
     c = config_from_file(mf)
+    if probe != "none" and c.n_embd % 32:
+        raise ValueError(f"{src}: a Q4_0 gate probe needs n_embd divisible by 32, got {c.n_embd}")
+    probes = [gate_probe(mf, i, c) for i in range(c.n_layer)] if probe != "none" else None
+    cal = calibrate(llm, ids, sparsity=sparsity, method=method, ctx=ctx, probes=probes, progress=progress)
+    del llm
+    write_sparsified(mf, dst, cal, probes=probes, down=down, inputs=[corpus], progress=progress)
     return {
         "file": str(dst),
         "source": str(src),
@@ -307,6 +336,7 @@ def sparsify_file(
         "calibration_tokens": cal.tokens,
         "calibration_sparsity": sum(cal.measured) / len(cal.measured),
         "thresholds": cal.thresholds,
+        "gate_probe": probe,
         "ffn_down_t_type": down_type(mf.entry(names.tensor(names.FFN_DOWN, 0)).qtype, down, c.n_embd).name,
         "seconds": time.perf_counter() - start,
     }

@@ -4,7 +4,10 @@ CATS rule: neuron i of a token is computed iff its score |silu(gate_i . h)| is a
 threshold (the "wina" method weights the score by |down_t[i]|, the neuron's output norm). The gate is
 computed densely (the dense matvec kernels, packed where the type has a packed form); up only for the
 kept rows (row-gather GEMV with the per-token mask) and down as the axpy over `ffn_down_t` for the kept
-neurons: a decode token reads all of gate and (1 - sparsity) of up and down.
+neurons: a decode token reads all of gate and (1 - sparsity) of up and down. With a gate probe (a Q4_0
+copy of the gate, `blk.N.ffn_gate_probe`, written by `hotcold sparsify --gate-probe`) the score comes
+from the probe, read whole, and the exact gate is gathered for the kept rows only, as up is: a 16-bit
+file then reads 0.28 of the gate + (1 - sparsity) of gate, up and down per token.
 
 Masks are per token and, below `cpu.GEMM_MIN_TOKENS` rows, every kernel computes each row on its own
 (the C kernels' contract), so a row's bits do not depend on the batch (batching.py). From that many rows
@@ -24,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from hotcold import names
+from hotcold.device import place
 from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.kernels import cpu
 from hotcold.ops import Norm, Weight, linear
@@ -114,7 +118,8 @@ class ThresholdedFFN(FFN):
 
     weights: gate [F, D] (multiplied whole), up [F, D] and down_t [F, D] (gathered row by row), kind
     "gated", SiLU; down: the file's ffn_down [D, F] for many-row forwards (None: the axpy there too);
-    scale: [F] per-neuron score weights (None: CATS)."""
+    scale: [F] per-neuron score weights (None: CATS); probe: [F, D] a cheaper copy of the gate the score
+    is computed from (None: the gate itself, then multiplied whole)."""
 
     def __init__(
         self,
@@ -125,32 +130,39 @@ class ThresholdedFFN(FFN):
         norm: Norm | None = None,
         down: Weight | None = None,
         scale: torch.Tensor | None = None,
+        probe: Weight | None = None,
         threads: int | None = None,
     ):
         if weights.gate is None or weights.down_t is None or weights.kind != "gated":
             raise ValueError("a thresholded FFN needs gate, up and ffn_down_t of a gated (SwiGLU) FFN")
         self.weights, self.threshold, self.norm = weights, float(threshold), norm
         self.layer, self.expert, self.down, self.scale, self.threads = layer, None, down, scale, threads
+        self.probe = probe
         devices = {_device(m).type for m in (weights.gate, weights.up, weights.down_t)}
         self.gathers = devices == {"cpu"} and cpu.backend() == "c"  # the row kernels, else dense-masked
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         w = self.weights
-        act = F.silu(linear(h, w.gate))  # [T, F]: the gate, every row
         if ctx.dense:  # the reference: every neuron
-            a = act * linear(h, w.up)
+            a = F.silu(linear(h, w.gate)) * linear(h, w.up)
             if ctx.observe is not None:
                 ctx.observe(self.layer, h, p, a)
             ctx.count_all(self.layer, a)
             return self._down_dense(a, h.device)
+        probe = self.probe is not None
+        act = F.silu(linear(h, self.probe if probe else w.gate))  # [T, F]: every row
         score = act.abs() if self.scale is None else act.abs() * self.scale.to(act.device)
         mask = score > self.threshold  # [T, F] bool, per token
         if self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS:
             hc, mc = h.to(CPU), mask.to(CPU)
+            if probe:  # the exact gate of the kept rows
+                act = F.silu(cpu.gather_matvec(w.gate, hc, mc, threads=self.threads))
             up = cpu.gather_matvec(w.up, hc, mc, threads=self.threads)
             a = torch.where(mc, act.to(CPU) * up, 0.0)
             out = cpu.sparse_axpy(w.down_t, a, mc, threads=self.threads).to(h.device)
         else:
+            if probe:
+                act = F.silu(linear(h, w.gate))
             a = torch.where(mask, act * linear(h, w.up), 0.0)
             out = self._down_dense(a, h.device)
         ctx.count(self.layer, mask)
@@ -178,18 +190,21 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
         device = src.plan.ffn[layer]
         down = None
         if src.has(names.FFN_DOWN, layer):
-            from hotcold.device import place
-
             c = src.config
             down = place(src.raw(names.FFN_DOWN, layer, (c.n_embd, c.n_ff)), device)
         scale = None if assets.scale is None else assets.scale[layer]
+        probe = None
+        if src.has(names.FFN_GATE_PROBE, layer):
+            c = src.config
+            probe = cpu.pack(place(src.raw(names.FFN_GATE_PROBE, layer, (c.n_ff, c.n_embd)), device))
         return ThresholdedFFN(
-            replace(weights, gate=cpu.pack(weights.gate)),
+            weights if probe is not None else replace(weights, gate=cpu.pack(weights.gate)),
             assets.threshold(layer, sparsity),
             layer=layer,
             norm=None if norm is None else norm.to(device),
             down=down,
             scale=scale,
+            probe=probe,
             threads=threads,
         )
 
