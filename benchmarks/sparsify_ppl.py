@@ -12,7 +12,7 @@ with `sparsity=` (the thresholds derived from the stored quantile table, 0 = den
 
     python benchmarks/sparsify_ppl.py --model /work/swiglu_build/swiglu.f32.gguf \\
         --calib /work/swiglu_build/corpus/train.txt --heldout /work/swiglu_build/corpus/heldout.txt \\
-        --types f32,q8_0,q4_0 --methods cats,wina --stepwise -t 1 > /tmp/sparsify_ppl.json
+        --types source,q8_0,q4_0 --methods cats,wina [--probes none,q4_0] [--stepwise] -t 1 > /tmp/ppl.json
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--down-types", default="auto", help="ffn_down_t types to compare (stepwise), e.g. auto,same"
     )
+    ap.add_argument("--probes", default="none", help="gate probes to compare, e.g. none,q4_0")
     ap.add_argument("-t", "--threads", type=int, default=1)
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -82,12 +83,12 @@ def main(argv=None) -> int:
             dense = work / f"dense.{qtype}.gguf"
             if not dense.exists():
                 quantize_file(args.model, dense, qtype)
-        probe = hotcold.load(dense, threads=args.threads)
-        ids = corpus_tokens(probe.tokenizer, read_corpus(args.heldout), max_tokens=args.heldout_tokens)
-        del probe
+        first = hotcold.load(dense, threads=args.threads)
+        ids = corpus_tokens(first.tokenizer, read_corpus(args.heldout), max_tokens=args.heldout_tokens)
+        del first
         for method in args.methods.split(","):
-            for down in args.down_types.split(","):
-                out = work / f"sparse.{qtype}.{method}.{down}.gguf"
+            for down, probe in [(d, p) for d in args.down_types.split(",") for p in args.probes.split(",")]:
+                out = work / f"sparse.{qtype}.{method}.{down}.{probe}.gguf"
                 t0 = time.perf_counter()
                 cal = sparsify_file(
                     dense,
@@ -98,6 +99,7 @@ def main(argv=None) -> int:
                     max_tokens=args.calib_tokens,
                     threads=args.threads,
                     down=down,
+                    probe=probe,
                 )
                 seconds = time.perf_counter() - t0
                 for s in levels:
@@ -108,6 +110,7 @@ def main(argv=None) -> int:
                         "method": method,
                         "ffn_down_t": cal["ffn_down_t_type"],
                         "down_choice": down,
+                        "gate_probe": probe,
                         "sparsity": s,
                         "perplexity": r["perplexity"],
                         "computed_rate": r.get("firing_rate", 1.0),

@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--quant", default=None, help="hotcold quantize the dense synthetic first (q4_0, q8_0, ...)"
     )
+    ap.add_argument("--gate-probe", choices=("none", "q4_0"), default="none", help="see hotcold sparsify")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-gen", type=int, default=32)
@@ -118,14 +119,20 @@ def main(argv=None) -> int:
         if not quantized.exists():
             quantize_file(dense, quantized, args.quant)
         dense = quantized
-    sparse = dense.with_name(dense.stem + f".sparse{args.sparsity:g}.gguf")
+    sparse = dense.with_name(dense.stem + f".sparse{args.sparsity:g}.{args.gate_probe}.gguf")
     corpus = work / "calib.txt"
     corpus.write_text(calibration_text())
     if not sparse.exists():
         from hotcold.convert.sparsify import sparsify_file
 
         sparsify_file(
-            dense, sparse, corpus, sparsity=args.sparsity, max_tokens=args.calib_tokens, threads=args.threads
+            dense,
+            sparse,
+            corpus,
+            sparsity=args.sparsity,
+            max_tokens=args.calib_tokens,
+            threads=args.threads,
+            probe=args.gate_probe,
         )
     got = reference_curve(str(sparse))
 
@@ -145,6 +152,7 @@ def main(argv=None) -> int:
         "file": str(dense),
         "sparse_file": str(sparse),
         "sparsity": args.sparsity,
+        "gate_probe": args.gate_probe,
         "threads": args.threads,
         "n_gen": args.n_gen,
         "rounds": args.rounds,
