@@ -92,15 +92,17 @@ def run(args) -> int:
     return _run_plain(args)
 
 
-def _log_requests() -> None:
+class _RequestLog(logging.StreamHandler):
     """One line per request on stderr (hotcold.server.access: request id, route, status, time), in place
-    of uvicorn's access log, which has no request id."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("INFO:     %(message)s"))
-    access = logging.getLogger("hotcold.server.access")
-    access.addHandler(handler)
-    access.setLevel(logging.INFO)
-    access.propagate = False
+    of uvicorn's access log, which has no request id. Writes to whatever sys.stderr is at the time."""
+
+    def __init__(self):
+        super().__init__()
+        self.setFormatter(logging.Formatter("INFO:     %(message)s"))
+
+    def emit(self, record) -> None:
+        self.stream = sys.stderr
+        super().emit(record)
 
 
 def _run_plain(args) -> int:
@@ -126,7 +128,6 @@ def _run_plain(args) -> int:
         return app
 
     lifecycle = Lifecycle(build)
-    _log_requests()
     # uvicorn prints the address it listens on (with the real port when --port 0)
     config = uvicorn.Config(
         lifecycle,
@@ -136,7 +137,17 @@ def _run_plain(args) -> int:
         access_log=False,
         timeout_graceful_shutdown=5,
     )
-    DrainingServer(config, lifecycle, drain_timeout=args.drain_timeout).run()
+    access, handler = logging.getLogger("hotcold.server.access"), _RequestLog()
+    level = access.level
+    access.addHandler(handler)
+    access.setLevel(logging.INFO)
+    access.propagate = False
+    try:
+        DrainingServer(config, lifecycle, drain_timeout=args.drain_timeout).run()
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+        access.propagate = True
     if lifecycle.error is not None:
         raise lifecycle.error
     return 0
