@@ -39,6 +39,12 @@ def add_args(p) -> None:
         default="1",
         help="comma-separated batch sizes for tg (e.g. 1,4,8): B sequences decoding together, one forward a step",
     )
+    p.add_argument(
+        "--sparsity",
+        type=float,
+        default=None,
+        help="`hotcold sparsify` files: share of FFN neurons the sparse mode skips (default: the file's)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.add_argument(
         "--plot",
@@ -151,6 +157,7 @@ def run_bench(
     vram_budget=None,
     mode="both",
     batches=(1,),
+    sparsity=None,
 ):
     """Rows of results. On the CPU the modes are interleaved run by run (weights are mapped once, so both
     models cost nothing extra); on a GPU each mode is loaded, measured and freed in turn, with the same
@@ -166,7 +173,13 @@ def run_bench(
 
     def load(m):
         return hotcold.load(
-            path, threads=threads, device=device, vram_budget=vram_budget, dense=m == "dense", ctx_size=ctx
+            path,
+            threads=threads,
+            device=device,
+            vram_budget=vram_budget,
+            dense=m == "dense",
+            ctx_size=ctx,
+            sparsity=sparsity if m == "sparse" else None,
         )
 
     first = load("sparse")
@@ -300,6 +313,7 @@ def run(args) -> int:
             vram_budget=args.vram_budget,
             mode=args.mode,
             batches=[int(b) for b in args.batch.split(",")],
+            sparsity=args.sparsity,
         )
     if args.plot is not None:
         from hotcold import plots
