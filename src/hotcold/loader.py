@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hotcold import registry, validate
+from hotcold import cores, registry, validate
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import CPU, DevicePlan
 from hotcold.gguf_io import GGUFError, ModelFile
@@ -84,8 +84,9 @@ def load_model(
     n_gpu_layers = validate.check_optional("n_gpu_layers", n_gpu_layers)
     ctx_size = validate.check_optional("ctx_size", ctx_size)
     sparsity = validate.check_optional("sparsity", sparsity)
-    if threads is not None:
-        torch.set_num_threads(threads)
+    if threads is None:  # the cores other processes leave free (cores.py says why)
+        threads = cores.default_threads()
+    torch.set_num_threads(threads)
     device = resolve_device(device)
     model_file = ModelFile(path)
     registry.require(model_file.architecture, str(path))

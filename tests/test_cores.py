@@ -1,0 +1,49 @@
+"""The default thread count leaves cores that other processes keep busy to them."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from hotcold import cores
+
+
+def test_default_threads_counts_other_busy_processes(monkeypatch):
+    monkeypatch.setattr(cores, "_last", None)
+    monkeypatch.setattr(cores, "available_cores", lambda: 4)
+    for busy, want in [(0.0, 4), (0.3, 4), (1.0, 3), (2.6, 1), (7.5, 1)]:
+        monkeypatch.setattr(cores, "busy_elsewhere", lambda busy=busy: busy)
+        monkeypatch.setattr(cores, "_last", None)
+        assert cores.default_threads() == want, busy
+    monkeypatch.setattr(cores, "busy_elsewhere", lambda: None)  # no /proc: every core
+    monkeypatch.setattr(cores, "_last", None)
+    assert cores.default_threads() == 4
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_busy_elsewhere_sees_other_processes_not_this_one():
+    """A spinning thread of this process is not counted; a spinning process (not niced) is, as about a core."""
+    base = cores.busy_elsewhere(0.3)
+    stop = threading.Event()
+    spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
+    spinner.start()
+    try:
+        own = cores.busy_elsewhere(0.5)
+    finally:
+        stop.set()
+        spinner.join()
+    spin = subprocess.Popen(
+        [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 20: pass"]
+    )
+    try:
+        time.sleep(0.3)
+        other = cores.busy_elsewhere(0.5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert base is not None and own is not None and other is not None
+    assert own < base + 0.5 and other > base + 0.5, (base, own, other)
