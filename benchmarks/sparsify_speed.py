@@ -96,7 +96,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--quant", default=None, help="hotcold quantize the dense synthetic first (q4_0, q8_0, ...)"
     )
-    ap.add_argument("--gate-probe", choices=("none", "q4_0"), default="none", help="see hotcold sparsify")
+    ap.add_argument(
+        "--gate-probe", choices=("auto", "none", "q4_0"), default="auto", help="see hotcold sparsify"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-gen", type=int, default=32)

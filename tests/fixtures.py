@@ -431,6 +431,12 @@ def swiglu_files(folder: Path, spm_model: Path, *, sparsity: float = 0.5, tokens
         dense[outtype] = convert(folder / "hf", None, folder / f"swiglu.{outtype}.gguf", outtype=outtype)
         sparse[outtype] = folder / f"swiglu.{outtype}.sparse.gguf"
         sparsify_file(
-            dense[outtype], sparse[outtype], corpus, sparsity=sparsity, max_tokens=tokens, method="cats"
+            dense[outtype],
+            sparse[outtype],
+            corpus,
+            sparsity=sparsity,
+            max_tokens=tokens,
+            method="cats",
+            probe="none",
         )
     return SwigluFiles(hf, corpus, dense, sparse, tokens)

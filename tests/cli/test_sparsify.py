@@ -13,6 +13,7 @@ def test_sparsify_then_run(tiny_swiglu, tmp_path, capsys):
     assert main([*argv, "--sparsity", "0.4", "--max-tokens", "600", "-t", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["sparsity"] == 0.4 and result["ffn_down_t_type"] == "F16" and out.exists()
+    assert result["gate_probe"] == "q4_0"  # auto: an F16 gate gets a Q4_0 probe
 
     assert (
         main(["generate", "-m", str(out), "-p", "Line 3", "-n", "4", "--temp", "0", "--sparsity", "0.6"]) == 0
