@@ -27,8 +27,8 @@ def add_args(p) -> None:
     p.add_argument(
         "--down-type",
         default="auto",
-        help="type of ffn_down_t: auto (float types kept, block types -> q8_0), same, f32, f16, bf16, q8_0, "
-        "q4_0, q4_k, q6_k",
+        help="type of ffn_down_t: auto (= same: ffn_down's type, block types re-quantized along the neuron "
+        "rows), f32, f16, bf16, q8_0, q4_0, q4_k, q6_k",
     )
     p.add_argument(
         "--gate-probe",

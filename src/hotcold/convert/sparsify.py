@@ -10,10 +10,11 @@ A coarser per-neuron histogram gives how often each neuron is kept at the target
 statistics hot/cold placement ranks neurons by).
 
 The output (sparse/thresholded.py reads it) is the input's tensors and keys unchanged, plus
-- `blk.N.ffn_down_t.weight` [F, D]: ffn_down transposed, row i = neuron i, for the axpy kernel. Float
-  types stay as they are (an exact transpose); block types are re-quantized along the neuron's row, to
-  Q8_0 by default (benchmarks/RESULTS.md: re-quantizing a Q4_0 down to Q4_0 along the other axis adds
-  its rounding a second time);
+- `blk.N.ffn_down_t.weight` [F, D]: ffn_down transposed, row i = neuron i, for the axpy kernel, in the
+  type of ffn_down by default: float types are an exact transpose; block types are dequantized and
+  re-quantized along the neuron's row (benchmarks/RESULTS.md: on the trained SwiGLU model a Q4_0 down
+  re-quantized to Q4_0 gave the same decode-kernel perplexity as one re-quantized to Q8_0, 97.305 vs
+  97.313 at sparsity 0.5, so the default keeps the bytes; `--down-type q8_0` is there for other models);
 - the keys and tensors named in names.py under `hotcold.sparsify.*`: method, target sparsity, per-layer
   thresholds, the quantile table on a grid of levels (any sparsity can be derived at load) and the
   per-neuron keep frequency.
@@ -196,13 +197,11 @@ def calibrate(
 
 
 def down_type(source: Q, choice: str, n_embd: int) -> Q:
-    """ffn_down_t's type: "auto" keeps float types and re-quantizes block types to Q8_0; "same" keeps the
-    source's type; else the named type. A block the row length does not divide falls back to F16."""
+    """ffn_down_t's type: "auto" / "same" the source's type (block types re-quantized along the neuron's
+    row); else the named type. A block the row length does not divide falls back to F16."""
     if choice not in DOWN_TYPES:
         raise ValueError(f"--down-type must be one of {', '.join(DOWN_TYPES)}, got {choice!r}")
-    if choice == "auto":
-        qtype = source if not quants.is_quantized(source) else Q.Q8_0
-    elif choice == "same":
+    if choice in ("auto", "same"):
         qtype = source
     else:
         qtype = Q[choice.upper()]
