@@ -41,7 +41,7 @@ async def events(jobs, fmt: Format) -> AsyncIterator[str]:
         for obj in fmt.tail(stats):
             yield sse(obj)
     except Exception as exc:  # headers are sent: report in the stream (the OpenAI client raises on it)
-        log.warning("stream failed: %s", exc)
+        log.warning("%s: stream failed: %s", fmt.id, exc)  # the id ends with the request id
         yield sse(error_body(f"generation failed: {exc}", type="server_error"))
     finally:
         for job in jobs:
