@@ -35,7 +35,7 @@ def add_args(p) -> None:
         choices=("auto", "none", "q4_0"),
         default="auto",
         help="q4_0: score neurons with a Q4_0 copy of the gate (read whole) and gather the exact gate of the "
-        "kept rows only: fewer bytes per token; auto (default): q4_0 for F32/F16/BF16/Q8_0 gates",
+        "kept rows only: fewer bytes per token; auto (default): q4_0 for F32/F16/BF16 gates",
     )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
 

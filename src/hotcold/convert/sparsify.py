@@ -55,7 +55,9 @@ LOG_LO, LOG_HI, BINS = -12.0, 4.0, 16384  # layer histograms over log10(score)
 NEURON_BINS = 256  # per-neuron histograms: 1/16 decade each
 DOWN_TYPES = ("auto", "same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
 PROBES = ("auto", "none", "q4_0")  # the gate probe: a Q4_0 copy of the gate the score is computed from
-PROBED_GATES = (Q.F32, Q.F16, Q.BF16, Q.Q8_0)  # "auto": a probe where it reads at most half the gate's bytes
+# "auto": a probe where it saves bytes at sparsity 0.5: 0.56 bytes a weight for the probe + (1 - s) of the
+# gate's own bytes against all of them; a Q8_0 gate (1.06 bytes) breaks even only from s = 0.53
+PROBED_GATES = (Q.F32, Q.F16, Q.BF16)
 
 
 class ScoreHistograms:
@@ -301,7 +303,8 @@ def sparsify_file(
 ) -> dict:
     """Calibrate `src` on `corpus` for `sparsity` and write `dst`; what was done, as a dict.
     probe "q4_0": also write a Q4_0 copy of every gate, the score's source at run time; "auto": so for
-    gates in PROBED_GATES (benchmarks/RESULTS.md: +0.01-0.03 points of perplexity, 12% less FFN time)."""
+    16/32-bit gates (PROBED_GATES; benchmarks/RESULTS.md: +0.01-0.03 points of perplexity, 12% less FFN
+    time on a 1B-shaped F16 layer)."""
     import hotcold
     from hotcold.placement.profile import corpus_tokens, read_corpus
     from hotcold.registry import require
