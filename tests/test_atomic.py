@@ -109,7 +109,7 @@ WRITER = textwrap.dedent(
         tmp.write_bytes(b"half" * 1000)
         if sys.argv[2] == "hang":
             print("writing", flush=True)
-            time.sleep(60)
+            time.sleep(3600)  # until killed: the test never waits for it
     """
 )
 
