@@ -69,7 +69,7 @@ def fit_gate_spread(target: np.ndarray | None) -> tuple[float, float, float]:
     if target is None:
         return 1.0, 0.0, 0.0
     best = None
-    for median in (0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0):
+    for median in (0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0):
         for spread in (0.0, 0.2, 0.4, 0.6, 0.8, 1.0):
             err = float(np.abs(np.log(synthetic_curve(median, spread)) - np.log(target)).max())
             if best is None or err < best[2]:
