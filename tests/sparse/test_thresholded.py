@@ -238,3 +238,12 @@ def test_sparsified_with_a_gate_probe(tiny_swiglu, tmp_path):
     prompts = [PROMPT, "The quick brown fox"]
     alone = [llm.generate(p, max_tokens=8, ignore_eos=True) for p in prompts]
     assert llm.generate_batch(prompts, max_tokens=8, ignore_eos=True) == alone
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+def test_thread_count_does_not_change_the_bits(tiny_swiglu, outtype):
+    ids = list(range(3, 40))
+    one = hotcold.load(tiny_swiglu.sparse[outtype], threads=1, sparsity=0.5)
+    two = hotcold.load(tiny_swiglu.sparse[outtype], threads=2, sparsity=0.5)
+    for n in (9, 37):  # row gathers, then more rows (still below GEMM_MIN_TOKENS)
+        assert torch.equal(one.logits(ids[:n]), two.logits(ids[:n]))
