@@ -1,7 +1,8 @@
 """Aggregate generation throughput of `hotcold serve` with 1, 4 and 8 concurrent streaming clients.
 
-Starts the real server (uvicorn, 127.0.0.1, a free port, --parallel = the most clients) in this process,
-sends every client a different prompt at the same moment (`/v1/completions`, stream, temperature 0,
+Starts the real server (`hotcold serve` as its own process, 127.0.0.1, a free port, --parallel = the most
+clients; --in-process: uvicorn in a thread of this process, sharing the clients' interpreter), sends every
+client a different prompt at the same moment (`/v1/completions`, stream, temperature 0,
 `ignore_eos` so each produces exactly --max-tokens tokens), and reports total tokens / wall time, mean time
 to first token and per-client tokens/s. The single-request figure without HTTP (`llm.generate`) is
 measured alongside, so the server's overhead shows as a ratio. Prints JSON and appends a dated section to
@@ -178,26 +179,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def llama_server_runs(binary: str, model: str, *, parallel: int, threads: int, clients, max_tokens: int):
-    """The same loads against upstream llama-server (continuous batching, -np parallel)."""
-    port = free_port()
-    cmd = [
-        binary,
-        "-m",
-        model,
-        "-np",
-        str(parallel),
-        "-t",
-        str(threads),
-        "-tb",
-        str(threads),
-        "-c",
-        str(parallel * 256),
-        "--port",
-        str(port),
-        "--host",
-        "127.0.0.1",
-    ]
+def process_runs(cmd: list[str], port: int, name: str, *, clients, max_tokens: int) -> list[dict]:
+    """The loads against a server run as its own process (`cmd`, listening on `port`): ready when /health
+    says 200, then a warm-up request, then each client count; the process is stopped after."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -209,13 +193,35 @@ def llama_server_runs(binary: str, model: str, *, parallel: int, threads: int, c
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline or proc.poll() is not None:
-                raise RuntimeError(f"llama-server did not start: {shlex.join(cmd)}")
+                raise RuntimeError(f"{name} did not start: {shlex.join(cmd)}")
             time.sleep(0.5)
         run_clients(url, 1, 4)  # warm up
-        return [run_clients(url, n, max_tokens) for n in clients]
+        runs = []
+        for n in clients:
+            runs.append(run_clients(url, n, max_tokens))
+            print(f"# {name}: {n} clients done", file=sys.stderr, flush=True)
+        return runs
     finally:
         proc.terminate()
-        proc.wait(timeout=30)
+        proc.wait(timeout=60)
+
+
+def llama_server_runs(binary: str, model: str, *, parallel: int, threads: int, clients, max_tokens: int):
+    """The same loads against upstream llama-server (continuous batching, -np parallel)."""
+    port = free_port()
+    cmd = [binary, "-m", model, "-np", str(parallel), "-t", str(threads), "-tb", str(threads)]
+    cmd += ["-c", str(parallel * 256), "--port", str(port), "--host", "127.0.0.1"]
+    return process_runs(cmd, port, "llama-server", clients=clients, max_tokens=max_tokens)
+
+
+def hotcold_server_runs(model: Path, mode: str, *, parallel: int, threads, device, clients, max_tokens: int):
+    """The same loads against `hotcold serve` in its own process, as users run it (and as llama-server
+    runs): the clients' Python threads do not share its interpreter."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "hotcold", "serve", "-m", str(model), "-np", str(parallel), "-c", "256"]
+    cmd += ["--port", str(port), "--device", device] + (["-t", str(threads)] if threads else [])
+    cmd += ["--dense"] if mode == "dense" else []
+    return process_runs(cmd, port, f"hotcold {mode}", clients=clients, max_tokens=max_tokens)
 
 
 def ray_runs(path: Path, mode: str, *, replicas: int, threads: int, parallel: int, clients, max_tokens: int):
@@ -260,6 +266,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--ray", action="store_true", help="also N Ray Serve replicas (pip install 'hotcold[ray]')"
     )
     ap.add_argument("--replicas", type=int, default=2, help="Ray Serve replicas with --ray (threads split)")
+    ap.add_argument(
+        "--in-process",
+        action="store_true",
+        help="run hotcold's server in this process (uvicorn in a thread) instead of `hotcold serve`",
+    )
     ap.add_argument("--label", default=None, help="how to name the model in RESULTS.md")
     ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
@@ -303,14 +314,30 @@ def main(argv: list[str] | None = None) -> dict:
         worker.start()
         worker.join()
         res["direct_tokens_per_s"][f"hotcold {mode}"] = round(direct[0], 2)
-        runs = []
-        with Server(create_app(llm, parallel=parallel)) as url:
-            run_clients(url, 1, 4)  # warm up the HTTP path
-            for n in clients:
-                runs.append(run_clients(url, n, args.max_tokens))
-                print(f"# hotcold {mode}: {n} clients done", file=sys.stderr, flush=True)
-        res["servers"][f"hotcold {mode}"] = runs
         del llm
+        if args.in_process:
+            runs = []
+            with Server(
+                create_app(
+                    hotcold.load(path, threads=args.threads, device=args.device, dense=mode == "dense"),
+                    parallel=parallel,
+                )
+            ) as url:
+                run_clients(url, 1, 4)  # warm up the HTTP path
+                for n in clients:
+                    runs.append(run_clients(url, n, args.max_tokens))
+                    print(f"# hotcold {mode}: {n} clients done", file=sys.stderr, flush=True)
+        else:
+            runs = hotcold_server_runs(
+                path,
+                mode,
+                parallel=parallel,
+                threads=args.threads,
+                device=args.device,
+                clients=clients,
+                max_tokens=args.max_tokens,
+            )
+        res["servers"][f"hotcold {mode}"] = runs
         if args.ray:
             res["servers"][f"hotcold {mode}, Ray Serve x{args.replicas}"] = ray_runs(
                 path,
