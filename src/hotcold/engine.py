@@ -40,6 +40,17 @@ class Engine:
         self.cached_ids[pos:] = list(ids)
         return logits
 
+    def copy_prefix(self, other: Engine, n: int) -> None:
+        """Take the first n cached tokens of another engine of the same model (their keys and values, copied
+        into this engine's cache): what a prefill of those tokens here would have written, bit for bit, since
+        a row's arithmetic does not depend on the rest of its forward. For the `n` choices of one prompt."""
+        if other.model is not self.model or n > len(other.cached_ids) or n > self.ctx_size:
+            raise ValueError("copy_prefix: another model's engine, or more tokens than it has cached")
+        for dst, src in ((self.seq.kv.k, other.seq.kv.k), (self.seq.kv.v, other.seq.kv.v)):
+            for d, s in zip(dst, src, strict=True):
+                d[:n].copy_(s[:n])
+        self.cached_ids = list(other.cached_ids[:n])
+
     def check_length(self, n_tokens: int) -> None:
         if n_tokens > self.ctx_size:
             raise ValueError(

@@ -114,7 +114,11 @@ class Generation:
         ignore_eos: bool = False,
         logprobs: int | None = None,
         constraint: Constraint | None = None,
+        prefilled: torch.Tensor | None = None,
     ):
+        """prefilled: the logits [V] of the prompt's last token when the engine's cache already holds the
+        whole prompt (copied from a sibling that ran it: Engine.copy_prefix); the first token is sampled
+        from them at once and the prompt is not run again."""
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
         if logprobs is not None and logprobs < 0:
@@ -149,7 +153,15 @@ class Generation:
         self._hot_before = engine.seq.hot_total()
         # reuse the cached prefix this prompt shares with the engine's last sequence; recompute at least the
         # last prompt token to get its logits
-        start = min(common_prefix(engine.cached_ids, self.prompt), len(self.prompt) - 1)
+        self.prompt_logits: torch.Tensor | None = None  # the prompt's last logits, once prefilled
+        whole = prefilled is not None and engine.cached_ids[: len(self.prompt)] == self.prompt
+        if prefilled is not None and not whole:
+            raise ValueError("prefilled logits need the whole prompt in the engine's cache")
+        start = (
+            len(self.prompt)
+            if whole
+            else min(common_prefix(engine.cached_ids, self.prompt), len(self.prompt) - 1)
+        )
         engine.cached_ids = engine.cached_ids[:start]
         engine.last_prefill_computed = len(self.prompt) - start
         self.stats.prompt_tokens = len(self.prompt)
@@ -157,6 +169,8 @@ class Generation:
         self._next = start  # next prompt position to prefill
         self._t0 = time.perf_counter()
         self._decode_t0 = 0.0
+        if whole:
+            self._first_token(prefilled, self._t0)
 
     @property
     def prefilling(self) -> bool:
@@ -178,12 +192,20 @@ class Generation:
         now = time.perf_counter()
         if self.prefilling:
             self._next = pos + len(ids)
-            if self.prefilling:
-                return
-            self.stats.prompt_seconds = now - self._t0
-            self._decode_t0 = now
-        else:
-            self.stats.generate_seconds = now - self._decode_t0
+            if not self.prefilling:
+                self._first_token(logits, now)
+            return
+        self.stats.generate_seconds = now - self._decode_t0
+        self._sample(logits)
+
+    def _first_token(self, logits: torch.Tensor, now: float) -> None:
+        """The prompt is in the cache and `logits` are its last token's: sample the first token."""
+        self.prompt_logits = logits
+        self.stats.prompt_seconds = now - self._t0
+        self._decode_t0 = now
+        self._sample(logits)
+
+    def _sample(self, logits: torch.Tensor) -> None:
         masked = logits
         if self._matcher is not None:
             masked = self._matcher.apply(logits)

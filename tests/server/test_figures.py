@@ -200,14 +200,16 @@ def test_hybrid_reports_the_share_on_the_gpu(hybrid_llm):
         check_consistent(t, n_layer=2, n_ff=1280)
         assert (t["ffn_neurons_computed"], t["ffn_gpu_neurons"]) == (computed, on_hot)
         assert t["ffn_gpu_share"] == pytest.approx(on_hot / computed)
-        # two choices in one batch (greedy: the same tokens): each sequence's counts are its own, summed
+        # two choices in one batch (greedy: the same tokens): each sequence's counts are its own, summed; the
+        # prompt runs once (the second choice starts from a copy of the first one's cache)
         for e in engines:
             e.cached_ids = []
         r = client.completions.create(
             model="x", prompt=PROMPT, max_tokens=N, temperature=0, n=2, extra_body={"ignore_eos": True}
         )
         t = r.timings
-        assert (t["ffn_neurons_computed"], t["ffn_gpu_neurons"]) == (2 * computed, 2 * on_hot)
+        assert computed < t["ffn_neurons_computed"] < 2 * computed
+        assert on_hot < t["ffn_gpu_neurons"] < 2 * on_hot
         assert t["predicted_n"] == r.usage.completion_tokens == 2 * N
         # streamed: only the chunk that finishes the last choice carries them
         for e in engines:

@@ -295,3 +295,40 @@ def test_without_a_queue_only_free_slots_take_requests(llm):
         run(main())
     finally:
         sched.close()
+
+
+def test_choices_of_one_prompt_run_it_once_and_equal_each_alone(llm):
+    """`n` choices (submit_all of one prompt, seeds s, s+1, s+2): the prompt is prefilled once, the others
+    start from a copy of its cache and its last logits, and each choice's tokens equal its request alone.
+    A choice whose leader was cancelled before it ran prefills for itself."""
+    prompt = llm.tokenize(PROMPTS[3])
+    reqs = [request(llm, 0, n=8, params=SamplingParams(1.0, seed=40 + i), ids=prompt) for i in range(3)]
+    refs = [alone(llm, r) for r in reqs]
+    model = Model(llm.loaded.model)
+    sched = scheduler(llm, 3, model)
+
+    async def main():
+        jobs = sched.submit_all(reqs)
+        return await asyncio.gather(*(collect(j) for j in jobs))
+
+    try:
+        got = run(main())
+    finally:
+        sched.close()
+    assert got == refs
+    assert len(set(tuple(t) for _, t in got)) > 1  # the seeds differ, so do the samples
+    assert len(model.started) == 1  # one prefill for the three
+
+    model = Model(llm.loaded.model)
+    sched = scheduler(llm, 1, model)  # one slot: the followers queue behind the leader
+
+    async def cancelled_leader():
+        jobs = sched.submit_all(reqs[:2])
+        jobs[0].cancel()
+        return await collect(jobs[1])
+
+    try:
+        assert run(cancelled_leader()) == refs[1]
+    finally:
+        sched.close()
+    assert len(model.started) == 1  # the follower's own prefill

@@ -8,7 +8,8 @@ later; among free slots it takes the one whose cached tokens share the longest p
 (a chat's next turn lands where its history already is, and skips that part of the prefill). Chunks
 reach the event loop through `call_soon_threadsafe`. A cancelled job (its client went away) leaves the
 queue at once, or leaves the batch at the next step and frees its slot. A request's tokens do not
-depend on what else is in the batch (see hotcold.batching)."""
+depend on what else is in the batch (see hotcold.batching). The `n` choices of one prompt run it once:
+the others start from a copy of the first one's cache and its prompt logits (Engine.copy_prefix)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,8 @@ class Job:
         self._scheduler = scheduler
         self._queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
         self._finished = False
+        self.leader: Job | None = None  # another choice of the same prompt, whose prefill this one reuses
+        self.slot: _Running | None = None  # where it runs, once admitted (written under the scheduler lock)
 
     def cancel(self) -> None:
         """Stop this job (a no-op once its last chunk has been read)."""
@@ -158,6 +161,9 @@ class Scheduler:
         free (each takes the free slot sharing the longest prefix with its prompt)."""
         loop = loop or asyncio.get_running_loop()
         jobs = [Job(r, loop, self) for r in requests]
+        for job in jobs[1:]:  # the n choices of one prompt: the prompt runs once, for the first
+            if job.request.prompt_ids == jobs[0].request.prompt_ids:
+                job.leader = jobs[0]
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("the server is shutting down")
@@ -182,13 +188,25 @@ class Scheduler:
     # --- the batch thread ---------------------------------------------------------------------------
 
     def _admit(self) -> None:
-        """Queued jobs into free slots, head of the queue first (caller holds the lock)."""
+        """Queued jobs into free slots, head of the queue first (caller holds the lock). A choice whose
+        leader is still running its prompt waits for it (a step or a few), then starts from a copy of the
+        leader's cache and its prompt logits; the jobs behind it are not held up meanwhile."""
+        waiting: deque[Job] = deque()
         while self._pending and self._free:
             job = self._pending.popleft()
             if job.cancelled.is_set():
                 continue
+            leader = self._shareable(job.leader)
+            if leader == "wait":
+                waiting.append(job)
+                continue
             r = job.request
             engine = max(self._free, key=lambda e: common_prefix(e.cached_ids, r.prompt_ids))
+            prefilled = None
+            if leader is not None:
+                if engine is not leader.engine:
+                    engine.copy_prefix(leader.engine, len(r.prompt_ids))
+                prefilled = leader.generation.prompt_logits
             try:
                 gen = Generation(
                     engine,
@@ -199,12 +217,29 @@ class Scheduler:
                     ignore_eos=r.ignore_eos,
                     logprobs=r.logprobs,
                     constraint=r.constraint,
+                    prefilled=prefilled,
                 )
             except Exception as exc:  # a prompt the engine refuses: this request fails, the others go on
                 job._put(exc)
                 continue
             self._free.remove(engine)
-            self._running.append(_Running(job, engine, gen))
+            job.slot = _Running(job, engine, gen)
+            self._running.append(job.slot)
+        self._pending.extendleft(reversed(waiting))
+
+    def _shareable(self, leader: Job | None):
+        """The leader's slot when its cache holds the prompt with its last logits, "wait" while it is
+        still to run it, None when there is nothing to share (no leader, or it failed or was cancelled)."""
+        if leader is None:
+            return None
+        slot = leader.slot
+        if slot is None:
+            return None if leader.cancelled.is_set() or leader._finished else "wait"
+        gen = slot.generation
+        if gen.prompt_logits is None:
+            return "wait" if slot in self._running and not leader.cancelled.is_set() else None
+        n = len(gen.prompt)
+        return slot if slot.engine.cached_ids[:n] == gen.prompt else None
 
     def _release(self, r: _Running) -> None:
         # caller holds the lock
