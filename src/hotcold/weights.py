@@ -97,8 +97,8 @@ class TensorSource:
         return Predictor(fc1, fc2, c.sparse_threshold)
 
     def token_embd(self) -> Weight:
-        """The embedding, on the CPU (a step reads one row of it)."""
-        return self.raw(names.TOKEN_EMBD, None, (self.config.n_vocab, self.config.n_embd))
+        """The embedding, on the CPU (a step reads one row of it, any row: its pages are asked for ahead)."""
+        return cpu.prefetch_pages(self.raw(names.TOKEN_EMBD, None, (self.config.n_vocab, self.config.n_embd)))
 
     def output(self) -> Weight:
         """The output head [V, D] on the output device: `output.weight`, or the tied embedding."""

@@ -5,6 +5,12 @@ a kernel that reads one of them shows NaN in its output. Every public op returns
 backends (never None).
 """
 
+import ctypes
+import mmap
+import os
+import sys
+import time
+
 import gguf
 import numpy as np
 import pytest
@@ -565,3 +571,33 @@ def test_pack_leaves_other_weights_alone(backend):
     for fmt in ("f16", "q8_0", "q5_k"):
         w, _ = make_weight(fmt, 64, gen)
         assert cpu.pack(w) is w
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / mincore are Linux's")
+def test_prefetch_pages_reads_a_mapped_weight_in_ahead(tmp_path):
+    """The embedding is read a row at a time in no order: prefetch_pages has the OS read all of a mapped
+    weight in (MADV_WILLNEED, in chunks: one call reads only a few MiB), so a new token's row does not wait
+    for the disk."""
+    path = tmp_path / "w.bin"
+    path.write_bytes(np.random.default_rng(0).integers(0, 255, 48 << 20, dtype=np.uint8).tobytes())
+    fd = os.open(path, os.O_RDONLY)
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    w = torch.from_numpy(np.memmap(path, dtype=np.float16, mode="c").reshape(-1, 4096))  # as the reader maps
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    n = w.numel() * 2
+    pages = (ctypes.c_ubyte * ((n + mmap.PAGESIZE - 1) // mmap.PAGESIZE))()
+
+    def resident() -> float:
+        libc.mincore(ctypes.c_void_p(w.data_ptr()), ctypes.c_size_t(n), pages)
+        return sum(p & 1 for p in pages) / len(pages)
+
+    if resident() > 0.5:
+        pytest.skip("this file system keeps the file's pages (tmpfs?): nothing to read in")
+    assert cpu.prefetch_pages(w) is w
+    deadline = time.monotonic() + 20
+    while resident() < 0.99 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert resident() >= 0.99
