@@ -138,6 +138,40 @@ def run_clients(url: str, n: int, max_tokens: int) -> dict:
     }
 
 
+def late_arrival(url: str, busy: int, max_tokens: int) -> dict:
+    """Time to first token of one request that arrives while `busy` others are decoding (they run 4x as
+    long), against the same request alone: the issue's "under 2x its time alone"."""
+    alone: dict = {}  # its own prompt, not the late one's: a server's prefix cache would serve that
+    one_client(url, "Alpha 9: once upon a time", max_tokens, threading.Barrier(1), alone)
+    start = threading.Barrier(busy)
+    results = [{} for _ in range(busy)]
+    threads = [
+        threading.Thread(
+            target=one_client, args=(url, f"Client {i}: once upon a time", 4 * max_tokens, start, r)
+        )
+        for i, r in enumerate(results)
+    ]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    while not any("first" in r for r in results):  # not yet all decoding: wait for the first tokens
+        time.sleep(0.05)
+        if not any(t.is_alive() for t in threads):
+            break
+    time.sleep(1.0)  # every busy client past its prefill
+    late: dict = {}
+    one_client(url, "Omega 9: once upon a time", max_tokens, threading.Barrier(1), late)
+    for t in threads:
+        t.join()
+    ttft_alone, ttft_late = alone["first"] - alone["start"], late["first"] - late["start"]
+    return {
+        "busy": busy,
+        "ttft_alone_s": round(ttft_alone, 3),
+        "ttft_late_s": round(ttft_late, 3),
+        "ratio": round(ttft_late / ttft_alone, 2),
+    }
+
+
 def results_section(res: dict, cmd: str, label: str) -> str:
     m = res["machine"]
     lines = [
@@ -168,6 +202,13 @@ def results_section(res: dict, cmd: str, label: str) -> str:
             f" each, --parallel {res['parallel']} each, behind Ray's proxy; the local cluster took"
             f" {ray_rows[0]['cluster_start_s']} s to start with its replicas loaded."
         )
+    for name, runs in res["servers"].items():
+        late = runs[-1].get("late_arrival") if runs else None
+        if late:
+            lines.append(
+                f"\n{name}: a request arriving while {late['busy']} others decode gets its first token in"
+                f" {late['ttft_late_s']} s, against {late['ttft_alone_s']} s alone ({late['ratio']}x)."
+            )
     for name, tps in res["direct_tokens_per_s"].items():
         lines.append(f"\nSingle request without HTTP, {name} (`llm.generate`, best of 3): {tps} tokens/s.")
     return "\n".join(lines) + "\n"
@@ -179,7 +220,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def process_runs(cmd: list[str], port: int, name: str, *, clients, max_tokens: int) -> list[dict]:
+def process_runs(
+    cmd: list[str], port: int, name: str, *, clients, max_tokens: int, late: bool = True
+) -> list[dict]:
     """The loads against a server run as its own process (`cmd`, listening on `port`): ready when /health
     says 200, then a warm-up request, then each client count; the process is stopped after."""
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -200,6 +243,8 @@ def process_runs(cmd: list[str], port: int, name: str, *, clients, max_tokens: i
         for n in clients:
             runs.append(run_clients(url, n, max_tokens))
             print(f"# {name}: {n} clients done", file=sys.stderr, flush=True)
+        if late and max(clients) > 1:
+            runs[-1]["late_arrival"] = late_arrival(url, max(clients) - 1, max_tokens)
         return runs
     finally:
         proc.terminate()
