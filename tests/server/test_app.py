@@ -149,7 +149,6 @@ BAD_REQUESTS = [
     ("/v1/completions", {"prompt": "x", "n": 5}, 400, "n"),  # above --parallel (4)
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 5}, 400, "n"),
     ("/v1/completions", {"prompt": "x", "logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", {"prompt": "x", "logprobs": 1, "echo": True}, 400, "logprobs"),
     ("/v1/completions", {"prompt": "x", "suffix": "y"}, 400, "suffix"),
     (
         "/v1/chat/completions",

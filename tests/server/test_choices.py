@@ -117,6 +117,48 @@ def test_completion_logprobs_are_log_softmax_of_the_logits(server_url, llm, seed
     assert "".join(c.choices[0].text for c in stream if c.choices) == r.text
 
 
+def test_echo_with_logprobs_scores_the_prompt(server_url, llm):
+    """echo + logprobs (how evaluation harnesses score text, max_tokens 0): every prompt token gets its
+    log-probability under the prompt's own forward (the first gets null), then the generated tokens theirs."""
+    ids = llm.tokenize(PROMPT)
+    full = torch.log_softmax(off_main_thread(llm.logits, ids).float(), -1)
+    client = openai_client(server_url)
+    for max_tokens in (0, 3):
+        r = client.completions.create(
+            model="x",
+            prompt=PROMPT,
+            max_tokens=max_tokens,
+            logprobs=2,
+            echo=True,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        ).choices[0]
+        got = r.logprobs
+        assert r.text.startswith(PROMPT) and len(got.tokens) == len(ids) + max_tokens
+        assert got.tokens[: len(ids)] == [token_text(llm, t) for t in ids]
+        assert got.token_logprobs[0] is None and got.top_logprobs[0] is None
+        want = full[range(len(ids) - 1), ids[1:]]
+        assert torch.allclose(torch.tensor(got.token_logprobs[1 : len(ids)]), want, atol=1e-4)
+        for j in range(1, len(ids)):
+            values, best = torch.topk(full[j - 1], 2)
+            assert {token_text(llm, int(t)) for t in best} <= got.top_logprobs[j].keys()
+        assert got.text_offset == [len("".join(got.tokens[:i])) for i in range(len(got.tokens))]
+    stream = list(
+        client.completions.create(
+            model="x",
+            prompt=PROMPT,
+            max_tokens=3,
+            logprobs=2,
+            echo=True,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
+    parts = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
+    assert sum((p.tokens for p in parts), []) == got.tokens
+
+
 def test_chat_logprobs_and_top_logprobs(server_url, llm):
     ids = llm.chat_prompt_ids(CHAT)
     generated = off_main_thread(reference_ids, llm, ids, SamplingParams(temperature=0.0))

@@ -26,7 +26,9 @@ from hotcold import __version__
 from hotcold.engine import Engine
 from hotcold.sampling import SamplingParams
 from hotcold.server import constraints, figures, tools
+from hotcold.server.echo import prompt_logprobs
 from hotcold.server.guard import Guard, add_error_handlers, request_id
+from hotcold.server.messages import chat_messages
 from hotcold.server.metrics import Metrics
 from hotcold.server.protocol import (
     ApiError,
@@ -40,7 +42,6 @@ from hotcold.server.protocol import (
     LlamaCompletionRequest,
     LlamaFormat,
     TokenizeRequest,
-    chat_messages,
     model_list,
     stop_list,
 )
@@ -149,8 +150,6 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request):
         if body.suffix:
             raise ApiError(400, "suffix (insertion) is not supported", param="suffix")
-        if body.echo and body.logprobs is not None:
-            raise ApiError(400, "logprobs of the echoed prompt are not supported", param="logprobs")
         server.check_choices(body.n)
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
@@ -159,11 +158,16 @@ def create_app(
             prompt = prompt[0]
         ids = await server.prompt_ids(prompt)
         echo = "" if not body.echo else prompt if isinstance(prompt, str) else llm.detokenize(ids)
+        echo_logprobs = None
+        if body.echo and body.logprobs is not None:  # one forward over the prompt, off the event loop
+            logits = await run_in_threadpool(llm.logits, ids)
+            echo_logprobs = prompt_logprobs(logits, ids, body.logprobs)
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         fmt = CompletionFormat(
             server.model_id,
             include_usage=include_usage,
             echo=echo,
+            echo_logprobs=echo_logprobs,
             token_bytes=server.token_bytes,
             hybrid=server.hybrid,
         )

@@ -174,29 +174,6 @@ class DetokenizeRequest(_Request):
     tokens: list[int]
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict]:
-    """OpenAI messages -> the {"role", "content"} dicts chat templates take (text parts joined)."""
-    out = []
-    for i, m in enumerate(messages):
-        if isinstance(m.content, list):
-            parts = []
-            for j, part in enumerate(m.content):
-                if part.type != "text" or part.text is None:
-                    raise ApiError(
-                        400,
-                        f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}",
-                        param=f"messages.{i}.content",
-                    )
-                parts.append(part.text)
-            content = "".join(parts)
-        else:
-            content = m.content or ""
-        role = "system" if m.role == "developer" else m.role  # OpenAI's newer name for the system role
-        extra = {k: v for k, v in (("tool_calls", m.tool_calls), ("tool_call_id", m.tool_call_id)) if v}
-        out.append({"role": role, "content": None if m.content is None and m.tool_calls else content} | extra)
-    return out
-
-
 # ------------------------------------------------------------------------------------------------
 # Responses
 # ------------------------------------------------------------------------------------------------
@@ -217,6 +194,10 @@ def usage(stats: Sequence[GenerationStats]) -> dict:
     prompt = stats[0].prompt_tokens if stats else 0
     completion = sum(s.generated_tokens for s in stats)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def _join(a: list | None, b: list | None) -> list | None:
+    return None if a is None and b is None else [*(a or []), *(b or [])]
 
 
 def _finite(x: float) -> float:
@@ -299,21 +280,27 @@ class CompletionFormat(Format):
     rule), which is where the token's text starts except after a character split over several tokens
     (its tokens' strings are U+FFFD per byte)."""
 
-    def __init__(self, model: str, *, include_usage: bool = False, echo: str = "", **kwargs):
+    def __init__(
+        self, model: str, *, include_usage: bool = False, echo: str = "", echo_logprobs=None, **kwargs
+    ):
         super().__init__(model, include_usage=include_usage, prefix="cmpl", **kwargs)
-        self.echo = echo
+        self.echo, self.echo_logprobs = echo, echo_logprobs  # the prompt's entries (server/echo.py) or None
         self._offsets: dict[int, int] = {}  # choice index -> text_offset of its next token
 
     def _logprobs(self, entries: list[TokenLogprob] | None, index: int) -> dict | None:
         if entries is None:
             return None
         out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        offset = self._offsets.get(index, len(self.echo))
+        offset = self._offsets.get(index, 0 if self.echo_logprobs else len(self.echo))
         for e in entries:
             token = self._token(e.token)[0]
             out["tokens"].append(token)
             out["text_offset"].append(offset)
             offset += len(token)
+            if e.logprob is None:  # the prompt's first token (echo): nothing predicts it
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+                continue
             out["token_logprobs"].append(_finite(e.logprob))
             top: dict[str, float] = {}
             for token, logprob in sorted([*e.top, (e.token, e.logprob)], key=lambda t: -t[1]):
@@ -328,7 +315,11 @@ class CompletionFormat(Format):
 
     def start(self, n: int) -> list[dict]:
         super().start(n)
-        return [self._chunk_obj(self._choice(i, self.echo, None)) for i in range(n)] if self.echo else []
+        return (
+            [self._chunk_obj(self._choice(i, self.echo, None, self.echo_logprobs)) for i in range(n)]
+            if self.echo
+            else []
+        )
 
     def _chunk_obj(self, choice: dict) -> dict:
         return self._head("text_completion") | {"choices": [choice]}
@@ -345,7 +336,7 @@ class CompletionFormat(Format):
     def whole(self, choices: Sequence[Choice]) -> dict:
         return self._head("text_completion") | {
             "choices": [
-                self._choice(i, self.echo + c.text, c.finish_reason, c.logprobs)
+                self._choice(i, self.echo + c.text, c.finish_reason, _join(self.echo_logprobs, c.logprobs))
                 for i, c in enumerate(choices)
             ],
             "usage": usage([c.stats for c in choices]),
