@@ -359,20 +359,15 @@ def main(argv: list[str] | None = None) -> dict:
         worker.start()
         worker.join()
         res["direct_tokens_per_s"][f"hotcold {mode}"] = round(direct[0], 2)
-        del llm
-        if args.in_process:
+        if args.in_process:  # the model just measured serves
             runs = []
-            with Server(
-                create_app(
-                    hotcold.load(path, threads=args.threads, device=args.device, dense=mode == "dense"),
-                    parallel=parallel,
-                )
-            ) as url:
+            with Server(create_app(llm, parallel=parallel)) as url:
                 run_clients(url, 1, 4)  # warm up the HTTP path
                 for n in clients:
                     runs.append(run_clients(url, n, args.max_tokens))
                     print(f"# hotcold {mode}: {n} clients done", file=sys.stderr, flush=True)
         else:
+            del llm  # `hotcold serve` loads its own
             runs = hotcold_server_runs(
                 path,
                 mode,

@@ -145,18 +145,21 @@ class RopeTables:
         c = self.config
         return tuple(t.to(device) for t in rope_tables(n, c.rope_dim, c.rope_base, c.rope_scale))
 
-    def __call__(self, pos: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    def _covering(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device's tables, rebuilt longer first when positions up to `end` are past them."""
         tables = self._tables.get(device)
-        if tables is None or pos + T > tables[0].shape[0]:
-            tables = self._build(max(pos + T, self.config.n_ctx_train), device)
+        if tables is None or end > tables[0].shape[0]:
+            tables = self._build(max(end, self.config.n_ctx_train), device)
             self._tables[device] = tables
-        cos, sin = tables
+        return tables
+
+    def __call__(self, pos: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self._covering(pos + T, device)
         return cos[pos : pos + T], sin[pos : pos + T]
 
     def rows(self, positions: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [N, R/2] at the given positions (one decode token of each sequence of a batch)."""
-        self(max(positions), 1, device)  # long enough
-        cos, sin = self._tables[device]
+        cos, sin = self._covering(max(positions) + 1, device)
         idx = torch.tensor(positions, dtype=torch.long, device=cos.device)
         return cos.index_select(0, idx), sin.index_select(0, idx)
 
@@ -207,9 +210,8 @@ def rope_attention_rows(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """rope_attention for N decode tokens of N sequences on the CPU (row n at positions[n] over its own
-    caches), one C call: each row as rope_attention computes it alone. q [N, H, Dh] -> [N, H*Dh]."""
-    for p, kc in zip(positions, k_caches):
-        check_context(p + 1, kc.shape[0])
+    caches), one C call: each row as rope_attention computes it alone (the same context overflow error).
+    q [N, H, Dh] -> [N, H*Dh]."""
     return cpu.attention_decode_rows(
         q.contiguous(),
         k.contiguous(),

@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 12
+#define HC_ABI_VERSION 13
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -1892,26 +1892,33 @@ int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint
     return 0;
 }
 
+#if HC_QSIMD
+/* The 8 rows' sums over one chunk of sum_i u_r[i] x[i] (nib: the chunk's 4 x 32 packed bytes). */
+HC_INLINE __m256i packed_chunk_sums(const uint8_t *nib, const int8_t *xc) {
+    const __m256i m15 = _mm256_set1_epi8(15);
+    __m256i s16 = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        const __m256i p = ld256(nib + 32 * k);
+        int32_t x0, x1;
+        memcpy(&x0, xc + 4 * k, 4);
+        memcpy(&x1, xc + 4 * k + 16, 4);
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(p, m15), _mm256_set1_epi32(x0)));
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), m15),
+                                                          _mm256_set1_epi32(x1)));
+    }
+    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+}
+#endif
+
 /* out[8] = the 8 rows of group g (P_g: its chunks) with one token. */
 HC_INLINE void packed_group_q4_0(const uint8_t *Pg, const hc_xq *x, int64_t nc, float *out8) {
 #if HC_QSIMD
     __m256 acc = _mm256_setzero_ps();
-    const __m256i m15 = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < nc; c++) {
         const uint8_t *b = Pg + c * PK_Q4_0_CHUNK;
-        const int8_t *xc = x->q + 32 * c;
-        __m256i s16 = _mm256_setzero_si256();
-        for (int k = 0; k < 4; k++) {
-            const __m256i p = ld256(b + 16 + 32 * k);
-            int32_t x0, x1;
-            memcpy(&x0, xc + 4 * k, 4);
-            memcpy(&x1, xc + 4 * k + 16, 4);
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(p, m15), _mm256_set1_epi32(x0)));
-            s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), m15),
-                                                              _mm256_set1_epi32(x1)));
-        }
         /* sum (u - 8) x = sum u x - 8 sum x, exact in integers */
-        const __m256i i32 = _mm256_sub_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(8 * x->qsum[c]));
+        const __m256i i32 =
+            _mm256_sub_epi32(packed_chunk_sums(b + 16, x->q + 32 * c), _mm256_set1_epi32(8 * x->qsum[c]));
         const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), _mm256_set1_ps(x->d[c]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), d, acc);
     }
@@ -1937,21 +1944,6 @@ HC_INLINE void packed_group_q4_0(const uint8_t *Pg, const hc_xq *x, int64_t nc, 
 }
 
 #if HC_QSIMD
-/* The 8 rows' sums over one chunk of sum_i u_r[i] x[i] (nib: the chunk's 4 x 32 packed bytes). */
-HC_INLINE __m256i packed_chunk_sums(const uint8_t *nib, const int8_t *xc) {
-    const __m256i m15 = _mm256_set1_epi8(15);
-    __m256i s16 = _mm256_setzero_si256();
-    for (int k = 0; k < 4; k++) {
-        const __m256i p = ld256(nib + 32 * k);
-        int32_t x0, x1;
-        memcpy(&x0, xc + 4 * k, 4);
-        memcpy(&x1, xc + 4 * k + 16, 4);
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(p, m15), _mm256_set1_epi32(x0)));
-        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), m15),
-                                                          _mm256_set1_epi32(x1)));
-    }
-    return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-}
 HC_INLINE __m256 cvt8_u8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
@@ -2179,8 +2171,8 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Decode-step glue for one token on the CPU: RMS norm and attention (RoPE, KV cache write, GQA
- * softmax attention). One call each instead of a dozen small tensor ops that run cache-cold after
+ * Decode-step glue on the CPU (one token, or one token of each sequence of a batch): RMS norm and
+ * attention (RoPE, KV cache write, GQA softmax attention). One call each instead of a dozen small tensor ops that run cache-cold after
  * the weight streams.
  * ---------------------------------------------------------------------------------------------- */
 
@@ -2289,10 +2281,3 @@ int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *co
     return failed ? -1 : 0;
 }
 
-/* One token at position pos: hc_attn_decode_rows of one row (q [H, Dh], k [Hkv, Dh], caches [n_ctx, Hkv,
- * Dh], out [H, Dh]). Returns 0, or -1 if memory ran out. */
-int hc_attn_decode(float *q, float *k, const float *v, float *kc, float *vc, int64_t pos, int64_t H, int64_t Hkv,
-                   int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, int64_t window, float *out,
-                   int nth) {
-    return hc_attn_decode_rows(1, q, k, v, &kc, &vc, &pos, H, Hkv, Dh, R, cos, sin, neox, window, out, nth);
-}

@@ -58,30 +58,22 @@ def attention_decode(
     """One token's attention: RoPE on q [1, H, Dh] and k [1, Hkv, Dh] (cos/sin [1, R/2], R <= Dh), k and v
     stored at row pos of the caches [S, Hkv, Dh], softmax(q k^T / sqrt(Dh)) v over rows 0..pos (the last
     `sliding_window` of them when given; query head h reads kv head h // (H / Hkv)) -> [1, H*Dh]. q and k
-    are rotated in place. One C call when everything is float32 and contiguous on the CPU, else torch
-    (scaled_dot_product_attention). ValueError('context overflow: ...') when pos is outside the cache."""
-    got = [tuple(t.shape) for t in (q, k, v, k_cache, v_cache)]
-    h, dh, hkv = (q.shape[1], q.shape[2], k.shape[1]) if all(len(g) == 3 for g in got) else (0, 0, 0)
-    want = [(1, h, dh), (1, hkv, dh), (1, hkv, dh), (k_cache.shape[0], hkv, dh), got[3]]
-    if not (h and hkv) or got != want or h % hkv:
-        raise ValueError(f"want q [1, H, Dh], k/v [1, Hkv, Dh], caches [S, Hkv, Dh], Hkv | H; got {got}")
-    r = cos.shape[-1] * 2
-    if r > dh or cos.numel() * 2 != r or sin.shape != cos.shape:
-        raise ValueError(f"cos/sin {tuple(cos.shape)} are not one position's [1, R/2] with R <= {dh}")
-    if not 0 <= pos < k_cache.shape[0]:
-        raise ValueError(f"context overflow: position {pos + 1} exceeds the context size {k_cache.shape[0]}")
-    window = sliding_window if sliding_window and sliding_window > 0 else 0
-    lib = build.get_lib()
-    cos, sin = cos.contiguous(), sin.contiguous()
-    if lib is None or not all(f32_contiguous(t) for t in (q, k, v, k_cache, v_cache, cos, sin)):
-        return _torch_attention_decode(q, k, v, k_cache, v_cache, pos, cos, sin, neox, window)
-    out = torch.empty(1, h * dh, dtype=torch.float32)
-    tensors = (q.data_ptr(), k.data_ptr(), v.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
-    rope = (r, cos.data_ptr(), sin.data_ptr(), int(neox), window)
-    rc = lib.hc_attn_decode(*tensors, pos, h, hkv, dh, *rope, out.data_ptr(), nthreads(threads))
-    if rc != 0:
-        raise MemoryError("hc_attn_decode: out of memory")
-    return out
+    are rotated in place. attention_decode_rows of one row: one C call when everything is float32 and
+    contiguous on the CPU, else torch (scaled_dot_product_attention). ValueError('context overflow: ...')
+    when pos is outside the cache."""
+    return attention_decode_rows(
+        q,
+        k,
+        v,
+        [k_cache],
+        [v_cache],
+        [pos],
+        cos,
+        sin,
+        neox=neox,
+        sliding_window=sliding_window,
+        threads=threads,
+    )
 
 
 def _torch_attention_decode(q, k, v, k_cache, v_cache, pos, cos, sin, neox, window) -> torch.Tensor:
@@ -116,67 +108,53 @@ def attention_decode_rows(
 ) -> torch.Tensor:
     """attention_decode for N tokens of N different sequences (a batched decode step): row n of q [N, H, Dh],
     k/v [N, Hkv, Dh] at positions[n] over caches k_caches[n] / v_caches[n], cos/sin [N, R/2] -> [N, H*Dh],
-    each row exactly as attention_decode computes it alone. One C call when everything is float32 and
-    contiguous on the CPU, else a loop of attention_decode."""
-    n = q.shape[0]
-    if not (
-        k.shape[0] == v.shape[0] == len(k_caches) == len(v_caches) == len(positions) == n == cos.shape[0]
-    ):
-        raise ValueError(f"{n} query rows need as many k/v rows, caches, positions and cos/sin rows")
-    lib = build.get_lib()
-    tensors = (q, k, v, cos, sin, *k_caches, *v_caches)
-    shapes_ok = q.dim() == 3 and k.dim() == 3 and v.shape == k.shape and sin.shape == cos.shape
-    shapes_ok = shapes_ok and all(
-        kc.shape == k_caches[0].shape == vc.shape for kc, vc in zip(k_caches, v_caches)
+    each row exactly as it is computed alone. One C call when everything is float32 and contiguous on the
+    CPU, else torch row by row."""
+    n = q.shape[0] if q.dim() == 3 else 0
+    h, dh, hkv = (q.shape[1], q.shape[2], k.shape[1]) if n and k.dim() == 3 else (0, 0, 0)
+    caches_ok = len(k_caches) == len(v_caches) == len(positions) == n and all(
+        kc.dim() == 3 and kc.shape[1:] == (hkv, dh) and vc.shape == kc.shape
+        for kc, vc in zip(k_caches, v_caches)
     )
-    if lib is None or n == 0 or not shapes_ok or not all(f32_contiguous(t) for t in tensors):
-        rows = [
-            attention_decode(
-                q[j : j + 1],
-                k[j : j + 1],
-                v[j : j + 1],
-                k_caches[j],
-                v_caches[j],
-                positions[j],
-                cos[j : j + 1],
-                sin[j : j + 1],
-                neox=neox,
-                sliding_window=sliding_window,
-                threads=threads,
-            )
-            for j in range(n)
-        ]
-        return torch.cat(rows) if rows else q.new_empty(0, q.shape[1] * q.shape[2])
-    h, dh, hkv, s_ctx = q.shape[1], q.shape[2], k.shape[1], k_caches[0].shape[0]
-    r = cos.shape[1] * 2
-    if k_caches[0].shape[1:] != (hkv, dh) or h % hkv or r > dh:
+    if not (h and hkv) or k.shape != (n, hkv, dh) or v.shape != k.shape or not caches_ok or h % hkv:
+        got = [tuple(t.shape) for t in (q, k, v, *k_caches[:1], *v_caches[:1])]
         raise ValueError(
-            "want q [N, H, Dh], k/v [N, Hkv, Dh], caches [S, Hkv, Dh], Hkv | H, cos [N, R/2] with R <= Dh"
+            f"want q [N, H, Dh], k/v [N, Hkv, Dh], N caches [S, Hkv, Dh], Hkv | H; got {got}, {len(k_caches)} caches"
         )
-    for p in positions:
-        if not 0 <= p < s_ctx:
-            raise ValueError(f"context overflow: position {p + 1} exceeds the context size {s_ctx}")
+    r = cos.shape[-1] * 2
+    if cos.shape != (n, r // 2) or sin.shape != cos.shape or r > dh:
+        raise ValueError(f"cos/sin {tuple(cos.shape)} are not one [R/2] row per position with R <= {dh}")
+    for p, kc in zip(positions, k_caches):
+        if not 0 <= p < kc.shape[0]:
+            raise ValueError(f"context overflow: position {p + 1} exceeds the context size {kc.shape[0]}")
     window = sliding_window if sliding_window and sliding_window > 0 else 0
+    lib = build.get_lib()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    if lib is None or not all(f32_contiguous(t) for t in (q, k, v, cos, sin, *k_caches, *v_caches)):
+        return torch.cat(
+            [
+                _torch_attention_decode(
+                    q[j : j + 1],
+                    k[j : j + 1],
+                    v[j : j + 1],
+                    k_caches[j],
+                    v_caches[j],
+                    positions[j],
+                    cos[j : j + 1],
+                    sin[j : j + 1],
+                    neox,
+                    window,
+                )
+                for j in range(n)
+            ]
+        )
     out = torch.empty(n, h * dh, dtype=torch.float32)
     kcs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in k_caches])
     vcs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in v_caches])
     pos = (ctypes.c_int64 * n)(*positions)
+    tensors = (q.data_ptr(), k.data_ptr(), v.data_ptr(), kcs, vcs, pos)
     rope = (r, cos.data_ptr(), sin.data_ptr(), int(neox), window)
-    rc = lib.hc_attn_decode_rows(
-        n,
-        q.data_ptr(),
-        k.data_ptr(),
-        v.data_ptr(),
-        kcs,
-        vcs,
-        pos,
-        h,
-        hkv,
-        dh,
-        *rope,
-        out.data_ptr(),
-        nthreads(threads),
-    )
+    rc = lib.hc_attn_decode_rows(n, *tensors, h, hkv, dh, *rope, out.data_ptr(), nthreads(threads))
     if rc != 0:
         raise MemoryError("hc_attn_decode_rows: out of memory")
     return out
