@@ -74,7 +74,7 @@ def pairs(items: list[str]) -> dict[str, str]:
         name, _, path = item.partition("=")
         if not path or not Path(path).is_file():
             raise SystemExit(f"expected NAME=FILE with an existing file, got {item!r}")
-        out[name] = path
+        out[name] = str(Path(path).resolve())  # hotcold runs with cwd=/tmp
     return out
 
 
@@ -98,7 +98,8 @@ def main() -> None:
         try:
             runs.setdefault(key, []).append(fn())
         except (subprocess.CalledProcessError, KeyError, IndexError, ValueError) as e:
-            print(f"{key}: failed ({e})", file=sys.stderr)
+            stderr = (getattr(e, "stderr", None) or "").strip().splitlines()[-1:]
+            print(f"{key}: failed ({e}) {' '.join(stderr)}", file=sys.stderr)
 
     for r in range(args.rounds):
         for name, path in dense.items():
@@ -125,10 +126,10 @@ def main() -> None:
                     lambda p=path: hotcold_tg(p, "sparse", args.threads, args.n_gen, args.before_src),
                 )
         print(
-            f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items()),
+            f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items() if v),
             file=sys.stderr,
         )
-    med = {k: statistics.median(v) for k, v in runs.items()}
+    med = {k: statistics.median(v) for k, v in runs.items() if v}
     bw = copy_gbps(args.threads)
     gbytes = {name: weight_bytes(p) / 1e9 for name, p in {**dense, **sparse}.items()}
     result = {
