@@ -562,8 +562,17 @@ def test_packed_matmul(backend, fmt, t):
     assert torch.equal(torch.stack([cpu.matmul(p, x[i]) for i in range(t)]), out[1])
     torch.testing.assert_close(out[1], cpu.matmul(w, x), rtol=0, atol=1e-5 * out[1].abs().max().item())
     assert p.select_rows(torch.tensor([0, 5])).packed is None and p.to("cpu").packed is None
-    with pytest.raises(ValueError, match="packed"):
-        cpu.MatvecGroup([p])
+    # a group of packed matrices (q, k, v) is one C call with the bits of separate calls, norm included
+    other = {"q4_0": "q4_0", "q4_k": "q6_k", "q6_k": "q4_k"}[fmt]  # as wide; 36 rows: a short last group
+    p2 = cpu.pack(make_weight(other, 36, gen)[0])
+    norm = (torch.rand(d, generator=gen) + 0.5, 1e-5)
+    h = cpu.rms_norm(x, *norm)
+    for threads in (1, 2):
+        got = cpu.MatvecGroup([p, p2, p])(x, norm=norm, threads=threads)
+        want = [cpu.matmul(q, h, threads=3) for q in (p, p2, p)]
+        assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True))
+    with pytest.raises(ValueError, match="all packed or none"):
+        cpu.MatvecGroup([p, w])
 
 
 def test_pack_leaves_other_weights_alone(backend):

@@ -324,21 +324,27 @@ def pack(weight: Weight) -> Weight:
 class MatvecGroup:
     """[matmul(w, x) for w in weights] for few tokens, as one C call (a layer's q, k and v: the rows of
     all of them share one pass of the threads), with the same bits as separate calls. Weights must be
-    CPU weights of the C kernels' types with the same number of columns (else ValueError); the group
-    keeps them alive. Without the C kernels, or for many tokens, it is separate matmul calls."""
+    CPU weights of the C kernels' types with the same number of columns, all packed (`pack`) or none
+    (else ValueError); the group keeps them alive. Without the C kernels, or for many tokens, it is
+    separate matmul calls."""
 
     def __init__(self, weights: list[Weight]):
         views = [weight_view(w) for w in weights]
         if not 1 <= len(views) <= 8 or len({v[4] for v in views}) != 1:
             raise ValueError("a matvec group is 1-8 matrices with the same number of columns")
-        if any(isinstance(w, QuantTensor) and w.packed is not None for w in weights):
-            raise ValueError("packed weights multiply one matmul call each (their own kernel)")
+        packed = [w.packed if isinstance(w, QuantTensor) else None for w in weights]
+        self._packed = all(p is not None for p in packed)
+        if not self._packed and any(p is not None for p in packed):
+            raise ValueError(
+                "a matvec group's weights are all packed or none (each layout has its own kernel)"
+            )
         n = len(views)
         self.weights = list(weights)
         self.d = views[0][4]
         self.rows = [v[3] for v in views]
         self._wts = (ctypes.c_int * n)(*[_WT[v[0]] for v in views])
-        self._ptrs = (ctypes.c_void_p * n)(*[v[1].data_ptr() for v in views])
+        data = packed if self._packed else [v[1] for v in views]
+        self._ptrs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in data])
         self._strides = (ctypes.c_int64 * n)(*[v[2] for v in views])
         self._fs = (ctypes.c_int64 * n)(*self.rows)
         self._out_ptrs = ctypes.c_void_p * n
@@ -358,10 +364,15 @@ class MatvecGroup:
             return [o[0] for o in outs] if one else outs
         outs = [torch.empty(t, f, dtype=torch.float32) for f in self.rows]
         out_ptrs = self._out_ptrs(*[o.data_ptr() for o in outs])  # per call: two threads may share a model
-        weights = (len(outs), self._wts, self._ptrs, self._strides, self._fs, self.d)
-        rc = lib.hc_matvec_multi(*weights, x2.data_ptr(), t, ptr(norm_w), eps, out_ptrs, nthreads(threads))
-        if rc != 0:
-            raise MemoryError("hc_matvec_multi failed")
+        if self._packed:
+            fn, weights = lib.hc_packed_matvec_multi, (len(outs), self._wts, self._ptrs, self._fs, self.d)
+        else:
+            fn, weights = (
+                lib.hc_matvec_multi,
+                (len(outs), self._wts, self._ptrs, self._strides, self._fs, self.d),
+            )
+        if fn(*weights, x2.data_ptr(), t, ptr(norm_w), eps, out_ptrs, nthreads(threads)) != 0:
+            raise MemoryError(f"{fn.__name__} failed")
         return [o[0] for o in outs] if one else outs
 
 
