@@ -140,6 +140,52 @@ def rank32_sparse_gguf(tmp_path_factory, spm_model_file):
     return convert(folder / "hf", folder / "pred", folder / "m.powerinfer.gguf", outtype="f32")
 
 
+@pytest.mark.parametrize("predictor_type", ["q8_0", "q4_0"])
+def test_predictor_type(tmp_path, rank32_sparse_gguf, predictor_type, capsys):
+    """--predictor-type quantizes fc1 / fc2 (as the original's quantize does); the predictor then selects
+    the neurons its dequantized F32 twin selects, up to the int8 activations of the integer kernels."""
+    out = tmp_path / f"m.{predictor_type}.gguf"
+    argv = ["quantize", str(rank32_sparse_gguf), str(out), "q8_0", "--predictor-type", predictor_type]
+    assert main(argv) == 0
+    mf = ModelFile(out)
+    assert mf.is_sparse
+    for name in ("blk.0.fc1.weight", "blk.1.fc2.weight"):
+        assert mf.entry(name).qtype == Q[predictor_type.upper()]
+    assert mf.entry("blk.0.ffn_down_t.weight").qtype == Q.Q8_0
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+    twin = hotcold.load(dequantized_copy(out, tmp_path / "twin.gguf"), device="cpu")
+    llm = hotcold.load(out, device="cpu")
+    for layer in range(2):
+        got = llm.loaded.model.layers[layer].ffn.predictor(x)
+        want = twin.loaded.model.layers[layer].ffn.predictor(x)
+        assert got.shape == want.shape == (5, 1280)
+        assert 0.05 < want.float().mean() < 0.95  # a real selection, not all or nothing
+        assert (got != want).float().mean() < 0.02  # only logits within rounding of the threshold flip
+    assert isinstance(llm.generate("Line 1", max_tokens=4, ignore_eos=True), str)
+    # refused, one line each: a mixture name, and a dense file (nothing to quantize)
+    assert (
+        main(
+            [
+                "quantize",
+                str(rank32_sparse_gguf),
+                str(tmp_path / "a.gguf"),
+                "q8_0",
+                "--predictor-type",
+                "q4_k_m",
+            ]
+        )
+        == 1
+    )
+    assert "predictor type 'q4_k_m'" in capsys.readouterr().err
+
+
+def test_predictor_type_needs_a_powerinfer_file(tmp_path, tiny_dense_gguf, capsys):
+    argv = ["quantize", str(tiny_dense_gguf), str(tmp_path / "b.gguf"), "q8_0", "--predictor-type", "q8_0"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "has no predictors" in err and "Traceback" not in err and not (tmp_path / "b.gguf").exists()
+
+
 @pytest.mark.parametrize("matrix_type, predictor_type", [(Q.F16, Q.F16), (Q.Q4_0, Q.Q4_0), (Q.Q8_0, Q.Q5_0)])
 def test_runs_files_laid_out_like_powerinfer(tmp_path, rank32_sparse_gguf, matrix_type, predictor_type):
     tiny_sparse_gguf = rank32_sparse_gguf

@@ -53,6 +53,8 @@ FTYPES: dict[str, tuple[LlamaFileType, Q]] = {
     "q6_k": (F.MOSTLY_Q6_K, Q.Q6_K),
 }
 ALIASES = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}  # as llama-quantize reads them
+# types a PowerInfer file's predictors may be given (one type each, no mixture)
+PREDICTOR_TYPES = ("f32", "f16", "bf16", "q8_0", "q6_k", "q5_1", "q5_0", "q4_1", "q4_0")
 # a row length the target's block does not divide (llama.cpp's tensor_type_fallback); then F16
 _FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
@@ -200,10 +202,12 @@ def _llama_order(name: str) -> tuple[int, str]:
     return (-1 if block is None else block, name)
 
 
-def tensor_types(mf: ModelFile, outtype: str) -> dict[str, Q]:
-    """The type every tensor of `mf` gets for `outtype` (a FTYPES key or alias), in file order."""
+def tensor_types(mf: ModelFile, outtype: str, predictor_type: str | None = None) -> dict[str, Q]:
+    """The type every tensor of `mf` gets for `outtype` (a FTYPES key or alias), in file order.
+    predictor_type (a single-type FTYPES key: f16, q8_0, q4_0, ...) overrides the predictors' rule."""
     ftype = ftype_of(outtype)
     default = FTYPES[ftype][1]
+    pred_type = None if predictor_type is None else FTYPES[_single_type(predictor_type)][1]
     facts = ModelFacts.of(mf)
     entries = sorted(mf.tensors.values(), key=lambda e: _llama_order(e.name))
     tied = "output.weight" not in mf.tensors
@@ -214,6 +218,9 @@ def tensor_types(mf: ModelFile, outtype: str) -> dict[str, Q]:
         predictor = names.template_of(e.name, names.PREDICTOR_MATRICES) is not None
         if e.qtype in (Q.I8, Q.I16, Q.I32) or not _allows_quantization(e.name, e.shape):
             out[e.name] = e.qtype
+            continue
+        if predictor and pred_type is not None:
+            out[e.name] = _fallback(pred_type, e.shape[-1])
             continue
         if predictor and quants.is_quantized(default):
             out[e.name] = Q.F16 if e.qtype == Q.F32 else e.qtype
@@ -258,14 +265,34 @@ def _encode(src: Path, entry: TensorEntry, qtype: Q) -> np.ndarray:
         raise ValueError(f"{src}: tensor {entry.name}: {exc}") from exc
 
 
+def _single_type(name: str) -> str:
+    """A predictor type: one of FTYPES' single-type names (no *_M / *_S mixture), ValueError otherwise."""
+    key = ftype_of(name)
+    if key not in PREDICTOR_TYPES:
+        raise ValueError(f"predictor type {name!r}: expected one of {', '.join(PREDICTOR_TYPES)}")
+    return key
+
+
 def quantize_file(
-    src: str | os.PathLike[str], dst: str | os.PathLike[str], outtype: str, *, progress: bool = False
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    outtype: str,
+    *,
+    predictor_type: str | None = None,
+    progress: bool = False,
 ) -> Path:
+    """Requantize src to dst (see the module doc). predictor_type: the type of a PowerInfer file's
+    predictors (default: kept, F32 ones as F16, for block targets); the original's `quantize` makes
+    them Q4_0 for a Q4_0 file and Q5_0 otherwise: cheaper to evaluate, a little less exact."""
     ftype = ftype_of(outtype)
     src, dst = Path(src), Path(dst)
+    if predictor_type is not None:
+        _single_type(predictor_type)
     check_output(dst, [src], what="quantize: output")
     mf = ModelFile(src)
-    types = tensor_types(mf, ftype)
+    if predictor_type is not None and not mf.is_sparse:
+        raise ValueError(f"{src}: --predictor-type: the file has no predictors (not a PowerInfer file)")
+    types = tensor_types(mf, ftype, predictor_type)
     specs = []
     for entry in mf.tensors.values():
         qtype = types[entry.name]
