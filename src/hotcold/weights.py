@@ -92,8 +92,10 @@ class TensorSource:
         fc1_name = names.tensor(names.PRED_FC1, layer, expert=expert)
         rank = self.file.entry(fc1_name).shape[0]
         device = self.plan.predictor[layer]
-        fc1 = place(self.raw(names.PRED_FC1, layer, (rank, c.n_embd), expert=expert), device)
-        fc2 = place(self.raw(names.PRED_FC2, layer, (c.n_ff, rank), expert=expert), device)
+        # only ever multiplied whole: quantized predictors (the original's quantize makes them Q4_0) get the
+        # packed layout's kernel, 2-3x the row kernel's speed on their short rows
+        fc1 = cpu.pack(place(self.raw(names.PRED_FC1, layer, (rank, c.n_embd), expert=expert), device))
+        fc2 = cpu.pack(place(self.raw(names.PRED_FC2, layer, (c.n_ff, rank), expert=expert), device))
         return Predictor(fc1, fc2, c.sparse_threshold)
 
     def token_embd(self) -> Weight:

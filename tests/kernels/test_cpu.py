@@ -476,6 +476,24 @@ def test_sparse_ffn_plan_equals_op_by_op(backend, kind, t):
     assert torch.equal(out2, ffn_steps(up, gate, down_t, kind, bias, x, given))
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_sparse_ffn_plan_with_packed_predictor(backend, t):
+    """Q4_0 predictors (the original's quantize writes them) are packed at load; the plan then runs them
+    through the packed GEMV, so its mask is the one `matmul` (what Predictor calls) gives, bit for bit."""
+    gen = torch.Generator().manual_seed(16)
+    f, d, r = 300, D_QUANT, 64
+    up, gate, down_t = (torch.randn(f, d, generator=gen).half() for _ in range(3))
+    fc1 = cpu.pack(QuantTensor.from_float(torch.randn(r, d, generator=gen), Q.Q4_0))
+    fc2 = cpu.pack(QuantTensor.from_float(torch.randn(f, r, generator=gen), Q.Q4_0))
+    assert (fc1.packed is not None) == (backend == "c")
+    x = torch.randn(t, d, generator=gen)
+    plan = cpu.SparseFFNPlan(up, gate, down_t, fc1=fc1, fc2=fc2, threshold=0.5)
+    out, mask, fired = plan(x, x, threads=2)
+    want_mask = cpu.matmul(fc2, torch.relu(cpu.matmul(fc1, x))) >= 0.5
+    assert torch.equal(mask, want_mask) and 0 < fired < t * f
+    assert torch.equal(out, ffn_steps(up, gate, down_t, "gated", None, x, mask))
+
+
 def test_sparse_ffn_plan_rejects_what_it_cannot_take(backend):
     w = torch.randn(64, 32).half()
     with pytest.raises(ValueError, match="needs a gate"):

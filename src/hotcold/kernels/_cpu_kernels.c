@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 14
+#define HC_ABI_VERSION 15
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -2179,7 +2179,15 @@ typedef struct {
     int wt;
     const uint8_t *data; /* row i at data + i * stride */
     int64_t stride, rows, cols;
+    const uint8_t *packed; /* the packed GEMV copy (hc_pack) or NULL */
 } hc_weight;
+
+/* out [T, rows] = x @ W.T over every row: the packed GEMV where W has a packed copy (the predictor's
+ * matrices, always multiplied whole), else the row kernel; each as a matmul call would choose. */
+static int weight_matvec(const hc_weight *w, const float *x, int64_t T, float *out, int nth) {
+    if (w->packed) return hc_packed_matvec(w->wt, w->packed, w->rows, w->cols, x, T, out, nth);
+    return hc_gather_matvec(w->wt, w->data, w->stride, w->rows, w->cols, x, T, NULL, out, nth);
+}
 
 enum { KIND_GATED = 0, KIND_GATED_BOTH = 1, KIND_PLAIN = 2 };
 
@@ -2206,10 +2214,10 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
     if (fc1) {
         const int64_t R = fc1->rows;
         float *h = (float *)malloc(sizeof(float) * (size_t)(T * R));
-        int rc = h ? hc_gather_matvec(fc1->wt, fc1->data, fc1->stride, R, D, p, T, NULL, h, nth) : -1;
+        int rc = h ? weight_matvec(fc1, p, T, h, nth) : -1;
         if (rc == 0) {
             for (int64_t j = 0; j < T * R; j++) h[j] = relu1(h[j]);
-            rc = hc_gather_matvec(fc2->wt, fc2->data, fc2->stride, F, R, h, T, NULL, u, nth); /* logits */
+            rc = weight_matvec(fc2, h, T, u, nth); /* logits */
         }
         free(h);
         if (rc != 0) {

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-ABI_VERSION = 14  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
+ABI_VERSION = 15  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -56,7 +56,8 @@ _loaded = False
 
 
 class HCWeight(ctypes.Structure):
-    """hc_weight in _cpu_kernels.c: one [rows, cols] matrix, row i at data + i * stride bytes."""
+    """hc_weight in _cpu_kernels.c: one [rows, cols] matrix, row i at data + i * stride bytes; packed:
+    its copy in the packed GEMV layout (kernels/cpu.pack) or NULL."""
 
     _fields_ = [
         ("wt", ctypes.c_int),
@@ -64,6 +65,7 @@ class HCWeight(ctypes.Structure):
         ("stride", ctypes.c_int64),
         ("rows", ctypes.c_int64),
         ("cols", ctypes.c_int64),
+        ("packed", ctypes.c_void_p),
     ]
 
 
@@ -266,7 +268,8 @@ def hc_weight(weight: torch.Tensor | QuantTensor | None) -> HCWeight | None:
     if weight is None:
         return None
     qtype, data, stride, f, d = weight_view(weight)
-    return HCWeight(WT[qtype], data.data_ptr(), stride, f, d)
+    packed = getattr(weight, "packed", None)
+    return HCWeight(WT[qtype], data.data_ptr(), stride, f, d, None if packed is None else packed.data_ptr())
 
 
 def as_tokens(x: torch.Tensor, n: int, what: str) -> tuple[torch.Tensor, bool]:
