@@ -105,3 +105,30 @@ def test_replica_options_reserve_the_threads_and_scale_between_the_counts():
         ray_serve.replica_options(config, replicas=0)
     with pytest.raises(ValueError, match="unknown replica settings"):
         ray_serve.ReplicaConfig.from_dict({"modle": "x.gguf"})
+
+
+def test_replica_loads_with_the_serve_flags(monkeypatch):
+    """A replica loads its model with every model flag `hotcold serve` takes (--sparsity included)."""
+    import hotcold
+
+    seen = {}
+
+    class Loaded(Exception):
+        pass
+
+    def fake_load(path, **kwargs):
+        seen.update(kwargs, path=path)
+        raise Loaded
+
+    monkeypatch.setattr(hotcold, "load", fake_load)
+    with pytest.raises(Loaded):
+        ray_serve.HotcoldReplica({"model": "m.gguf", "threads": 2, "sparsity": 0.4, "dense": False})
+    assert seen == {
+        "path": "m.gguf",
+        "threads": 2,
+        "ctx_size": None,
+        "device": "auto",
+        "dense": False,
+        "vram_budget": None,
+        "sparsity": 0.4,
+    }

@@ -174,6 +174,7 @@ def _run_ray(args) -> int:
         device=args.device,
         dense=args.dense,
         vram_budget=args.vram_budget,
+        sparsity=args.sparsity,
         parallel=args.parallel,
         api_key=args.api_key or None,
         max_tokens=args.max_tokens,

@@ -35,6 +35,7 @@ class ReplicaConfig:
     device: str = "auto"
     dense: bool = False
     vram_budget: float | None = None
+    sparsity: float | None = None  # `hotcold sparsify` files: share of FFN neurons skipped (None: the file's)
     parallel: int = 1
     api_key: str | None = None
     max_tokens: int | None = None
@@ -67,6 +68,7 @@ class HotcoldReplica:
             device=c.device,
             dense=c.dense,
             vram_budget=c.vram_budget,
+            sparsity=c.sparsity,
         )
         limits = Limits(max_body_bytes=c.max_body_kib * 1024, max_tokens=c.max_tokens, max_queue=c.max_queue)
         # Ray's proxy gives every request an id (the client's X-Request-Id if sent), passes it in the request
