@@ -54,8 +54,9 @@ def test_quantized_sparse_model_runs_close_to_f32(tmp_path, tiny_sparse_gguf, ou
     assert mf.is_sparse  # the PWRI magic survives, as with PowerInfer's quantize
     assert mf.entry("blk.0.ffn_down_t.weight").qtype == Q[outtype.upper()]
     quantized = outtype in ("q8_0", "q4_0")
-    # predictors keep their type for a block target (F32 ones become F16); float targets convert them
-    assert mf.entry("blk.0.fc1.weight").qtype == (Q.F16 if quantized else Q[outtype.upper()])
+    # float predictors become Q8_0 for a block target where 32 divides their rows (fc1: n_embd 64), else F16
+    # (fc2: rank 16); float targets convert them
+    assert mf.entry("blk.0.fc1.weight").qtype == (Q.Q8_0 if quantized else Q[outtype.upper()])
     assert mf.entry("blk.0.fc2.weight").qtype == (Q.F16 if quantized else Q[outtype.upper()])
     # llama.cpp's output rule: Q6_K for a block target, Q8_0 where 256 does not divide the row (64 here)
     assert mf.entry("output.weight").qtype == (Q.Q8_0 if quantized else Q[outtype.upper()])
@@ -179,6 +180,20 @@ def test_predictor_type(tmp_path, rank32_sparse_gguf, predictor_type, capsys):
     assert "predictor type 'q4_k_m'" in capsys.readouterr().err
 
 
+def test_default_predictor_types(tmp_path, tiny_sparse_gguf, rank32_sparse_gguf):
+    """Block targets: float predictors -> Q8_0 where 32 divides the row (else F16), block ones stay; "keep"
+    is the old rule (own type, F32 as F16); float targets convert them."""
+    mf = ModelFile(tiny_sparse_gguf)  # F32 predictors, fc1 rows of 64, fc2 rows of 16 (rank)
+    default, keep = tensor_types(mf, "q4_0"), tensor_types(mf, "q4_0", "keep")
+    assert (default["blk.0.fc1.weight"], default["blk.0.fc2.weight"]) == (Q.Q8_0, Q.F16)
+    assert keep["blk.0.fc1.weight"] == keep["blk.0.fc2.weight"] == Q.F16
+    assert tensor_types(mf, "bf16")["blk.1.fc1.weight"] == Q.BF16
+    q4_preds = powerinfer_layout(
+        ModelFile(rank32_sparse_gguf), tmp_path / "pi.gguf", matrix_type=Q.F16, predictor_type=Q.Q4_0
+    )
+    assert tensor_types(ModelFile(q4_preds), "q4_k_m")["blk.1.fc2.weight"] == Q.Q4_0
+
+
 def test_predictor_type_needs_a_powerinfer_file(tmp_path, tiny_dense_gguf, capsys):
     argv = ["quantize", str(tiny_dense_gguf), str(tmp_path / "b.gguf"), "q8_0", "--predictor-type", "q8_0"]
     assert main(argv) == 1
@@ -267,7 +282,7 @@ def wide(tmp_path_factory, spm_model_file):
 
 def expected_q4_k_m(name: str) -> Q:
     """llama.cpp's Q4_K_M for this model, written out: output Q6_K, attn_v and ffn_down (ffn_down_t
-    too) Q6_K in the use_more_bits layers, predictors F16, norms F32, the rest Q4_K."""
+    too) Q6_K in the use_more_bits layers, predictors Q8_0 (hotcold's rule), norms F32, the rest Q4_K."""
     if name.endswith("norm.weight"):
         return Q.F32
     if name == "output.weight":
@@ -275,7 +290,7 @@ def expected_q4_k_m(name: str) -> Q:
     if (".attn_v." in name or ".ffn_down" in name) and names.block_of(name) in MORE_BITS:
         return Q.Q6_K
     if ".fc1." in name or ".fc2." in name:
-        return Q.F16
+        return Q.Q8_0
     return Q.Q4_K
 
 

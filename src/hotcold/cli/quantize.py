@@ -17,9 +17,9 @@ def add_args(p) -> None:
     p.add_argument(
         "--predictor-type",
         metavar="TYPE",
-        help="type of a PowerInfer file's predictors (fc1, fc2): f16, bf16, f32, q8_0, q6_k, q5_1, q5_0, q4_1 "
-        "or q4_0 (default: kept, F32 ones as F16; the original's quantize makes them q4_0 / q5_0). Quantized "
-        "predictors are read faster and select a few neurons differently: check with hotcold perplexity",
+        help="type of a PowerInfer file's predictors (fc1, fc2): keep (their own, F32 as F16), f16, bf16, "
+        "f32, q8_0, q6_k, q5_1, q5_0, q4_1 or q4_0 (default: q8_0 for a block-format target, which selects "
+        "as F16 does; the original's quantize makes them q4_0 / q5_0, faster, a few points less recall)",
     )
 
 
