@@ -554,10 +554,10 @@ def test_dequantize_rows_bad_inputs(backend):
         cpu.dequantize_rows(qt, out=torch.empty(10, 32))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k", "q6_k"])
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_packed_matmul(backend, fmt, t):
-    """Q4_0, Q4_K and Q6_K repacked for whole-matrix products (rows in groups of 8; 1001 rows: a padded last group):
+    """Q4_0, Q8_0, Q4_K and Q6_K repacked for whole-matrix products (rows in groups of 8; 1001 rows: a padded last group):
     the dot with the quantized x to fp32 rounding, bit-identical for any thread count and for a batch
     against token by token; the row kernel's answer to a few ulps."""
     gen = torch.Generator().manual_seed(21)
@@ -569,7 +569,12 @@ def test_packed_matmul(backend, fmt, t):
     if backend == "torch":  # no C kernels: nothing to pack for
         assert p is w
         return
-    per_group = {"q4_0": d // 32 * 144, "q4_k": d // 256 * (32 + 8 * 144), "q6_k": d // 256 * 8 * 210}[fmt]
+    per_group = {
+        "q4_0": d // 32 * 144,
+        "q8_0": d // 32 * 272,
+        "q4_k": d // 256 * (32 + 8 * 144),
+        "q6_k": d // 256 * 8 * 210,
+    }[fmt]
     assert p.packed is not None and p.packed.numel() == (F + 7) // 8 * per_group
     assert torch.equal(p.data, w.data) and p == w  # the rows themselves are untouched
     x = torch.randn(t, d, generator=gen)
@@ -581,7 +586,8 @@ def test_packed_matmul(backend, fmt, t):
     torch.testing.assert_close(out[1], cpu.matmul(w, x), rtol=0, atol=1e-5 * out[1].abs().max().item())
     assert p.select_rows(torch.tensor([0, 5])).packed is None and p.to("cpu").packed is None
     # a group of packed matrices (q, k, v) is one C call with the bits of separate calls, norm included
-    other = {"q4_0": "q4_0", "q4_k": "q6_k", "q6_k": "q4_k"}[fmt]  # as wide; 36 rows: a short last group
+    # another packed type as wide; 36 rows: a short last group
+    other = {"q4_0": "q8_0", "q8_0": "q4_0", "q4_k": "q6_k", "q6_k": "q4_k"}[fmt]
     p2 = cpu.pack(make_weight(other, 36, gen)[0])
     norm = (torch.rand(d, generator=gen) + 0.5, 1e-5)
     h = cpu.rms_norm(x, *norm)
@@ -595,7 +601,7 @@ def test_packed_matmul(backend, fmt, t):
 
 def test_pack_leaves_other_weights_alone(backend):
     gen = torch.Generator().manual_seed(22)
-    for fmt in ("f16", "q8_0", "q5_k"):
+    for fmt in ("f16", "q5_0", "q5_k"):
         w, _ = make_weight(fmt, 64, gen)
         assert cpu.pack(w) is w
 

@@ -1844,15 +1844,19 @@ int hc_dequantize(int wt, const uint8_t *W, int64_t stride, const int32_t *rows,
  * exactly the file's 8 * 210 bytes. */
 #define PK_Q6_K_CHUNK (16 + 128 + 64)
 #define PK_Q6_K_SUPER (16 + 8 * PK_Q6_K_CHUNK)
+/* Q8_0: per chunk the 8 rows' scales (fp16), then the values in groups of 4: byte 32k + 4r + j is value
+ * 4k + j of row r (k = 0..7): exactly the file's 8 * 34 bytes. */
+#define PK_Q8_0_CHUNK (16 + 256)
 
 HC_INLINE int packable(int wt, int64_t D) {
-    return (wt == WT_Q4_0 && D % 32 == 0) || ((wt == WT_Q4_K || wt == WT_Q6_K) && D % 256 == 0);
+    return ((wt == WT_Q4_0 || wt == WT_Q8_0) && D % 32 == 0) || ((wt == WT_Q4_K || wt == WT_Q6_K) && D % 256 == 0);
 }
 
 int64_t hc_packed_nbytes(int wt, int64_t F, int64_t D) {
     if (!packable(wt, D)) return -1;
     const int64_t ng = (F + PK_ROWS - 1) / PK_ROWS;
     return wt == WT_Q4_0   ? ng * (D / 32) * PK_Q4_0_CHUNK
+           : wt == WT_Q8_0 ? ng * (D / 32) * PK_Q8_0_CHUNK
            : wt == WT_Q4_K ? ng * (D / 256) * PK_Q4_K_SUPER
                            : ng * (D / 256) * PK_Q6_K_SUPER;
 }
@@ -1877,6 +1881,15 @@ int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint
     for (int64_t g = 0; g < ng; g++) {
         const int nr = F - g * PK_ROWS < PK_ROWS ? (int)(F - g * PK_ROWS) : PK_ROWS;
         for (int64_t c = 0; c < nc; c++) {
+            if (wt == WT_Q8_0) {
+                uint8_t *dst = P + (g * nc + c) * PK_Q8_0_CHUNK;
+                for (int r = 0; r < nr; r++) {
+                    const uint8_t *b = W + (g * PK_ROWS + r) * stride + c * 34;
+                    memcpy(dst + 2 * r, b, 2);
+                    for (int k = 0; k < 8; k++) memcpy(dst + 16 + 32 * k + 4 * r, b + 2 + 4 * k, 4);
+                }
+                continue;
+            }
             uint8_t u[PK_ROWS][32] = {{0}};
             uint8_t *dst;
             if (wt == WT_Q4_0) {
@@ -1986,6 +1999,43 @@ HC_INLINE void packed_group_q4_0(const uint8_t *Pg, const hc_xq *x, int64_t nc, 
 #endif
 }
 
+/* out[8] = the 8 rows of a Q8_0 group (Pg: its chunks) with one token: per chunk the exact integer sum,
+ * then (float)sum * (d * dx) accumulated, as for Q4_0. */
+HC_INLINE void packed_group_q8_0(const uint8_t *Pg, const hc_xq *x, int64_t nc, float *out8) {
+#if HC_QSIMD
+    __m256 acc = _mm256_setzero_ps();
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *b = Pg + c * PK_Q8_0_CHUNK;
+        const int8_t *xc = x->q + 32 * c;
+        __m256i i32 = _mm256_setzero_si256();
+        for (int k = 0; k < 8; k++) {
+            /* signed x signed through maddubs: |w| (unsigned) times x with w's sign; |w x + w x| <= 32512 */
+            const __m256i w = ld256(b + 16 + 32 * k);
+            int32_t xk;
+            memcpy(&xk, xc + 4 * k, 4);
+            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(xk), w));
+            i32 = _mm256_add_epi32(i32, _mm256_madd_epi16(p, ones));
+        }
+        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), _mm256_set1_ps(x->d[c]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), d, acc);
+    }
+    _mm256_storeu_ps(out8, acc);
+#else
+    float acc[PK_ROWS] = {0};
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *b = Pg + c * PK_Q8_0_CHUNK;
+        const int8_t *xc = x->q + 32 * c;
+        for (int r = 0; r < PK_ROWS; r++) {
+            int32_t s = 0;
+            for (int k = 0; k < 8; k++)
+                for (int j = 0; j < 4; j++) s += (int32_t)(int8_t)b[16 + 32 * k + 4 * r + j] * xc[4 * k + j];
+            acc[r] = fmaf((float)s, h2f(rd16(b + 2 * r)) * x->d[c], acc[r]);
+        }
+    }
+    memcpy(out8, acc, sizeof acc);
+#endif
+}
 #if HC_QSIMD
 HC_INLINE __m256 cvt8_u8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
@@ -2150,6 +2200,7 @@ int hc_packed_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ps, c
                     float o[PK_ROWS];
                     const uint8_t *Pg = Ps[m] + g * gbytes[m];
                     if (wt == WT_Q4_0) packed_group_q4_0(Pg, xq.tok + t, nc, o);
+                    else if (wt == WT_Q8_0) packed_group_q8_0(Pg, xq.tok + t, nc, o);
                     else if (wt == WT_Q4_K) packed_group_q4_k(Pg, xq.tok + t, nc, o);
                     else packed_group_q6_k(Pg, xq.tok + t, nc, o);
                     const int64_t n = F - g * PK_ROWS < PK_ROWS ? F - g * PK_ROWS : PK_ROWS;
