@@ -137,3 +137,37 @@ def test_ffn_norm_inside_the_call_equals_norm_first(t):
     assert torch.equal(with_norm, norm_first)
     unfused = SparseFFN(w, lambda q: pred(q), layer=0, norm=norm)(x, ffn_state())  # norm in torch first
     assert torch.equal(with_norm, unfused)
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q4_0"])
+def test_decode_tail_equals_the_layer_ops(tmp_path, tiny_sparse_gguf, outtype, monkeypatch):
+    """The llama layer after attention (o projection, residual, the fused sparse FFN with its norm,
+    residual) as one C call gives the bits of the ops one by one: prompt logits, greedy tokens and the
+    firing counts the timings report."""
+    import hotcold
+    from hotcold.convert.quantize import quantize_file
+
+    path = quantize_file(tiny_sparse_gguf, tmp_path / f"m.{outtype}.gguf", outtype)  # predictors in C types
+    ids = [1, 7, 42, 99, 3, 250, 17, 8]
+
+    def run():
+        llm = hotcold.load(path, device="cpu", threads=2)
+        logits = llm.logits(ids)
+        out = llm.generate("Line 1", max_tokens=6, temperature=0.0, ignore_eos=True)
+        return logits, out, llm.engine.seq.neuron_totals()
+
+    tails = []
+    real = cpu.SparseFFNPlan.tail
+
+    def counted(self, *a, **k):
+        got = real(self, *a, **k)
+        tails.append(got is not None)
+        return got
+
+    monkeypatch.setattr(cpu.SparseFFNPlan, "tail", counted)
+    fused = run()
+    assert len(tails) > 10 and all(tails)  # the fused call ran and took every layer, prefill and decode
+    monkeypatch.setattr(SparseFFN, "decode_tail", lambda self, *a: None)
+    ops = run()
+    assert torch.equal(fused[0], ops[0])
+    assert fused[1] == ops[1] and fused[2] == ops[2]

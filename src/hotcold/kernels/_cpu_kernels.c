@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 15
+#define HC_ABI_VERSION 16
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -2308,6 +2308,30 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
     if (live && live != mask) free(live);
     free(buf);
     return rc == 0 ? fired : -1;
+}
+
+/* The rest of a decode layer after attention, for T tokens (rows of x): y1 = x + attn @ wo.T (the
+ * residual after attention, also the predictor's input), then y2 = y1 + hc_sparse_ffn(y1, p = y1, the
+ * RMS norm folded): two float adds and the same calls as op by op, so the same bits, without the
+ * interpreter between them. y1, y2 [T, D]; mask [T, F]. Returns hc_sparse_ffn's firing count, or -1
+ * if memory ran out. */
+int64_t hc_decode_tail(const hc_weight *wo, const float *attn, const float *x, const hc_weight *fc1,
+                       const hc_weight *fc2, float thr, const hc_weight *up, const hc_weight *gate,
+                       const hc_weight *down_t, const float *up_bias, int kind, int64_t T, const float *norm_w,
+                       float eps, uint8_t *mask, float *y1, float *y2, int nth) {
+    const int64_t D = wo->rows;
+    float *o = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
+    if (!o || weight_matvec(wo, attn, T, o, nth) != 0) {
+        free(o);
+        return -1;
+    }
+    for (int64_t j = 0; j < T * D; j++) y1[j] = x[j] + o[j];
+    const int64_t fired =
+        hc_sparse_ffn(fc1, fc2, thr, y1, up, gate, down_t, up_bias, kind, T, y1, norm_w, eps, mask, o, nth);
+    if (fired >= 0)
+        for (int64_t j = 0; j < T * D; j++) y2[j] = y1[j] + o[j];
+    free(o);
+    return fired;
 }
 
 /* ------------------------------------------------------------------------------------------------

@@ -27,7 +27,6 @@ from hotcold.kernels.build import (
     as_mask,
     as_tokens,
     backend,
-    f32_contiguous,
     hc_weight,
     nthreads,
     ptr,
@@ -40,6 +39,7 @@ from hotcold.kernels.decode_glue import (  # re-exported: the ops' home
     attention_decode_rows,
     rms_norm,
 )
+from hotcold.kernels.dequant import dense_rows, dequantize_rows  # dequantize_rows re-exported
 from hotcold.kernels.pages import page_out as _page_out
 from hotcold.kernels.pages import prefetch_pages
 from hotcold.quants import QuantTensor
@@ -66,14 +66,6 @@ Weight = torch.Tensor | QuantTensor
 
 # T at or above which matmul dequantizes blocks of rows and hands them to torch's GEMM.
 GEMM_MIN_TOKENS = 48
-
-
-def _dense_rows(weight: Weight, idx: torch.Tensor | None) -> torch.Tensor:
-    """float32 rows of a weight (all rows when idx is None): the torch fallback's copy."""
-    if isinstance(weight, QuantTensor):
-        return weight.dequantize(idx)
-    w = weight if idx is None else weight.index_select(0, idx)
-    return w.to(torch.float32)
 
 
 def _run_row_kernel(fn, qtype, data, stride: int, f: int, d: int, inp, mask, out, threads) -> None:
@@ -123,11 +115,11 @@ def _row_op(axpy: bool, weight: Weight, inp: torch.Tensor, rows, threads) -> tor
 
 def _torch_gather(weight: Weight, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is None:
-        return x @ _dense_rows(weight, None).T
+        return x @ dense_rows(weight, None).T
     idx = mask.any(0).nonzero().squeeze(1)
     out = torch.zeros(x.shape[0], mask.shape[1], dtype=torch.float32)
     if idx.numel():
-        part = x @ _dense_rows(weight, idx).T  # [T, n]
+        part = x @ dense_rows(weight, idx).T  # [T, n]
         out[:, idx] = torch.where(mask[:, idx], part, torch.zeros(()))
     return out
 
@@ -140,7 +132,7 @@ def _torch_axpy(weight_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) ->
     out = torch.zeros(a.shape[0], weight_t.shape[1], dtype=torch.float32)
     if idx.numel():
         coef = torch.where(active[:, idx], a[:, idx], torch.zeros(()))  # [T, n]
-        out += coef @ _dense_rows(weight_t, idx)
+        out += coef @ dense_rows(weight_t, idx)
     return out
 
 
@@ -277,6 +269,46 @@ class SparseFFNPlan:
             raise MemoryError("hc_sparse_ffn: out of memory")
         return out, mask, int(fired)
 
+    def tail(
+        self,
+        wo: Weight,
+        attn: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        norm: tuple[torch.Tensor, float],
+        threads=None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """The rest of a decode layer after attention in one C call: y1 = x + matmul(wo, attn) (the residual,
+        also the predictor's input), y2 = y1 + this plan on y1 with the RMS norm folded -> (y1, y2, mask,
+        firing count); the same bits as those calls and adds one by one. None without the C kernels or for
+        a wo that `matmul` would hand to torch (float32)."""
+        lib = build.get_lib()
+        if lib is None or self.fc1 is None or not isinstance(wo, QuantTensor | torch.Tensor):
+            return None
+        if isinstance(wo, torch.Tensor) and (wo.dtype == torch.float32 or not wo.is_cpu):
+            return None
+        if getattr(self, "_wo", None) is not wo:  # one layer's wo: its struct built once
+            self._wo, self._wo_struct = wo, hc_weight(wo)
+        if self._wo_struct.rows != self.d:
+            raise ValueError(f"wo has {self._wo_struct.rows} rows, the FFN takes {self.d}")
+        a2, _ = as_tokens(attn, self._wo_struct.cols, "attn")
+        x2, _ = as_tokens(x, self.d, "x")
+        t = x2.shape[0]
+        if a2.shape[0] != t:
+            raise ValueError(f"attn has {a2.shape[0]} tokens, x has {t}")
+        norm_w, eps = _norm_weight(norm, self.d)
+        y1, y2 = torch.empty(t, self.d, dtype=torch.float32), torch.empty(t, self.d, dtype=torch.float32)
+        mask = torch.empty(t, self.f, dtype=torch.bool)
+        fc1, fc2, up, gate, down_t = self._args
+        ffn = (fc1, fc2, self.threshold, up, gate, down_t, ptr(self.bias), self.kind, t)
+        fired = lib.hc_decode_tail(
+            ctypes.byref(self._wo_struct), a2.data_ptr(), x2.data_ptr(), *ffn, ptr(norm_w), eps,
+            mask.data_ptr(), y1.data_ptr(), y2.data_ptr(), nthreads(threads),
+        )  # fmt: skip
+        if fired < 0:
+            raise MemoryError("hc_decode_tail: out of memory")
+        return y1, y2, mask, int(fired)
+
     def _torch_step(self, x, p, mask, norm_w, eps, threads) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The C step's arithmetic in this module's ops (the torch fallback)."""
         up, gate, down_t, fc1, fc2 = self.weights
@@ -374,47 +406,3 @@ class MatvecGroup:
         if fn(*weights, x2.data_ptr(), t, ptr(norm_w), eps, out_ptrs, nthreads(threads)) != 0:
             raise MemoryError(f"{fn.__name__} failed")
         return [o[0] for o in outs] if one else outs
-
-
-def dequantize_rows(
-    weight: Weight,
-    start: int = 0,
-    stop: int | None = None,
-    *,
-    index: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
-    threads: int | None = None,
-) -> torch.Tensor:
-    """float32 copy [n, D] of rows [start, stop) of a CPU weight (all rows by default), or of the rows in
-    `index` (1-D integer tensor, or bool mask [F]), bit-exact as ggml's dequantization: the fast path for
-    a whole QuantTensor is `dequantize_rows(qt)`. C when loaded, else `QuantTensor.dequantize`."""
-    qtype, data, stride, f, d = weight_view(weight)
-    idx = None
-    if index is not None:
-        if start != 0 or stop is not None:
-            raise ValueError("give either a row range or an index, not both")
-        idx = index.cpu().reshape(-1)
-        if idx.dtype == torch.bool and idx.numel() != f:
-            raise ValueError(f"a bool row mask has {idx.numel()} entries for a weight of {f} rows")
-        idx = idx.nonzero().squeeze(1) if idx.dtype == torch.bool else idx.long()
-        if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < f):
-            raise ValueError(f"row index out of range for a weight of {f} rows")
-        n = idx.numel()
-    else:
-        stop = f if stop is None else stop
-        if not 0 <= start <= stop <= f:
-            raise ValueError(f"rows [{start}, {stop}) are not within the weight's {f} rows")
-        n = stop - start
-    if out is None:
-        out = torch.empty(n, d, dtype=torch.float32)
-    elif out.shape != (n, d) or not f32_contiguous(out):
-        raise ValueError(f"out must be a contiguous float32 CPU tensor of shape [{n}, {d}]")
-    lib = build.get_lib()
-    if lib is None:
-        if idx is None and (start, stop) != (0, f):
-            idx = torch.arange(start, stop)
-        return out.copy_(_dense_rows(weight, idx))
-    base = data.data_ptr() + start * stride if idx is None and n else data.data_ptr()
-    rows = None if idx is None else idx.to(torch.int32).contiguous()
-    lib.hc_dequantize(_WT[qtype], base, stride, ptr(rows), n, d, out.data_ptr(), nthreads(threads))
-    return out

@@ -56,6 +56,11 @@ class Llama:
             attn = rope_attention_segments(
                 ctx, i, q, k, v, self.rope, layer.device, neox=False, sliding_window=c.sliding_window
             )
+            fused = getattr(layer.ffn, "decode_tail", None)  # MoE layers have none
+            tail = fused(attn, x, layer.wo, ctx) if fused is not None else None  # one C call, CPU decode
+            if tail is not None:
+                x = tail
+                continue
             x = x + linear(attn, layer.wo)
             x = x + layer.ffn(x, ctx)
         return self.head(x, ctx, last_only=last_only)

@@ -155,6 +155,10 @@ class FFN:
     def n_ff(self) -> int:
         return self.weights.n_ff
 
+    def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
+        """The rest of the layer after attention in one call, where a subclass has one (else None)."""
+        return None
+
     def _dense(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, up_gate: LinearGroup):
         out, a = dense_step(self.weights, h, up_gate)
         if ctx.observe is not None and self.expert is None:
@@ -240,6 +244,24 @@ class SparseFFN(FFN):
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         return self._apply(h.to(CPU), p, ctx, fuses=self._fuses(h, ctx), norm=None).to(h.device)
+
+    def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
+        """x + o + ffn(x + o) with o = linear(attn, wo), for a few tokens on the CPU, in one C call (the same
+        bits as the layer's ops one by one); None where that call does not apply (the caller runs the ops)."""
+        if (
+            x.device.type != "cpu"
+            or not self._fuses(x, ctx)
+            or self.norm is None
+            or not self.norm.folds_into_c(x)
+            or self.weights.down_bias is not None
+        ):
+            return None
+        got = self.fused_plan.tail(wo, attn, x, norm=self.norm.c_args, threads=self.threads)
+        if got is None:
+            return None
+        y1, y2, mask, fired = got
+        self._record(ctx, y1, mask, fired)
+        return y2
 
     def _apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, *, fuses: bool, norm: Norm | None):
         """h: the FFN input, or with `norm` the residual it is the RMS norm of (folded into the C call);
