@@ -100,6 +100,11 @@ class LinearGroup:
             except ValueError:  # different widths or types without a kernel: one call each
                 pass
 
+    @property
+    def c_group(self) -> cpu.MatvecGroup | None:
+        """The one-call C group (CPU weights of the kernels' types), or None."""
+        return self._group
+
     def __call__(self, x: torch.Tensor, norm: Norm | None = None) -> list[torch.Tensor]:
         if self._group is not None and x.device.type == "cpu" and x.shape[0] < cpu.GEMM_MIN_TOKENS:
             if norm is not None and norm.folds_into_c(x):

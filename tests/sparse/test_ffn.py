@@ -140,14 +140,19 @@ def test_ffn_norm_inside_the_call_equals_norm_first(t):
 
 
 @pytest.mark.parametrize("outtype", ["f16", "q4_0"])
-def test_decode_tail_equals_the_layer_ops(tmp_path, tiny_sparse_gguf, outtype, monkeypatch):
-    """The llama layer after attention (o projection, residual, the fused sparse FFN with its norm,
-    residual) as one C call gives the bits of the ops one by one: prompt logits, greedy tokens and the
-    firing counts the timings report."""
+@pytest.mark.parametrize("sparse", [True, False])
+def test_one_call_decode_halves_equal_the_layer_ops(
+    tmp_path, tiny_sparse_gguf, tiny_dense_gguf, outtype, sparse, monkeypatch
+):
+    """A llama decode layer as two C calls (q/k/v + RoPE attention; o projection, residual, the fused sparse
+    FFN with its norm, residual) gives the bits of the ops one by one: prompt logits, greedy tokens and the
+    firing counts the timings report. Dense files take the first call only."""
     import hotcold
     from hotcold.convert.quantize import quantize_file
+    from hotcold.models import llama
 
-    path = quantize_file(tiny_sparse_gguf, tmp_path / f"m.{outtype}.gguf", outtype)  # predictors in C types
+    src = tiny_sparse_gguf if sparse else tiny_dense_gguf
+    path = quantize_file(src, tmp_path / f"m.{outtype}.gguf", outtype)  # weights in the C kernels' types
     ids = [1, 7, 42, 99, 3, 250, 17, 8]
 
     def run():
@@ -156,18 +161,24 @@ def test_decode_tail_equals_the_layer_ops(tmp_path, tiny_sparse_gguf, outtype, m
         out = llm.generate("Line 1", max_tokens=6, temperature=0.0, ignore_eos=True)
         return logits, out, llm.engine.seq.neuron_totals()
 
-    tails = []
-    real = cpu.SparseFFNPlan.tail
+    calls = {"tail": [], "attend": []}
 
-    def counted(self, *a, **k):
-        got = real(self, *a, **k)
-        tails.append(got is not None)
-        return got
+    def counting(name, real):
+        def wrapped(self, *a, **k):
+            got = real(self, *a, **k)
+            calls[name].append(got is not None)
+            return got
 
-    monkeypatch.setattr(cpu.SparseFFNPlan, "tail", counted)
+        return wrapped
+
+    monkeypatch.setattr(cpu.SparseFFNPlan, "tail", counting("tail", cpu.SparseFFNPlan.tail))
+    monkeypatch.setattr(cpu.MatvecGroup, "attend", counting("attend", cpu.MatvecGroup.attend))
     fused = run()
-    assert len(tails) > 10 and all(tails)  # the fused call ran and took every layer, prefill and decode
+    assert len(calls["attend"]) >= 5 * 2 and all(calls["attend"])  # every decode forward, every layer
+    if sparse:  # prefill and decode, every layer
+        assert len(calls["tail"]) > 10 and all(calls["tail"])
     monkeypatch.setattr(SparseFFN, "decode_tail", lambda self, *a: None)
+    monkeypatch.setattr(llama, "decode_attention", lambda *a, **k: None)
     ops = run()
     assert torch.equal(fused[0], ops[0])
     assert fused[1] == ops[1] and fused[2] == ops[2]

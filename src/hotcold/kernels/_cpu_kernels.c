@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 16
+#define HC_ABI_VERSION 17
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -2332,6 +2332,27 @@ int64_t hc_decode_tail(const hc_weight *wo, const float *attn, const float *x, c
         for (int64_t j = 0; j < T * D; j++) y2[j] = y1[j] + o[j];
     free(o);
     return fired;
+}
+
+int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *const *kcs, float *const *vcs,
+                        const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
+                        const float *sin, int neox, int64_t window, float *out, int nth);
+
+/* The attention half of a decode layer for one token of one sequence: q, k, v = the group's matvecs of
+ * the RMS-normed x (the packed or the row layout: the call LinearGroup makes), then hc_attn_decode_rows of
+ * that one row; qkv [3] are the caller's buffers (q and k are left rotated, as op by op). The same calls,
+ * so the same bits, without the interpreter between them. Returns 0, or -1 (memory, or no packed form). */
+int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int64_t *strides, const int64_t *Fs,
+                   int packed, int64_t D, const float *x, const float *norm_w, float eps, float *const *qkv,
+                   float *kc, float *vc, int64_t pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
+                   const float *sin, int neox, int64_t window, float *out, int nth) {
+    if (nmat != 3) return -1;
+    const int rc = packed ? hc_packed_matvec_multi(3, wts, Ws, Fs, D, x, 1, norm_w, eps, qkv, nth)
+                          : hc_matvec_multi(3, wts, Ws, strides, Fs, D, x, 1, norm_w, eps, qkv, nth);
+    if (rc != 0) return rc;
+    float *kcs[1] = {kc}, *vcs[1] = {vc};
+    return hc_attn_decode_rows(1, qkv[0], qkv[1], qkv[2], kcs, vcs, &pos, H, Hkv, Dh, R, cos, sin, neox, window, out,
+                               nth);
 }
 
 /* ------------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from hotcold.kernels.build import (
     as_mask,
     as_tokens,
     backend,
+    f32_contiguous,
     hc_weight,
     nthreads,
     ptr,
@@ -406,3 +407,39 @@ class MatvecGroup:
         if fn(*weights, x2.data_ptr(), t, ptr(norm_w), eps, out_ptrs, nthreads(threads)) != 0:
             raise MemoryError(f"{fn.__name__} failed")
         return [o[0] for o in outs] if one else outs
+
+    def attend(self, x, norm, k_cache, v_cache, pos: int, cos, sin, *, heads: tuple[int, int, int], neox: bool,
+               window: int, threads=None) -> torch.Tensor | None:  # fmt: skip
+        """This group as a layer's q, k, v for ONE token, then attention_decode over the caches at pos, in
+        one C call: [1, H*Dh] with the bits of the group call and attention_decode one after the other.
+        heads = (H, Hkv, Dh). None where that call does not apply (the caller then makes the two calls)."""
+        lib, (h, hkv, dh) = build.get_lib(), heads
+        if lib is None or self.rows != [h * dh, hkv * dh, hkv * dh] or x.shape != (1, self.d) or h % hkv:
+            return None
+        r = cos.shape[-1] * 2
+        tensors = (x, cos, sin, k_cache, v_cache)
+        if (
+            cos.shape != (1, r // 2)
+            or sin.shape != cos.shape
+            or r > dh
+            or not all(map(f32_contiguous, tensors))
+        ):
+            return None
+        if (
+            k_cache.shape[1:] != (hkv, dh)
+            or v_cache.shape != k_cache.shape
+            or not 0 <= pos < k_cache.shape[0]
+        ):
+            return None
+        norm_w, eps = _norm_weight(norm, self.d)
+        outs = [torch.empty(1, f, dtype=torch.float32) for f in self.rows]
+        out = torch.empty(1, h * dh, dtype=torch.float32)
+        group = (3, self._wts, self._ptrs, self._strides, self._fs, int(self._packed), self.d, x.data_ptr())
+        caches = (self._out_ptrs(*[o.data_ptr() for o in outs]), k_cache.data_ptr(), v_cache.data_ptr(), pos)
+        rope = (h, hkv, dh, r, cos.data_ptr(), sin.data_ptr(), int(neox), window)
+        if (
+            lib.hc_decode_head(*group, ptr(norm_w), eps, *caches, *rope, out.data_ptr(), nthreads(threads))
+            != 0
+        ):
+            raise MemoryError("hc_decode_head failed")
+        return out

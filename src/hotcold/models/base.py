@@ -16,7 +16,16 @@ import torch
 
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan
-from hotcold.ops import Norm, RopeTables, Weight, linear, rope_attention, rope_attention_rows
+from hotcold.ops import (
+    LinearGroup,
+    Norm,
+    RopeTables,
+    Weight,
+    check_context,
+    linear,
+    rope_attention,
+    rope_attention_rows,
+)
 from hotcold.state import Batch, SequenceState
 
 # make_ffn(layer, weights, predictor or None, norm or None, expert=None) -> an FFN: ffn(x, ctx) / ffn.apply(h, p, ctx)
@@ -88,6 +97,30 @@ def rope_attention_segments(
         )
 
     return per_sequence(ctx, attend)
+
+
+def decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm, x: torch.Tensor, rope: RopeTables,
+                     device: torch.device, *, heads: tuple[int, int, int], neox: bool,
+                     sliding_window=None) -> torch.Tensor | None:  # fmt: skip
+    """q, k, v of norm(x) and RoPE attention for one decode token of one sequence on the CPU, as one C call
+    (the bits of LinearGroup then rope_attention_segments); None where it does not apply."""
+    group = qkv.c_group
+    if (
+        group is None
+        or device.type != "cpu"
+        or len(ctx.seqs) != 1
+        or ctx.rows != 1
+        or not norm.folds_into_c(x)
+    ):
+        return None
+    seq, pos = ctx.seqs[0], ctx.starts[0]
+    k_cache, v_cache = seq.kv.k[layer], seq.kv.v[layer]
+    check_context(pos + 1, k_cache.shape[0])
+    cos, sin = rope(pos, 1, device)
+    window = sliding_window if sliding_window and sliding_window > 0 else 0
+    return group.attend(
+        x, norm.c_args, k_cache, v_cache, pos, cos, sin, heads=heads, neox=neox, window=window
+    )
 
 
 def per_sequence(ctx: Batch, attend) -> torch.Tensor:

@@ -14,7 +14,7 @@ import torch
 from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan
-from hotcold.models.base import FFNMaker, Head, new_sequence, rope_attention_segments
+from hotcold.models.base import FFNMaker, Head, decode_attention, new_sequence, rope_attention_segments
 from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear
 from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
@@ -49,13 +49,26 @@ class Llama:
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
-            q, k, v = layer.qkv(x, layer.attn_norm)
-            q = q.view(T, c.n_head, c.head_dim)
-            k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
-
-            attn = rope_attention_segments(
-                ctx, i, q, k, v, self.rope, layer.device, neox=False, sliding_window=c.sliding_window
+            heads = (c.n_head, c.n_head_kv, c.head_dim)
+            attn = decode_attention(  # one C call for a CPU decode token, else the ops below
+                ctx,
+                i,
+                layer.qkv,
+                layer.attn_norm,
+                x,
+                self.rope,
+                layer.device,
+                heads=heads,
+                neox=False,
+                sliding_window=c.sliding_window,
             )
+            if attn is None:
+                q, k, v = layer.qkv(x, layer.attn_norm)
+                q = q.view(T, c.n_head, c.head_dim)
+                k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
+                attn = rope_attention_segments(
+                    ctx, i, q, k, v, self.rope, layer.device, neox=False, sliding_window=c.sliding_window
+                )
             fused = getattr(layer.ffn, "decode_tail", None)  # MoE layers have none
             tail = fused(attn, x, layer.wo, ctx) if fused is not None else None  # one C call, CPU decode
             if tail is not None:
