@@ -2,7 +2,8 @@
  * against the packed GEMV (hc_packed_matvec), min of 3000 calls, and their largest difference.
  *   cc -O3 -march=native -fopenmp -std=gnu11 -Wno-psabi -ffp-contract=off -DWTYPE=WT_Q4_K -DSBYTES=1152 \
  *      -DBV=256 -DBB=144 -DDOFF=0 -o /tmp/packed_micro benchmarks/packed_micro.c -lm && /tmp/packed_micro
- * (Q4_0: -DWTYPE=WT_Q4_0 -DSBYTES=1152 -DBV=32 -DBB=18 -DDOFF=0; Q6_K: -DWTYPE=WT_Q6_K -DSBYTES=1680 -DBV=256
+ * (Q4_0: -DWTYPE=WT_Q4_0 -DSBYTES=1152 -DBV=32 -DBB=18 -DDOFF=0; Q8_0: -DWTYPE=WT_Q8_0 -DSBYTES=2176 -DBV=32
+ * -DBB=34 -DDOFF=0; Q6_K: -DWTYPE=WT_Q6_K -DSBYTES=1680 -DBV=256
  * -DBB=210 -DDOFF=208: row bytes, values and bytes per block, offset of the block scale.) */
 #include "../src/hotcold/kernels/_cpu_kernels.c"
 #include <stdio.h>

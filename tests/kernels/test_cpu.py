@@ -487,9 +487,17 @@ def test_sparse_ffn_plan_with_packed_predictor(backend, t):
     fc2 = cpu.pack(QuantTensor.from_float(torch.randn(f, r, generator=gen), Q.Q4_0))
     assert (fc1.packed is not None) == (backend == "c")
     x = torch.randn(t, d, generator=gen)
-    plan = cpu.SparseFFNPlan(up, gate, down_t, fc1=fc1, fc2=fc2, threshold=0.5)
+    logits = cpu.matmul(fc2, torch.relu(cpu.matmul(fc1, x)))
+    threshold = 0.5
+    if backend == "c":  # a threshold the packed logits reach and the row kernel's do not: only the packed
+        # GEMV gives the mask asserted below (the row kernel sums in another order, a few ulps apart)
+        rows = cpu.gather_matvec(fc2, torch.relu(cpu.gather_matvec(fc1, x, None)), None)
+        above = ((logits > rows) & (logits > 0)).nonzero()
+        assert len(above), "the two kernels' logits should differ somewhere"
+        threshold = float(logits[tuple(above[len(above) // 2])])
+    plan = cpu.SparseFFNPlan(up, gate, down_t, fc1=fc1, fc2=fc2, threshold=threshold)
     out, mask, fired = plan(x, x, threads=2)
-    want_mask = cpu.matmul(fc2, torch.relu(cpu.matmul(fc1, x))) >= 0.5
+    want_mask = logits >= threshold
     assert torch.equal(mask, want_mask) and 0 < fired < t * f
     assert torch.equal(out, ffn_steps(up, gate, down_t, "gated", None, x, mask))
 

@@ -1966,57 +1966,54 @@ HC_INLINE __m256i packed_chunk_sums(const uint8_t *nib, const int8_t *xc) {
 }
 #endif
 
-/* out[8] = the 8 rows of group g (P_g: its chunks) with one token. */
-HC_INLINE void packed_group_q4_0(const uint8_t *Pg, const hc_xq *x, int64_t nc, float *out8) {
 #if HC_QSIMD
-    __m256 acc = _mm256_setzero_ps();
-    for (int64_t c = 0; c < nc; c++) {
-        const uint8_t *b = Pg + c * PK_Q4_0_CHUNK;
-        /* sum (u - 8) x = sum u x - 8 sum x, exact in integers */
-        const __m256i i32 =
-            _mm256_sub_epi32(packed_chunk_sums(b + 16, x->q + 32 * c), _mm256_set1_epi32(8 * x->qsum[c]));
-        const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), _mm256_set1_ps(x->d[c]));
-        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), d, acc);
+/* The 8 rows' exact sums over one Q8_0 chunk (v: its 8 x 32 packed values): signed x signed through
+ * maddubs, |w| (unsigned) times x with w's sign; |w x + w x| <= 2 * 128 * 127 fits int16. */
+HC_INLINE __m256i packed_q8_chunk_sums(const uint8_t *v, const int8_t *xc) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256i i32 = _mm256_setzero_si256();
+    for (int k = 0; k < 8; k++) {
+        const __m256i w = ld256(v + 32 * k);
+        int32_t xk;
+        memcpy(&xk, xc + 4 * k, 4);
+        const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(xk), w));
+        i32 = _mm256_add_epi32(i32, _mm256_madd_epi16(p, ones));
     }
-    _mm256_storeu_ps(out8, acc);
-#else
-    float acc[PK_ROWS] = {0};
-    for (int64_t c = 0; c < nc; c++) {
-        const uint8_t *b = Pg + c * PK_Q4_0_CHUNK;
-        const int8_t *xc = x->q + 32 * c;
-        for (int r = 0; r < PK_ROWS; r++) {
-            int32_t s = 0;
-            for (int k = 0; k < 4; k++)
-                for (int j = 0; j < 4; j++) {
-                    const uint8_t v = b[16 + 32 * k + 4 * r + j];
-                    s += (int32_t)(v & 15) * xc[4 * k + j] + (int32_t)(v >> 4) * xc[4 * k + 16 + j];
-                }
-            s -= 8 * x->qsum[c];
-            acc[r] = fmaf((float)s, h2f(rd16(b + 2 * r)) * x->d[c], acc[r]);
-        }
-    }
-    memcpy(out8, acc, sizeof acc);
+    return i32;
+}
 #endif
+/* Row r's packed chunk sum, portable. */
+HC_INLINE int32_t packed_chunk_sum1(const uint8_t *nib, const int8_t *xc, int r) {
+    int32_t s = 0;
+    for (int k = 0; k < 4; k++)
+        for (int j = 0; j < 4; j++) {
+            const uint8_t v = nib[32 * k + 4 * r + j];
+            s += (int32_t)(v & 15) * xc[4 * k + j] + (int32_t)(v >> 4) * xc[4 * k + 16 + j];
+        }
+    return s;
 }
 
-/* out[8] = the 8 rows of a Q8_0 group (Pg: its chunks) with one token: per chunk the exact integer sum,
- * then (float)sum * (d * dx) accumulated, as for Q4_0. */
-HC_INLINE void packed_group_q8_0(const uint8_t *Pg, const hc_xq *x, int64_t nc, float *out8) {
+/* Row r's exact sum over one Q8_0 chunk, portable. */
+HC_INLINE int32_t packed_q8_chunk_sum1(const uint8_t *v, const int8_t *xc, int r) {
+    int32_t s = 0;
+    for (int k = 0; k < 8; k++)
+        for (int j = 0; j < 4; j++) s += (int32_t)(int8_t)v[32 * k + 4 * r + j] * xc[4 * k + j];
+    return s;
+}
+
+/* out[8] = the 8 rows of a Q4_0 or Q8_0 group (Pg: its chunks, 8 fp16 scales then the values) with one
+ * token: per chunk each row's exact integer sum (Q4_0: sum (u - 8) x = sum u x - 8 sum x), then
+ * (float)sum * (d * dx) accumulated in chunk order. */
+HC_INLINE void packed_group_block(const int wt, const uint8_t *Pg, const hc_xq *x, int64_t nc, float *out8) {
+    const int64_t cb = wt == WT_Q4_0 ? PK_Q4_0_CHUNK : PK_Q8_0_CHUNK;
 #if HC_QSIMD
     __m256 acc = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t c = 0; c < nc; c++) {
-        const uint8_t *b = Pg + c * PK_Q8_0_CHUNK;
+        const uint8_t *b = Pg + c * cb;
         const int8_t *xc = x->q + 32 * c;
-        __m256i i32 = _mm256_setzero_si256();
-        for (int k = 0; k < 8; k++) {
-            /* signed x signed through maddubs: |w| (unsigned) times x with w's sign; |w x + w x| <= 32512 */
-            const __m256i w = ld256(b + 16 + 32 * k);
-            int32_t xk;
-            memcpy(&xk, xc + 4 * k, 4);
-            const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(_mm256_set1_epi32(xk), w));
-            i32 = _mm256_add_epi32(i32, _mm256_madd_epi16(p, ones));
-        }
+        const __m256i i32 = wt == WT_Q4_0
+                                ? _mm256_sub_epi32(packed_chunk_sums(b + 16, xc), _mm256_set1_epi32(8 * x->qsum[c]))
+                                : packed_q8_chunk_sums(b + 16, xc);
         const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), _mm256_set1_ps(x->d[c]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), d, acc);
     }
@@ -2024,12 +2021,11 @@ HC_INLINE void packed_group_q8_0(const uint8_t *Pg, const hc_xq *x, int64_t nc, 
 #else
     float acc[PK_ROWS] = {0};
     for (int64_t c = 0; c < nc; c++) {
-        const uint8_t *b = Pg + c * PK_Q8_0_CHUNK;
+        const uint8_t *b = Pg + c * cb;
         const int8_t *xc = x->q + 32 * c;
         for (int r = 0; r < PK_ROWS; r++) {
-            int32_t s = 0;
-            for (int k = 0; k < 8; k++)
-                for (int j = 0; j < 4; j++) s += (int32_t)(int8_t)b[16 + 32 * k + 4 * r + j] * xc[4 * k + j];
+            const int32_t s = wt == WT_Q4_0 ? packed_chunk_sum1(b + 16, xc, r) - 8 * x->qsum[c]
+                                            : packed_q8_chunk_sum1(b + 16, xc, r);
             acc[r] = fmaf((float)s, h2f(rd16(b + 2 * r)) * x->d[c], acc[r]);
         }
     }
@@ -2041,17 +2037,6 @@ HC_INLINE __m256 cvt8_u8(const uint8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
 #endif
-
-/* Row r's packed chunk sum, portable. */
-HC_INLINE int32_t packed_chunk_sum1(const uint8_t *nib, const int8_t *xc, int r) {
-    int32_t s = 0;
-    for (int k = 0; k < 4; k++)
-        for (int j = 0; j < 4; j++) {
-            const uint8_t v = nib[32 * k + 4 * r + j];
-            s += (int32_t)(v & 15) * xc[4 * k + j] + (int32_t)(v >> 4) * xc[4 * k + 16 + j];
-        }
-    return s;
-}
 
 /* out[8] = the 8 rows of a Q4_K group (Pg: its super-blocks) with one token: per chunk,
  * (float)sum * (d * sc * dx) accumulated, then minus the mins' terms (dmin * mn * dx * sum x). */
@@ -2199,8 +2184,7 @@ int hc_packed_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ps, c
                 for (int64_t t = 0; t < T; t++) { /* the group stays in L1 for the other tokens */
                     float o[PK_ROWS];
                     const uint8_t *Pg = Ps[m] + g * gbytes[m];
-                    if (wt == WT_Q4_0) packed_group_q4_0(Pg, xq.tok + t, nc, o);
-                    else if (wt == WT_Q8_0) packed_group_q8_0(Pg, xq.tok + t, nc, o);
+                    if (wt == WT_Q4_0 || wt == WT_Q8_0) packed_group_block(wt, Pg, xq.tok + t, nc, o);
                     else if (wt == WT_Q4_K) packed_group_q4_k(Pg, xq.tok + t, nc, o);
                     else packed_group_q6_k(Pg, xq.tok + t, nc, o);
                     const int64_t n = F - g * PK_ROWS < PK_ROWS ? F - g * PK_ROWS : PK_ROWS;

@@ -232,6 +232,7 @@ class SparseFFNPlan:
         self.threshold = threshold
         structs = (self.fc1, self.fc2, self.up, self.gate, self.down_t)
         self._args = tuple(None if w is None else ctypes.byref(w) for w in structs)
+        self._wo, self._wo_struct = None, None  # tail(): the attention output matrix it was last given
 
     def __call__(
         self,
@@ -281,14 +282,12 @@ class SparseFFNPlan:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
         """The rest of a decode layer after attention in one C call: y1 = x + matmul(wo, attn) (the residual,
         also the predictor's input), y2 = y1 + this plan on y1 with the RMS norm folded -> (y1, y2, mask,
-        firing count); the same bits as those calls and adds one by one. None without the C kernels or for
-        a wo that `matmul` would hand to torch (float32)."""
+        firing count); the same bits as those calls and adds one by one, for a wo that `matmul` multiplies
+        in C (`ops.uses_c_kernels`: the caller checks). None without the C kernels or a predictor."""
         lib = build.get_lib()
-        if lib is None or self.fc1 is None or not isinstance(wo, QuantTensor | torch.Tensor):
+        if lib is None or self.fc1 is None:
             return None
-        if isinstance(wo, torch.Tensor) and (wo.dtype == torch.float32 or not wo.is_cpu):
-            return None
-        if getattr(self, "_wo", None) is not wo:  # one layer's wo: its struct built once
+        if self._wo is not wo:  # one layer's wo: its struct built once
             self._wo, self._wo_struct = wo, hc_weight(wo)
         if self._wo_struct.rows != self.d:
             raise ValueError(f"wo has {self._wo_struct.rows} rows, the FFN takes {self.d}")

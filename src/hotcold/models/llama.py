@@ -47,9 +47,9 @@ class Llama:
         c = self.config
         T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
+        heads = (c.n_head, c.n_head_kv, c.head_dim)
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
-            heads = (c.n_head, c.n_head_kv, c.head_dim)
             attn = decode_attention(  # one C call for a CPU decode token, else the ops below
                 ctx,
                 i,

@@ -254,6 +254,7 @@ class SparseFFN(FFN):
             or self.norm is None
             or not self.norm.folds_into_c(x)
             or self.weights.down_bias is not None
+            or not uses_c_kernels(wo)  # the op-by-op path multiplies a float32 wo in torch
         ):
             return None
         got = self.fused_plan.tail(wo, attn, x, norm=self.norm.c_args, threads=self.threads)
