@@ -59,7 +59,9 @@
 #ifndef HC_AXB
 #define HC_AXB 64 /* active rows per block of an axpy sum (part of the arithmetic: fixed, never tuned per call) */
 #ifndef HC_AXPY_PART_BYTES
+#ifndef HC_AXPY_PART_BYTES
 #define HC_AXPY_PART_BYTES (256 * 1024) /* a batch axpy's partial sums per thread */
+#endif
 #endif
 #endif
 #if HC_G < 1 || HC_G > 4
@@ -1384,11 +1386,11 @@ HC_INLINE void axpy_batch(const int wt, const hc_args *A, int64_t c0, int64_t c1
         const uint8_t *row = A->W + i * A->stride;
         const uint8_t *pf = (k + 1 < n) ? A->W + (int64_t)A->idx[k + 1] * A->stride : NULL;
         int64_t m = 0;
-        for (int64_t t = 0; t < T; t++) {
+        for (int64_t t = 0; t < T; t++) { /* branch-free: whether a token takes a row is data */
             const float a = A->x[t * F + i];
-            if ((A->mask && !A->mask[t * F + i]) || a == 0.0f) continue;
             ts[m] = t;
-            as[m++] = a;
+            as[m] = a;
+            m += (a != 0.0f) & (!A->mask || A->mask[t * F + i] != 0);
         }
         for (int64_t c = c0; c < c1; c++) {
             vf w[NV];
@@ -1416,13 +1418,44 @@ HC_INLINE void axpy_batch(const int wt, const hc_args *A, int64_t c0, int64_t c1
         if (cnt[t]) add_into(A->out + t * D + j0, part + t * width, 0, width);
 }
 
+#ifndef HC_AXG
 #define HC_AXG 32 /* union rows per group of a float batch axpy (< HC_AXB; not part of the arithmetic) */
+#endif
 
 /* axpy_batch for float weights, the same arithmetic with fewer memory operations: the union rows go in
  * groups of HC_AXG; for each token, its rows of the group (ascending) are applied chunk by chunk with
  * the token's open block sum in registers (one load and store of it per chunk and group, not per row).
  * part / cnt: as axpy_batch; lk, la ([T * HC_AXG]) and nl ([T]): each token's rows of the group. A
  * group holds at most one block end of a token (HC_AXG < HC_AXB), where the block sum goes into out. */
+#ifndef AXPY_CHUNKS
+#define AXPY_CHUNKS (VL == 16 ? 4 : 3) /* column chunks a token's rows pass over together */
+#endif
+
+/* One token's list rows rk[0..m) (coefficients ra) into NCH chunks of columns from c: the open block
+ * sum (pc) in registers, added into oc when the list position fl closes the block. Each vector's fma
+ * chain is the one-chunk loop's (same rows, same order); NCH chunks side by side give NCH * NV chains
+ * in flight, where one chunk's NV = 4 left the fma latency-bound. */
+HC_INLINE void axpy_rows_chunks(const int wt, const int NCH, const hc_args *A, const int64_t *rk, const float *ra,
+                                int64_t m, int64_t fl, int64_t c, float *pc, float *oc) {
+    vf acc[AXPY_CHUNKS][NV];
+    for (int h = 0; h < NCH; h++)
+        for (int v = 0; v < NV; v++) acc[h][v] = vloadu(pc + h * 32 + v * VL);
+    for (int64_t q = 0; q < m; q++) {
+        const uint8_t *row = A->W + rk[q] * A->stride;
+        const vf va = vset1(ra[q]);
+        for (int h = 0; h < NCH; h++)
+            for (int v = 0; v < NV; v++) acc[h][v] = vfma(va, load_vec(wt, row, c + h, v), acc[h][v]);
+        if (q == fl)
+            for (int h = 0; h < NCH; h++)
+                for (int v = 0; v < NV; v++) {
+                    vstoreu(oc + h * 32 + v * VL, vadd(vloadu(oc + h * 32 + v * VL), acc[h][v]));
+                    acc[h][v] = vzero();
+                }
+    }
+    for (int h = 0; h < NCH; h++)
+        for (int v = 0; v < NV; v++) vstoreu(pc + h * 32 + v * VL, acc[h][v]);
+}
+
 HC_INLINE void axpy_batch_float(const int wt, const hc_args *A, int64_t c0, int64_t c1, int tail, float *part,
                                 int64_t *cnt, int64_t *lk, float *la, int64_t *nl) {
     const int64_t F = A->F, D = A->D, T = A->T, n = A->n;
@@ -1432,11 +1465,11 @@ HC_INLINE void axpy_batch_float(const int wt, const hc_args *A, int64_t c0, int6
         for (int64_t t = 0; t < T; t++) nl[t] = 0;
         for (int64_t k = g0; k < g1; k++) {
             const int64_t i = A->idx[k];
-            for (int64_t t = 0; t < T; t++) {
+            for (int64_t t = 0; t < T; t++) { /* branch-free: whether a token takes a row is data */
                 const float a = A->x[t * F + i];
-                if ((A->mask && !A->mask[t * F + i]) || a == 0.0f) continue;
                 lk[t * HC_AXG + nl[t]] = i;
-                la[t * HC_AXG + nl[t]++] = a;
+                la[t * HC_AXG + nl[t]] = a;
+                nl[t] += (a != 0.0f) & (!A->mask || A->mask[t * F + i] != 0);
             }
         }
         if (HC_PF && g1 < n) /* the next group's rows, the lines of this item's columns */
@@ -1450,21 +1483,15 @@ HC_INLINE void axpy_batch_float(const int wt, const hc_args *A, int64_t c0, int6
             const int64_t *rk = lk + t * HC_AXG;
             const float *ra = la + t * HC_AXG;
             float *pt = part + t * width, *ot = A->out + t * D + j0;
-            for (int64_t c = c0; c < c1; c++) {
+            for (int64_t c = c0; c < c1; c += AXPY_CHUNKS) {
                 float *pc = pt + (c - c0) * 32, *oc = ot + (c - c0) * 32;
-                vf acc[NV];
-                for (int v = 0; v < NV; v++) acc[v] = vloadu(pc + v * VL);
-                for (int64_t q = 0; q < m; q++) {
-                    const uint8_t *row = A->W + rk[q] * A->stride;
-                    const vf va = vset1(ra[q]);
-                    for (int v = 0; v < NV; v++) acc[v] = vfma(va, load_vec(wt, row, c, v), acc[v]);
-                    if (q == fl)
-                        for (int v = 0; v < NV; v++) {
-                            vstoreu(oc + v * VL, vadd(vloadu(oc + v * VL), acc[v]));
-                            acc[v] = vzero();
-                        }
+                switch (c1 - c < AXPY_CHUNKS ? c1 - c : AXPY_CHUNKS) { /* constant counts: registers */
+                case 1: axpy_rows_chunks(wt, 1, A, rk, ra, m, fl, c, pc, oc); break;
+#if AXPY_CHUNKS > 2
+                case 2: axpy_rows_chunks(wt, 2, A, rk, ra, m, fl, c, pc, oc); break;
+#endif
+                default: axpy_rows_chunks(wt, AXPY_CHUNKS, A, rk, ra, m, fl, c, pc, oc); break;
                 }
-                for (int v = 0; v < NV; v++) vstoreu(pc + v * VL, acc[v]);
             }
             if (tail)
                 for (int64_t q = 0; q < m; q++) {
