@@ -2,8 +2,9 @@
 
 Each step runs every decoding generation's next token in one forward (the weights are read once for
 all of them; in the sparse FFN the rows fired by any of the tokens are read once), plus the next chunk
-of at most one prefilling generation (chunked prefill: a long prompt holds the others up for one chunk
-at a time, never for its whole prefill).
+of the first prefilling generation (chunked prefill: a long prompt holds the others up for one chunk
+at a time, never for its whole prefill), plus the next chunks of the prefilling generations after it
+that still fit in the forward (a burst of short prompts prefills in one step, not one step each).
 
 Output does not depend on the batch. Below `cpu.GEMM_MIN_TOKENS` rows every CPU kernel computes each
 row with the same arithmetic whatever the other rows are (the C kernels' contract), attention runs per
@@ -27,17 +28,20 @@ MAX_ROWS = cpu.GEMM_MIN_TOKENS - 1  # rows per forward for which every row's bit
 
 def step(model, generations: Sequence[Generation]) -> None:
     """Advance every generation that is not done by one forward's worth: decoders by one token, the
-    first prefilling one by one chunk. Chunks pile up in each generation (`drain()`)."""
+    first prefilling one by one chunk, later prefilling ones by one chunk where it fits in a forward.
+    Chunks pile up in each generation (`drain()`)."""
     live = [g for g in generations if not g.done]
     decoding = [g for g in live if not g.prefilling]
-    prefill = next((g for g in live if g.prefilling), None)
     groups = [decoding[i : i + MAX_ROWS] for i in range(0, len(decoding), MAX_ROWS)]
-    if prefill is not None:
-        n = len(prefill.want()[0])
-        if groups and n + len(groups[-1]) <= MAX_ROWS:
-            groups[-1].append(prefill)
-        else:
-            groups.append([prefill])
+    rows = [len(group) for group in groups]
+    for j, gen in enumerate(g for g in live if g.prefilling):
+        n = len(gen.want()[0])
+        if groups and rows[-1] + n <= MAX_ROWS:
+            groups[-1].append(gen)
+            rows[-1] += n
+        elif j == 0:  # the first prefill always advances: alone if it does not fit, as with no other request
+            groups.append([gen])
+            rows.append(n)
     for group in groups:
         run(model, group)
 

@@ -1,0 +1,72 @@
+"""hotcold.batching.step: which generations share a forward, and that sharing never changes a token."""
+
+from __future__ import annotations
+
+import pytest
+
+import hotcold
+from hotcold import batching
+from hotcold.engine import Engine
+from hotcold.generation import Generation
+
+SHORT = ["In the beginning", "And God said", "Jesus wept", "Blessed are the meek"]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return hotcold.load(device="cpu", threads=2)
+
+
+@pytest.fixture
+def forwards(llm, monkeypatch):
+    """The row count of every forward the model runs."""
+    model, rows = llm.loaded.model, []
+    forward = model.forward
+
+    def counted(tokens, ctx, **kw):
+        rows.append([len(ids) for ids in _segments(tokens, ctx)])
+        return forward(tokens, ctx, **kw)
+
+    monkeypatch.setattr(model, "forward", counted)
+    return rows
+
+
+def _segments(tokens, ctx):
+    return [tokens[a:b].tolist() for a, b in ctx.bounds]
+
+
+def _generations(llm, prompts, max_tokens=6):
+    model = llm.loaded.model
+    ids = [llm.tokenize(p) for p in prompts]
+    engines = [Engine(model, llm.tokenizer, 256) for _ in ids]
+    return ids, [Generation(e, p, max_tokens=max_tokens, ignore_eos=True) for e, p in zip(engines, ids)]
+
+
+def test_short_prompts_prefill_together_in_one_forward(llm, forwards):
+    ids, gens = _generations(llm, SHORT)
+    assert sum(map(len, ids)) <= batching.MAX_ROWS
+    batching.step(llm.loaded.model, gens)
+    assert forwards == [[len(p) for p in ids]]  # one forward, every prompt a segment
+    assert not any(g.prefilling for g in gens)
+
+
+def test_a_prefill_joins_only_when_it_fits(llm, forwards):
+    long = " ".join(["And the LORD spake unto Moses, saying"] * 8)
+    ids, gens = _generations(llm, [long, "Jesus wept"])
+    n_long = len(ids[0])
+    assert batching.MAX_ROWS < n_long <= 512  # one chunk, too big to share a forward
+    batching.step(llm.loaded.model, gens)
+    assert forwards == [[n_long]] and gens[1].prefilling  # the short one waits
+    batching.step(llm.loaded.model, gens)
+    assert forwards[1] == [1, len(ids[1])]  # the long one's first token, then the short prompt
+
+
+def test_tokens_equal_each_generation_alone(llm):
+    _, gens = _generations(llm, SHORT, max_tokens=12)
+    texts = [""] * len(gens)
+    while any(not g.done for g in gens):
+        batching.step(llm.loaded.model, gens)
+        for i, g in enumerate(gens):
+            texts[i] += "".join(c.text for c in g.drain())
+    alone = [llm.generate(p, max_tokens=12, ignore_eos=True) for p in SHORT]
+    assert texts == alone and len(set(texts)) == len(SHORT)
