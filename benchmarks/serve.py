@@ -266,7 +266,11 @@ def hotcold_server_runs(model: Path, mode: str, *, parallel: int, threads, devic
     cmd = [sys.executable, "-m", "hotcold", "serve", "-m", str(model), "-np", str(parallel), "-c", "256"]
     cmd += ["--port", str(port), "--device", device] + (["-t", str(threads)] if threads else [])
     cmd += ["--dense"] if mode == "dense" else []
-    return process_runs(cmd, port, f"hotcold {mode}", clients=clients, max_tokens=max_tokens)
+    return process_runs(cmd, port, label(mode), clients=clients, max_tokens=max_tokens)
+
+
+def label(mode: str) -> str:
+    return "hotcold dense, llama-server's file" if mode == "anchor" else f"hotcold {mode}"
 
 
 def ray_runs(path: Path, mode: str, *, replicas: int, threads: int, parallel: int, clients, max_tokens: int):
@@ -302,7 +306,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--parallel", type=int, default=None, help="server slots (default: the most clients)")
     ap.add_argument("-t", "--threads", type=int, default=None, help="torch / kernel threads")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    ap.add_argument("--modes", default="sparse", help="hotcold modes to run, in order: sparse,dense")
+    ap.add_argument(
+        "--modes",
+        default="sparse",
+        help="hotcold modes to run, in order: sparse,dense,anchor (anchor: hotcold on --anchor-model, the "
+        "dense-layout file llama-server serves, so both read the same file)",
+    )
     ap.add_argument("--llama-server", default=None, help="upstream llama-server binary to run the same loads")
     ap.add_argument(
         "--anchor-model", default=None, help="the same weights in the dense layout, for llama-server"
@@ -343,7 +352,12 @@ def main(argv: list[str] | None = None) -> dict:
     }
     prompt = "Client 0: once upon a time"
     for mode in args.modes.split(","):
-        llm = hotcold.load(path, threads=args.threads, device=args.device, dense=mode == "dense")
+        if mode not in ("sparse", "dense", "anchor"):
+            ap.error(f"--modes: unknown mode {mode!r} (sparse, dense or anchor)")
+        if mode == "anchor" and not args.anchor_model:
+            ap.error("--modes anchor needs --anchor-model")
+        model = Path(args.anchor_model).resolve() if mode == "anchor" else path
+        llm = hotcold.load(model, threads=args.threads, device=args.device, dense=mode == "dense")
         res["machine"]["torch_threads"] = torch.get_num_threads()
         llm.generate(prompt, max_tokens=4, ignore_eos=True)  # warm up kernels
         direct = [0.0]
@@ -358,7 +372,7 @@ def main(argv: list[str] | None = None) -> dict:
         worker = threading.Thread(target=direct_run)
         worker.start()
         worker.join()
-        res["direct_tokens_per_s"][f"hotcold {mode}"] = round(direct[0], 2)
+        res["direct_tokens_per_s"][label(mode)] = round(direct[0], 2)
         if args.in_process:  # the model just measured serves
             runs = []
             with Server(create_app(llm, parallel=parallel)) as url:
@@ -369,7 +383,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             del llm  # `hotcold serve` loads its own
             runs = hotcold_server_runs(
-                path,
+                model,
                 mode,
                 parallel=parallel,
                 threads=args.threads,
@@ -377,10 +391,10 @@ def main(argv: list[str] | None = None) -> dict:
                 clients=clients,
                 max_tokens=args.max_tokens,
             )
-        res["servers"][f"hotcold {mode}"] = runs
+        res["servers"][label(mode)] = runs
         if args.ray:
             res["servers"][f"hotcold {mode}, Ray Serve x{args.replicas}"] = ray_runs(
-                path,
+                model,
                 mode,
                 replicas=args.replicas,
                 threads=args.threads or torch.get_num_threads(),
