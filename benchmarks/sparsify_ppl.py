@@ -5,7 +5,8 @@ model is sparsified once at --target on --calib; every sparsity in --sparsities 
 with `sparsity=` (the thresholds derived from the stored quantile table, 0 = dense). Two protocols:
 
 - "chunked": llama.cpp's (`hotcold perplexity`): chunks of --ctx tokens in one forward each, second half
-  scored. Forwards of >= 48 rows compute the masked FFN with the dense GEMM path and the file's ffn_down.
+  scored. Forwards of >= cpu.GEMM_MIN_TOKENS rows (96) compute the masked FFN with the dense GEMM path and the
+  file's ffn_down.
 - "stepwise" (--stepwise): the same chunks fed --piece tokens at a time through the KV cache, so every
   FFN runs the decode kernels (row gathers, the axpy over ffn_down_t): what generation computes, and
   where the type of ffn_down_t (--down-types) shows.

@@ -191,7 +191,7 @@ def test_axpy_blocks_and_wide_rows(backend):
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_1", "q3_k", "q4_k", "q6_k"])
-@pytest.mark.parametrize("t", [1, 50])  # 50: the blocked-GEMM path
+@pytest.mark.parametrize("t", [1, 50, 100])  # 50: the C kernels for many tokens; 100: the blocked-GEMM path
 def test_matmul(backend, fmt, t):
     gen = torch.Generator().manual_seed(3)
     w, w64 = make_weight(fmt, 300, gen)

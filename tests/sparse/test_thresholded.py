@@ -39,7 +39,7 @@ def test_threshold_at_interpolates_the_table():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-@pytest.mark.parametrize("T", [1, 5, 64])  # 64 >= GEMM_MIN_TOKENS: the dense-kernel path
+@pytest.mark.parametrize("T", [1, 5, 64, 100])  # 100 >= GEMM_MIN_TOKENS: the dense-kernel path
 @pytest.mark.parametrize("wina", [False, True])
 def test_ffn_keeps_exactly_the_neurons_over_the_threshold(dtype, T, wina):
     F_, D = 512, 64
@@ -49,7 +49,7 @@ def test_ffn_keeps_exactly_the_neurons_over_the_threshold(dtype, T, wina):
     scale = torch.rand(F_, generator=torch.Generator().manual_seed(3)) + 0.5 if wina else None
     _, _, score = reference(w, h, 0.0, scale)
     t = float(score.flatten().quantile(0.6))
-    down = w.down_t.T.contiguous() if T == 64 else None  # the many-row path multiplies ffn_down [D, F]
+    down = w.down_t.T.contiguous() if T == 100 else None  # the many-row path multiplies ffn_down [D, F]
     ffn = ThresholdedFFN(w, t, layer=0, down=down, scale=scale)
     seq = SequenceState(None, [FFNCounts()], keep_masks=True)
     out = ffn.apply(h, h, Batch.single(seq, 0, T))
