@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> dict:
             )
         res["servers"][label(mode)] = runs
         if args.ray:
-            res["servers"][f"hotcold {mode}, Ray Serve x{args.replicas}"] = ray_runs(
+            res["servers"][f"{label(mode)}, Ray Serve x{args.replicas}"] = ray_runs(
                 model,
                 mode,
                 replicas=args.replicas,

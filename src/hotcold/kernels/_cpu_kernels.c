@@ -669,18 +669,19 @@ HC_INLINE float tile_finish(const int wt, const vf *acc, const uint8_t *row, con
     return q;
 }
 
-/* out[t, rows_i[r]] = W[row r] . x_t for nr <= TILE_R float rows and every token: the rows' columns in
- * blocks, each block against every token in tiles of TILE_T, so the blocks of x and of the rows are read
- * from L1. Each (row, token) has dot_row's bits. Missing rows of a short tile repeat the last row; their
- * results are dropped. (Converting a half-precision block to fp32 once for all token groups measured
- * slower than converting in the tile: 24.6 against 34.7 Gfma/s, T=8, one core.) */
+/* out[t, rows_i[r]] = W[row r] . x_t for the first nr <= TILE_R of TILE_R float rows (a short tile repeats
+ * its last row) and every token: the rows' columns in blocks, each block against every token in tiles of
+ * TILE_T, so the blocks of x and of the rows are read from L1. Each (row, token) has dot_row's bits.
+ * (Converting a half-precision block to fp32 once for all token groups measured slower than converting in
+ * the tile: 24.6 against 34.7 Gfma/s, T=8, one core.) */
 HC_INLINE void dot_rows_tokens(const int wt, const int nr, const uint8_t *const *rows, const int64_t *rows_i,
                                const float *X, int64_t T, int64_t D, float *out, int64_t F) {
     const int64_t nchunk = D / 32, esz = wt == WT_F32 ? 4 : 2;
     for (int64_t s0 = 0; s0 < T; s0 += TILE_TOKENS) {
         const int64_t ns = T - s0 < TILE_TOKENS ? T - s0 : TILE_TOKENS;
-        const int ngroup = (int)((ns + TILE_T - 1) / TILE_T); /* groups of as equal sizes as can be */
-#define GROUP_START(g) ((int64_t)(g) * ns / ngroup)
+        const int ngroup = (int)((ns + TILE_T - 1) / TILE_T);
+        int64_t start[(TILE_TOKENS + TILE_T - 1) / TILE_T + 1]; /* groups of as equal sizes as can be */
+        for (int g = 0; g <= ngroup; g++) start[g] = s0 + (int64_t)g * ns / ngroup;
         vf acc[(TILE_TOKENS + TILE_T - 1) / TILE_T][TILE_R][TILE_T][NACC];
         for (int g = 0; g < ngroup; g++)
             for (int r = 0; r < TILE_R; r++)
@@ -689,12 +690,11 @@ HC_INLINE void dot_rows_tokens(const int wt, const int nr, const uint8_t *const 
         for (int64_t c0 = 0; c0 < nchunk; c0 += TILE_BLOCK) {
             const int64_t nc = nchunk - c0 < TILE_BLOCK ? nchunk - c0 : TILE_BLOCK;
             const uint8_t *ws[TILE_R];
-            for (int r = 0; r < TILE_R; r++) ws[r] = rows[r < nr ? r : nr - 1] + c0 * 32 * esz;
+            for (int r = 0; r < TILE_R; r++) ws[r] = rows[r] + c0 * 32 * esz;
             for (int g = 0; g < ngroup; g++) {
-                const int64_t t0 = s0 + GROUP_START(g);
-                const int nt = (int)(GROUP_START(g + 1) - GROUP_START(g));
+                const int nt = (int)(start[g + 1] - start[g]);
                 const float *xs[TILE_T];
-                for (int j = 0; j < nt; j++) xs[j] = X + (t0 + j) * D + c0 * 32;
+                for (int j = 0; j < nt; j++) xs[j] = X + (start[g] + j) * D + c0 * 32;
                 for (int par = 0; par < NACC; par++) switch (nt) { /* constant counts: registers */
                     case 1: tile_pass(wt, 1, ws, xs, nc, par, acc[g]); break;
                     case 2: tile_pass(wt, 2, ws, xs, nc, par, acc[g]); break;
@@ -706,11 +706,10 @@ HC_INLINE void dot_rows_tokens(const int wt, const int nr, const uint8_t *const 
             }
         }
         for (int g = 0; g < ngroup; g++)
-            for (int64_t t = s0 + GROUP_START(g); t < s0 + GROUP_START(g + 1); t++)
+            for (int64_t t = start[g]; t < start[g + 1]; t++)
                 for (int r = 0; r < nr; r++)
-                    out[t * F + rows_i[r]] = tile_finish(wt, acc[g][r][t - s0 - GROUP_START(g)], rows[r], X + t * D, D);
+                    out[t * F + rows_i[r]] = tile_finish(wt, acc[g][r][t - start[g]], rows[r], X + t * D, D);
     }
-#undef GROUP_START
 }
 
 /* Dot products of NR rows with one token vector: the same per-row arithmetic as dot_row (so the
@@ -1266,7 +1265,10 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
             const int nr = k1 - k < TILE_R ? (int)(k1 - k) : TILE_R;
             const uint8_t *rows[TILE_R];
             int64_t rows_i[TILE_R];
-            for (int r = 0; r < nr; r++) rows[r] = A->W + (rows_i[r] = ROW_OF(k + r)) * A->stride;
+            for (int r = 0; r < TILE_R; r++) { /* a short tile repeats its last row */
+                rows_i[r] = ROW_OF(k + (r < nr ? r : nr - 1));
+                rows[r] = A->W + rows_i[r] * A->stride;
+            }
             dot_rows_tokens(wt, nr, rows, rows_i, A->x, T, D, A->out, F);
         }
         return;

@@ -66,9 +66,9 @@ __all__ = [
 Weight = torch.Tensor | QuantTensor
 
 # T at or above which matmul dequantizes blocks of rows and hands them to torch's GEMM. Below it the C
-# kernels win (2 threads, 5632 x 2048: F16 tile 47-52 against the GEMM path's 36-43 Gfma/s at T=48-64, even at
-# ~96, behind at 128+; the packed Q4_0/Q8_0/Q4_K kernels 1.3-2x ahead up to T=128), and every row's bits
-# are its own (batching.MAX_ROWS).
+# kernels win (2 threads, 5632 x 2048: the F16 tile 47-52 against the GEMM path's 36-43 Gfma/s at T=48-64 and
+# behind it from T=128, 96 not measured; the packed Q4_0/Q8_0/Q4_K kernels 1.3-2x ahead up to T=128), and
+# every row's bits are its own (batching.MAX_ROWS).
 GEMM_MIN_TOKENS = 96
 
 
