@@ -633,7 +633,7 @@ HC_INLINE vf load_vec(const int wt, const uint8_t *row, int64_t c, int v) {
 #define TILE_R 4                  /* rows of a batch GEMV tile */
 #define TILE_T (VL == 16 ? 4 : 3) /* tokens of a tile: TILE_R * TILE_T accumulators + TILE_T x vectors */
 #ifndef TILE_BLOCK
-#define TILE_BLOCK 8 /* chunks (of 32 columns) per column block */
+#define TILE_BLOCK 16 /* chunks (of 32 columns) per column block: 16 is 3-5% over 8 with 12-token tiles */
 #endif
 #ifndef TILE_TOKENS
 /* Tokens whose accumulators a tile keeps over the whole row: their x blocks stay in L1 (48 read them
