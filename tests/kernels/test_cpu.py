@@ -191,15 +191,36 @@ def test_axpy_blocks_and_wide_rows(backend):
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_1", "q3_k", "q4_k", "q6_k"])
-@pytest.mark.parametrize("t", [1, 50, 100])  # 50: the C kernels for many tokens; 100: the blocked-GEMM path
+@pytest.mark.parametrize(
+    "t", [1, 50, 100, 200]
+)  # 50: the C kernels for many tokens; 100, 200: see runs_c_kernel
 def test_matmul(backend, fmt, t):
     gen = torch.Generator().manual_seed(3)
     w, w64 = make_weight(fmt, 300, gen)
     x = torch.randn(t, w64.shape[1], generator=gen)
-    xk = x if t >= cpu.GEMM_MIN_TOKENS else kernel_x(backend, fmt, x)  # large T: dequantize + GEMM
+    xk = kernel_x(backend, fmt, x) if cpu.runs_c_kernel(w, t) else x  # else dequantize + GEMM
     assert_close(cpu.matmul(w, x), xk.double() @ w64.T, xk.double().abs() @ w64.abs().T)
     x0 = kernel_x(backend, fmt, x[:1])
     assert_close(cpu.matmul(w, x[0]), (x0.double() @ w64.T)[0], x0.double().abs() @ w64.abs().T)
+
+
+@pytest.mark.parametrize("fmt", ["f16", "bf16", "q4_0", "q8_0"])
+def test_matmul_past_gemm_min_tokens_keeps_each_rows_bits(fmt):
+    """Packed weights (any T) and float tiles (below FLOAT_TILE_MAX_TOKENS) stay in the C kernels past
+    GEMM_MIN_TOKENS: each token's row equals that token multiplied alone."""
+    if cpu.backend() != "c":
+        pytest.skip("the C kernels are not built")
+    gen = torch.Generator().manual_seed(21)
+    w, _ = make_weight(fmt, 96, gen)
+    if isinstance(w, QuantTensor):
+        w = cpu.pack(w)
+        assert w.packed is not None
+    t = cpu.GEMM_MIN_TOKENS + 24
+    assert t < cpu.FLOAT_TILE_MAX_TOKENS and cpu.runs_c_kernel(w, t)
+    x = torch.randn(t, w.shape[1], generator=gen)
+    out = cpu.matmul(w, x, threads=2)
+    for i in (0, 57, t - 1):
+        assert torch.equal(out[i], cpu.matmul(w, x[i], threads=1))
 
 
 @pytest.mark.parametrize("t", [1, 3])

@@ -40,7 +40,9 @@ from hotcold.kernels.decode_glue import (  # re-exported: the ops' home
     attention_decode_rows,
     rms_norm,
 )
-from hotcold.kernels.dequant import dense_rows, dequantize_rows  # dequantize_rows re-exported
+from hotcold.kernels.dequant import dequantize_rows  # re-exported
+from hotcold.kernels.dequant import torch_axpy as _torch_axpy
+from hotcold.kernels.dequant import torch_gather as _torch_gather
 from hotcold.kernels.pages import page_out as _page_out
 from hotcold.kernels.pages import prefetch_pages
 from hotcold.quants import QuantTensor
@@ -65,11 +67,22 @@ __all__ = [
 
 Weight = torch.Tensor | QuantTensor
 
-# T at or above which matmul dequantizes blocks of rows and hands them to torch's GEMM. Below it the C
-# kernels win (2 threads, 5632 x 2048: the F16 tile 47-52 against the GEMM path's 36-43 Gfma/s at T=48-64 and
-# behind it from T=128, 96 not measured; the packed Q4_0/Q8_0/Q4_K kernels 1.3-2x ahead up to T=128), and
-# every row's bits are its own (batching.MAX_ROWS).
+# Below GEMM_MIN_TOKENS rows every matmul runs the C kernels, so every row's bits are its own
+# (batching.MAX_ROWS). Above it matmul takes whichever path is faster (2 threads, 5632 x 2048, G MAC/s):
+# packed weights stay in C at any T (Q4_0 / Q4_K ~100, Q8_0 ~84, against the GEMM path's 47-68 at T=96-256),
+# the F16 / BF16 tile below FLOAT_TILE_MAX_TOKENS (62 against 42-52 at T=96-128, even at 160, 4-11% behind
+# at 192-256); the other block types go to torch's GEMM (their row kernel at T=96-256: Q5_0 31-35 against
+# 47-69, Q4_1 41-52 against 35-58).
 GEMM_MIN_TOKENS = 96
+FLOAT_TILE_MAX_TOKENS = 160
+
+
+def runs_c_kernel(weight: Weight, t: int) -> bool:
+    """Whether matmul multiplies t tokens by this weight in the C kernels (with the C backend)."""
+    qtype = weight_view(weight)[0]
+    if isinstance(weight, QuantTensor) and weight.packed is not None:
+        return True
+    return t < (FLOAT_TILE_MAX_TOKENS if qtype in (build.Q.F16, build.Q.BF16) else GEMM_MIN_TOKENS)
 
 
 def _run_row_kernel(fn, qtype, data, stride: int, f: int, d: int, inp, mask, out, threads) -> None:
@@ -117,47 +130,25 @@ def _row_op(axpy: bool, weight: Weight, inp: torch.Tensor, rows, threads) -> tor
     return out[0] if one else out
 
 
-def _torch_gather(weight: Weight, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    if mask is None:
-        return x @ dense_rows(weight, None).T
-    idx = mask.any(0).nonzero().squeeze(1)
-    out = torch.zeros(x.shape[0], mask.shape[1], dtype=torch.float32)
-    if idx.numel():
-        part = x @ dense_rows(weight, idx).T  # [T, n]
-        out[:, idx] = torch.where(mask[:, idx], part, torch.zeros(()))
-    return out
-
-
-def _torch_axpy(weight_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    active = a != 0
-    if mask is not None:
-        active &= mask
-    idx = active.any(0).nonzero().squeeze(1)
-    out = torch.zeros(a.shape[0], weight_t.shape[1], dtype=torch.float32)
-    if idx.numel():
-        coef = torch.where(active[:, idx], a[:, idx], torch.zeros(()))  # [T, n]
-        out += coef @ dense_rows(weight_t, idx)
-    return out
-
-
 def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
     """Dense x @ W.T for any weight type: x [T, D] (or [D]) -> float32 [T, F] (or [F]).
 
-    Small T streams the weight through the C kernel; large T (prefill) dequantizes blocks of rows
-    into a small float32 buffer and uses torch's GEMM, which is compute- not bandwidth-bound there.
+    The C kernels where `runs_c_kernel` says so (always below GEMM_MIN_TOKENS); else blocks of rows
+    dequantized into a small float32 buffer and torch's GEMM, which is compute- not bandwidth-bound there.
     """
     qtype, data, stride, f, d = weight_view(weight)
     x2, one = as_tokens(x, d, "x")
     t = x2.shape[0]
     lib = build.get_lib()
     packed = weight.packed if isinstance(weight, QuantTensor) else None
-    if lib is not None and t < GEMM_MIN_TOKENS and packed is not None:
+    c_kernel = lib is not None and runs_c_kernel(weight, t)
+    if c_kernel and packed is not None:
         out = torch.empty(t, f, dtype=torch.float32)
         if lib.hc_packed_matvec(
             _WT[qtype], packed.data_ptr(), f, d, x2.data_ptr(), t, out.data_ptr(), nthreads(threads)
         ):
             raise MemoryError("hc_packed_matvec failed")
-    elif lib is not None and t < GEMM_MIN_TOKENS:  # gather_matvec over every row, without its checks again
+    elif c_kernel:  # gather_matvec over every row, without its checks again
         out = torch.empty(t, f, dtype=torch.float32)
         _run_row_kernel(lib.hc_gather_matvec, qtype, data, stride, f, d, x2, None, out, threads)
     elif lib is None:

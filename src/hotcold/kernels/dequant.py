@@ -1,5 +1,6 @@
 """Float copies of CPU weights: `dequantize_rows` (C when built, bit-exact as ggml's dequantization,
-else `QuantTensor.dequantize`) and `dense_rows`, the torch fallbacks' float32 rows."""
+else `QuantTensor.dequantize`) and `dense_rows`, the torch fallbacks' float32 rows; `torch_gather` and
+`torch_axpy`, the row kernels in torch (cpu's fallback without the C library)."""
 
 from __future__ import annotations
 
@@ -62,4 +63,30 @@ def dequantize_rows(
     base = data.data_ptr() + start * stride if idx is None and n else data.data_ptr()
     rows = None if idx is None else idx.to(torch.int32).contiguous()
     lib.hc_dequantize(_WT[qtype], base, stride, ptr(rows), n, d, out.data_ptr(), nthreads(threads))
+    return out
+
+
+def torch_gather(weight: Weight, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """gather_matvec in torch: x [T, D] @ the rows of mask (all with None), 0 elsewhere -> [T, F]."""
+    if mask is None:
+        return x @ dense_rows(weight, None).T
+    idx = mask.any(0).nonzero().squeeze(1)
+    out = torch.zeros(x.shape[0], mask.shape[1], dtype=torch.float32)
+    if idx.numel():
+        part = x @ dense_rows(weight, idx).T  # [T, n]
+        out[:, idx] = torch.where(mask[:, idx], part, torch.zeros(()))
+    return out
+
+
+def torch_axpy(weight_t: Weight, a: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """sparse_axpy in torch: out[t] = sum of a[t, i] * row i over the rows i active for token t (a[t, i] != 0
+    and in mask)."""
+    active = a != 0
+    if mask is not None:
+        active &= mask
+    idx = active.any(0).nonzero().squeeze(1)
+    out = torch.zeros(a.shape[0], weight_t.shape[1], dtype=torch.float32)
+    if idx.numel():
+        coef = torch.where(active[:, idx], a[:, idx], torch.zeros(()))  # [T, n]
+        out += coef @ dense_rows(weight_t, idx)
     return out
