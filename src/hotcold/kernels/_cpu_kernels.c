@@ -981,9 +981,9 @@ HC_INLINE void chunk_decode(const int wt, const uint8_t *row, int64_t c, chunk_i
 HC_INLINE __m256i ld256(const uint8_t *p) { return _mm256_loadu_si256((const __m256i *)p); }
 HC_INLINE __m256i srl16(__m256i v, int n) { return _mm256_srl_epi16(v, _mm_cvtsi32_si128(n)); }
 /* 16 bytes -> 32 nibbles: the low nibbles (values 0..15), then the high ones (16..31). */
-HC_INLINE __m256i nib16(const uint8_t *p) {
-    const __m128i v = _mm_loadu_si128((const __m128i *)p), m = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+HC_INLINE __m256i nib16(const uint8_t *p) { /* one broadcast load, a shift of the upper lane, one mask */
+    const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    return _mm256_and_si256(_mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)), _mm256_set1_epi8(15));
 }
 /* Byte i = 0x10 where bit i of x is set, else 0 (the fifth bit of Q5_0 / Q5_1 values). */
 HC_INLINE __m256i bit4_of_32(uint32_t x) {
@@ -1000,7 +1000,7 @@ HC_INLINE __m256i bit_j(const uint8_t *p, int j, char v) {
 }
 HC_INLINE __m256i iq4_lookup(__m256i nib) {
     const __m128i t = _mm_loadu_si128((const __m128i *)IQ4_KVALUES);
-    return _mm256_shuffle_epi8(_mm256_set_m128i(t, t), nib);
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), nib);
 }
 
 /* Chunk c of a row as 32 bytes (unsigned u, or the signed values for q_signed types) plus the
