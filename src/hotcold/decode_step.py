@@ -196,7 +196,9 @@ class StaticDecoder:
                 r = b.r[: layer.fc1.shape[0]]
                 mask = b.mask[:n_ff]
                 k.gemv(layer.fc1, b.x2, out=r, relu=True, norm=layer.ffn_norm, eps=s.eps, normed_out=b.h)
-                k.gemv(layer.fc2, r, out=r, threshold=layer.threshold, mask_out=mask, count=b.counts[i : i + 1])
+                k.gemv(
+                    layer.fc2, r, out=r, threshold=layer.threshold, mask_out=mask, count=b.counts[i : i + 1]
+                )
                 k.gate_up(layer.gate, layer.up, b.h, mask, a, kind=s.kind, activation=s.activation)
             else:  # dense FFN: every row, the norm computed inside the gate/up kernel
                 k.gate_up(layer.gate, layer.up, b.x2, None, a, kind=s.kind, activation=s.activation,
@@ -279,7 +281,11 @@ def from_model(model, *, kernels: str | None = None, capture: bool | None = None
             w, fc1, fc2, thr = ffn.weights, None, None, 0.0
         else:
             return None, f"layer {i}'s FFN ({type(ffn).__name__}) is not all on {device}"
-        if w.kind not in ("gated", "gated_both") or w.activation not in ("relu", "silu") or w.up_bias is not None:
+        if (
+            w.kind not in ("gated", "gated_both")
+            or w.activation not in ("relu", "silu")
+            or w.up_bias is not None
+        ):
             return None, f"layer {i}'s FFN kind {w.kind}/{w.activation} has no fused step"
         kinds.add((w.kind, w.activation))
         wq, wk, wv = layer.qkv.weights

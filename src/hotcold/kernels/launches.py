@@ -158,7 +158,11 @@ def _on_zeros(func, args, kwargs):
     out = func(*zeros(args), **{k: zeros(v) for k, v in kwargs.items()})
     if isinstance(out, torch.Tensor):
         return out.to("meta")
-    return out if not isinstance(out, tuple) else tuple(o.to("meta") if isinstance(o, torch.Tensor) else o for o in out)
+    return (
+        out
+        if not isinstance(out, tuple)
+        else tuple(o.to("meta") if isinstance(o, torch.Tensor) else o for o in out)
+    )
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:

@@ -225,10 +225,10 @@ def _reduce_residual_kernel(part_ptr, res_ptr, out_ptr, S, D, BLOCK_D: tl.conste
 
 
 def _blocks(w: torch.Tensor) -> tuple[int, int]:
-    """(rows, columns) a program takes: small on the interpreter so tests cover several blocks; on a GPU
-    [16, 256] tiles, 8 KiB of F16 a step in 16-byte loads (first guesses, see benchmark())."""
+    """(rows, columns) a program takes: on the interpreter narrow enough that tests cover several column
+    blocks; on a GPU [16, 256] tiles, 8 KiB of F16 a step in 16-byte loads (first guesses, not tuned)."""
     if _INTERPRETED or w.device.type != "cuda":
-        return 4, 32
+        return 16, 32
     return 16, 128 if w.element_size() == 4 else 256
 
 
@@ -303,7 +303,7 @@ def gate_up(gate, up, h, mask, a_out, *, kind: str, activation: str, norm=None, 
 def axpy_splits(down_t: torch.Tensor, device: torch.device) -> tuple[int, int]:
     """(splits, rows per split) for down_axpy: enough programs to fill the GPU (~4 per SM)."""
     f, d = down_t.shape
-    block_k, block_d = (4, 32) if _INTERPRETED or device.type != "cuda" else (16, 256)
+    block_k, block_d = (16, 32) if _INTERPRETED or device.type != "cuda" else (16, 256)
     n_d = triton.cdiv(d, block_d)
     blocks = triton.cdiv(f, block_k)
     splits = max(1, min(blocks, triton.cdiv(4 * _sm_count(device), n_d)))
@@ -316,11 +316,20 @@ def down_axpy(down_t, a, residual, partial, out) -> torch.Tensor:
     with S from axpy_splits. Two launches; the splits are added in order."""
     f, d = down_t.shape
     splits, rows_per_split = axpy_splits(down_t, down_t.device)
-    block_k, block_d = (4, 32) if _INTERPRETED or down_t.device.type != "cuda" else (16, 256)
+    block_k, block_d = (16, 32) if _INTERPRETED or down_t.device.type != "cuda" else (16, 256)
     launch(
         _down_axpy_kernel,
         (triton.cdiv(d, block_d), splits),
         down_t, a, partial, f, d, rows_per_split, down_t.stride(0), BLOCK_K=block_k, BLOCK_D=block_d,
     )  # fmt: skip
-    launch(_reduce_residual_kernel, (triton.cdiv(d, block_d),), partial, residual, out, splits, d, BLOCK_D=block_d)
+    launch(
+        _reduce_residual_kernel,
+        (triton.cdiv(d, block_d),),
+        partial,
+        residual,
+        out,
+        splits,
+        d,
+        BLOCK_D=block_d,
+    )
     return out
