@@ -67,6 +67,26 @@ def test_static_step_equals_eager_dense(tiny_dense_gguf):
     assert all(c == [0, 0] for c in counts_s)  # no predictor: nothing counted
 
 
+def test_engine_decodes_through_the_static_step(tiny_sparse_gguf):
+    """What the loader attaches on a GPU, attached here on the CPU: the same text, the same neuron counts,
+    and every decode token through the step."""
+    import hotcold
+
+    loaded = load_model(tiny_sparse_gguf, device="cpu")
+    model = hotcold.Model(loaded)
+    ref = model.generate("the quick brown fox", max_tokens=8, ignore_eos=True)
+    ref_counts = (model.last_stats.neurons_computed, model.last_stats.neurons_total)
+    decoder, _ = decode_step.from_model(loaded.model, kernels="torch")
+    calls = []
+    real_step = decoder.step
+    decoder.step = lambda *a: calls.append(a[2]) or real_step(*a)
+    loaded.model.static_step = decoder
+    model = hotcold.Model(loaded)  # a new engine: no prefix cached from the first run
+    assert model.generate("the quick brown fox", max_tokens=8, ignore_eos=True) == ref
+    assert len(calls) >= 7 and calls == list(range(calls[0], calls[0] + len(calls)))  # every decode token
+    assert (model.last_stats.neurons_computed, model.last_stats.neurons_total) == ref_counts
+
+
 def test_static_step_is_deterministic_over_caches(tiny_sparse_gguf):
     """Two sequences' caches through one decoder: each step depends only on its own cache (what a graph
     per cache replays)."""

@@ -15,6 +15,7 @@ syncs): the reference the fused kernels are tested against, and the fallback whe
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -170,7 +171,11 @@ class StaticDecoder:
         self.head_norm, self.head = head_norm, head
         self.cos, self.sin = cos.float().contiguous(), sin.float().contiguous()
         self.device = head.device
-        self.kernels = triton_kernels() if kernels == "triton" else TorchKernels()
+        self.fused = kernels == "triton"
+        self.kernels = triton_kernels() if self.fused else TorchKernels()
+        self.n_ff = [layer.up.shape[0] for layer in layers]
+        self.sparse = [layer.fc1 is not None for layer in layers]
+        self._lock = threading.Lock()  # one set of buffers: one step at a time (server slots share a model)
         sparse = [layer.down_t for layer in layers if layer.down_t is not None]
         rows = max((self.kernels.partial_rows(d) for d in sparse), default=1)
         self.buf = _Buffers(layers, shape, head.shape[0], self.device, rows)
@@ -212,6 +217,14 @@ class StaticDecoder:
     def step(self, kv, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, list[int]]:
         """One token: its embedding row x [D] (on the host) at `pos` of the sequence whose cache is `kv`
         (state.KVCache on this device) -> (logits [V] float32 on the host, firing counts per layer)."""
+        with self._lock:
+            return self._step(kv, x, pos)
+
+    def _step(self, kv, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, list[int]]:
+        if pos >= self.cos.shape[0] or pos >= kv.n_ctx:
+            raise ValueError(
+                f"position {pos} is past the context ({min(kv.n_ctx, self.cos.shape[0])} tokens)"
+            )
         b = self.buf
         if self.capture:
             b.x.copy_(x, non_blocking=True)
@@ -253,7 +266,9 @@ def _float_on(t, device: torch.device) -> bool:
                                                                                torch.float32)  # fmt: skip
 
 
-def from_model(model, *, kernels: str | None = None, capture: bool | None = None):
+def from_model(
+    model, *, kernels: str | None = None, capture: bool | None = None, ctx_size: int | None = None
+):
     """(StaticDecoder, None) for a llama-family model whose every layer, FFN and head live on one device in
     float types, else (None, why not). Sparse layers must be all-hot (every neuron on that device)."""
     from hotcold.models.llama import Llama
@@ -293,10 +308,15 @@ def from_model(model, *, kernels: str | None = None, capture: bool | None = None
         tensors += [fc1, fc2] if fc1 is not None else []
         if not all(_float_on(t, device) for t in tensors):
             return None, f"layer {i} has weights that are not float tensors on {device}"
+        wqkv = torch.cat([wq, wk, wv])
+        if layer.qkv.c_group is None:
+            # the eager path (prefill) multiplies by views of the fused matrix, so the GPU holds q/k/v once;
+            # a C group (CPU weights) keeps its own pointers and its matrices
+            layer.qkv.weights[:] = list(torch.split(wqkv, [wq.shape[0], wk.shape[0], wv.shape[0]]))
         layers.append(
             StepLayer(
                 attn_norm=layer.attn_norm.weight,
-                wqkv=torch.cat([wq, wk, wv]).contiguous(),
+                wqkv=wqkv,
                 wo=layer.wo,
                 ffn_norm=ffn.norm.weight.to(device),
                 up=w.up,
@@ -313,7 +333,7 @@ def from_model(model, *, kernels: str | None = None, capture: bool | None = None
     kind, activation = kinds.pop()
     if kernels is None:
         kernels = "triton" if device.type == "cuda" and _triton_ok() else "torch"
-    cos, sin = model.rope._covering(c.n_ctx_train, device)
+    cos, sin = model.rope._covering(max(c.n_ctx_train, ctx_size or 0), device)
     shape = StepShape(c.n_head, c.n_head_kv, c.head_dim, model.layers[0].attn_norm.eps, kind, activation,
                       window=c.sliding_window or 0)  # fmt: skip
     decoder = StaticDecoder(layers, shape, model.head.norm.weight, model.head.weight, cos, sin,

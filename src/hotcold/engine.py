@@ -10,6 +10,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats, common_prefix
+from hotcold.ops import embed
 from hotcold.sampling import SamplingParams, make_generator, sample
 from hotcold.state import Batch, Observer, hot_masks
 from hotcold.structured import Constraint
@@ -36,6 +37,15 @@ class Engine:
 
     def _forward(self, ids: Sequence[int], pos: int, *, last_only: bool) -> torch.Tensor:
         tokens = torch.tensor(ids, dtype=torch.long)
+        step = getattr(self.model, "static_step", None)  # a model all on the GPU: the CUDA-graph step
+        seq = self.seq
+        if step is not None and len(ids) == 1 and not (seq.dense or seq.observe or seq.keep_masks):
+            logits, fired = step.step(seq.kv, embed(self.model.token_embd, tokens)[0], pos)
+            for layer, (n, n_ff, sparse) in enumerate(zip(fired, step.n_ff, step.sparse, strict=True)):
+                computed = n if sparse else n_ff
+                seq.count(layer, computed, n_ff, computed if seq.hot_mask(layer, n_ff) is not None else 0)
+            self.cached_ids[pos:] = list(ids)
+            return logits[None]
         logits = self.model.forward(tokens, Batch.single(self.seq, pos, len(ids)), last_only=last_only)
         self.cached_ids[pos:] = list(ids)
         return logits

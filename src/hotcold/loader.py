@@ -159,6 +159,8 @@ def load_model(
             f"(the file was calibrated for {100 * assets.sparsity:.0f}%)"
         )
     model = module.build(src, make_ffn)
+    if fast is not None and fast.type == "cuda" and os.environ.get("HOTCOLD_STATIC_STEP", "1") != "0":
+        _attach_static_step(model, notes)
     mode = "dense" if dense and thresholded is None else "sparse"
     where = "cpu" if fast is None else f"cpu + {fast}"
     notes.insert(
@@ -167,6 +169,20 @@ def load_model(
     )
     dense = dense and thresholded is None  # a thresholded file runs sparse (on a dense device plan)
     return LoadedModel(model, tokenizer, config, model_file, device, dense, ctx, notes, plan, hot, devices)
+
+
+def _attach_static_step(model, notes: list[str]) -> None:
+    """A model entirely on the GPU decodes through the fixed-shape, CUDA-graph step (decode_step.py);
+    HOTCOLD_STATIC_STEP=0 keeps the eager step (to compare the two)."""
+    from hotcold import decode_step
+
+    decoder, why = decode_step.from_model(model)
+    if decoder is None:
+        notes.append(f"decode: the eager step ({why})")
+        return
+    model.static_step = decoder
+    kernels = "fused Triton kernels" if decoder.fused else "torch kernels"
+    notes.append(f"decode: the fixed-shape step in a CUDA graph ({kernels})")
 
 
 def _thresholded_sparsity(model_file: ModelFile, config: ModelConfig, sparsity: float | None, dense: bool):

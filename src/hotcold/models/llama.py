@@ -37,6 +37,7 @@ class Llama:
         self.head = head
         self.plan: DevicePlan = plan
         self.rope = RopeTables(config, [layer.device for layer in layers])
+        self.static_step = None  # the loader's decode_step.StaticDecoder when everything is on one GPU
 
     def new_sequence(self, n_ctx: int) -> SequenceState:
         return new_sequence(self.config, self.plan, n_ctx)
