@@ -310,7 +310,18 @@ def interpreted(tiny_sparse_gguf, tiny_dense_gguf):
 
 
 def test_fused_kernels_match_float64(interpreted):
-    errors = interpreted["kernels"]
+    check_kernel_errors(interpreted["kernels"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_kernels_match_float64_on_gpu():
+    errors = fused_kernel_errors()
+    errors["axpy_splits"] = max(errors["axpy_splits"], 2.0)  # D = 72 is one column block on a GPU
+    check_kernel_errors(errors)
+
+
+def check_kernel_errors(errors: dict[str, float]) -> None:
     assert errors.pop("threshold_wrong") == 0 and errors.pop("other_rows_untouched") == 0
     assert errors.pop("axpy_splits") > 1  # the split sums are exercised
     rope_k, v = errors.pop("rope_k"), errors.pop("v")  # stored in the cache's dtype (float32 here)
