@@ -1,137 +1,710 @@
-"""GPU benchmark, one call on a borrowed NVIDIA machine (keep under ~8 minutes):
+"""Every GPU figure in ONE call on a borrowed NVIDIA machine (H200: one call of ~9 minutes, no second try).
 
-1. the GPU's measured copy bandwidth (device-to-device);
-2. a 7B-shaped synthetic ReLU-LLaMA F16 file (~10% firing, skewed), with `--vram-budget 8`:
-   hybrid sparse decode (hot neurons on the GPU, cold on the CPU) vs dense `-ngl N` layer offload at the
-   same budget, measured in one run (issue #6 target: hybrid >= 8x);
-3. the same model entirely on the GPU: dense decode (target: >= 60% of copy bandwidth) and sparse decode;
-4. the Triton kernel tests on the real GPU (`pytest -m gpu`).
+Parts, in order of importance, each checked against a global deadline (--deadline-s) before it starts,
+each with its own time limit, each saving $OUT/gpu.json as soon as a figure is measured (one failure
+never loses the others; a part that cannot fit is skipped with the reason recorded):
 
-    python benchmarks/gpu.py --out $OUT/gpu.json [--shape 7b] [--n-gen 64]
+1. bandwidth: GPU device-to-device copy (GB/s, read + write), host copy (a large torch CPU copy), pinned
+   host-to-device;
+2. synth: a 7B-wide synthetic ReLU-LLaMA with fewer layers (--layers, default 8; ~10% firing, hottest 20%
+   take 80%), F16, as a PowerInfer file (activation/ beside it) and the same weights in the dense layout;
+3. hotcold, all on the GPU: dense file, then sparse file (tokens/s, effective GB/s, ms per token / layer);
+4. the original PowerInfer on the same two files (.anchors/powerinfer-gpu.sh: hybrid at the budget, sparse
+   all-GPU, CPU only, dense -ngl, dense all-GPU), with its own time limit;
+5. hotcold at a VRAM budget holding about a third of the FFN (attention + KV at --ctx + predictors +
+   output + scratch + FFN / 3): hybrid vs dense -ngl at the same VRAM, and sparse CPU-only;
+6. the Triton kernels (hot_gather_matvec, hot_axpy) on 7B FFN shapes at 10% / 100% rows, F16, against the
+   copy bandwidth; `hotcold.kernels.triton_decode.benchmark(device)` when that module exists;
+7. `pytest -m gpu` on the test files that hold GPU tests.
+
+    python benchmarks/gpu.py --out $OUT/gpu.json          # the device call: benchmarks/gpu_run.sh
+    python benchmarks/gpu.py --cpu-dry-run --out /tmp/gpu.json   # the plumbing on the CPU, tiny shape
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import importlib.util
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+GIB = 1 << 30
+# fields every gpu.json has (null when not measured); the GPU issues judge these
+REQUIRED = (
+    "gpu", "date", "copy_gb_s", "host_copy_gb_s", "h2d_pinned_gb_s",
+    "dense_all_gpu_tps", "dense_all_gpu_gb_s", "sparse_all_gpu_tps", "sparse_all_gpu_gb_s",
+    "pi_dense_all_gpu_tps", "pi_sparse_all_gpu_tps", "budget_gib", "ngl", "hybrid_tps", "dense_ngl_tps",
+    "sparse_cpu_only_tps", "pi_hybrid_tps", "pi_dense_ngl_tps", "pi_sparse_cpu_only_tps", "vram_used_gib",
+    "dense_all_gpu_share_of_copy", "sparse_over_dense_all_gpu", "hybrid_over_dense_ngl",
+    "hybrid_over_pi_hybrid", "sparse_all_gpu_over_pi", "dense_all_gpu_over_pi", "dense_ngl_over_pi",
+    "sparse_cpu_only_over_pi", "pi_hybrid_over_pi_dense_ngl", "errors",
+)  # fmt: skip
+RATIOS = {  # name: (numerator, denominator)
+    "dense_all_gpu_share_of_copy": ("dense_all_gpu_gb_s", "copy_gb_s"),
+    "sparse_over_dense_all_gpu": ("sparse_all_gpu_tps", "dense_all_gpu_tps"),
+    "hybrid_over_dense_ngl": ("hybrid_tps", "dense_ngl_tps"),
+    "hybrid_over_pi_hybrid": ("hybrid_tps", "pi_hybrid_tps"),
+    "sparse_all_gpu_over_pi": ("sparse_all_gpu_tps", "pi_sparse_all_gpu_tps"),
+    "dense_all_gpu_over_pi": ("dense_all_gpu_tps", "pi_dense_all_gpu_tps"),
+    "dense_ngl_over_pi": ("dense_ngl_tps", "pi_dense_ngl_tps"),
+    "sparse_cpu_only_over_pi": ("sparse_cpu_only_tps", "pi_sparse_cpu_only_tps"),
+    "pi_hybrid_over_pi_dense_ngl": ("pi_hybrid_tps", "pi_dense_ngl_tps"),
+}
+# powerinfer-gpu.sh's table: printf '%-18s rc=%s tg=%s tok/s\n' name rc tokens/s ("?" when none)
+PI_FIELDS = {
+    "hybrid_budget": "pi_hybrid_tps",
+    "sparse_all_gpu": "pi_sparse_all_gpu_tps",
+    "sparse_cpu_only": "pi_sparse_cpu_only_tps",
+    "dense_ngl": "pi_dense_ngl_tps",
+    "dense_all_gpu": "pi_dense_all_gpu_tps",
+}
+PI_LINE = re.compile(r"^(?P<name>\S+)\s+rc=(?P<rc>\S*)\s+tg=(?P<tg>.*?)\s+tok/s\s*$")
 
-def copy_bandwidth_gb_s(n_bytes: int = 1 << 30) -> float:
-    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+
+def parse_pi_line(line: str) -> tuple[str, int | None, float | None] | None:
+    """(name, return code, tokens/s) of one line of powerinfer-gpu.sh's table, None for any other line."""
+    m = PI_LINE.match(line.strip())
+    if m is None:
+        return None
+    rc = int(m["rc"]) if m["rc"].lstrip("-").isdigit() else None
+    try:
+        tps = float(m["tg"])
+    except ValueError:
+        tps = None
+    return m["name"], rc, tps
+
+
+def parse_pi_table(text: str) -> dict[str, dict]:
+    """{configuration: {"rc": ..., "tps": ...}} from pi-table.txt (or the script's stdout)."""
+    rows = {}
+    for line in text.splitlines():
+        if (row := parse_pi_line(line)) is not None:
+            rows[row[0]] = {"rc": row[1], "tps": row[2]}
+    return rows
+
+
+class PartTimeout(Exception):
+    pass
+
+
+def _raise_timeout(signum, frame):
+    raise PartTimeout()
+
+
+def kill_tree(pid: int) -> None:
+    """End a child we started and everything under it (GNU timeout moves itself to a process group of its
+    own, so a group kill would miss PowerInfer's main): SIGTERM to each, then SIGKILL to what is left."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+        except (OSError, IndexError, ValueError):
+            continue
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for p in tree:
+            try:
+                os.kill(p, sig)
+            except OSError:
+                pass
+        if sig == signal.SIGTERM:
+            time.sleep(2)
+
+
+class Bench:
+    """The results dict, saved after every change; parts run under the deadline."""
+
+    def __init__(self, out: Path, deadline_s: float):
+        self.out, self.deadline_s, self.t0 = out, deadline_s, time.monotonic()
+        self.results: dict = {k: None for k in REQUIRED}
+        self.results.update(errors={}, skipped={}, part_seconds={}, runs={})
+        self.lock = threading.RLock()
+        self.procs: set[subprocess.Popen] = set()
+
+    def left(self) -> float:
+        return self.deadline_s - (time.monotonic() - self.t0)
+
+    def save(self) -> None:
+        with self.lock:
+            self.results["elapsed_s"] = round(time.monotonic() - self.t0, 1)
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.out.with_name(self.out.name + ".tmp")
+            tmp.write_text(json.dumps(self.results, indent=2, default=str))
+            tmp.replace(self.out)
+
+    def set(self, **fields) -> None:
+        with self.lock:
+            self.results.update(fields)
+        self.save()
+
+    def note(self, table: str, key: str, text: str) -> None:
+        with self.lock:
+            self.results[table][key] = text
+        print(f"gpu.py: {table[:-1] if table.endswith('s') else table} {key}: {text}", file=sys.stderr)
+        self.save()
+
+    def part(self, name: str, fn, *, need_s: float, limit_s: float):
+        """Run fn() unless less than need_s is left; stop it after limit_s (or at the deadline)."""
+        left = self.left()
+        if left < need_s:
+            self.note(
+                "skipped", name, f"{left:.0f} s left before the deadline, the part needs ~{need_s:.0f} s"
+            )
+            return None
+        limit = max(1.0, min(limit_s, left))
+        start = time.monotonic()
+        print(f"gpu.py: {name} (limit {limit:.0f} s, {left:.0f} s left)", file=sys.stderr, flush=True)
+        alarm = threading.current_thread() is threading.main_thread()
+        if alarm:
+            previous = signal.signal(signal.SIGALRM, _raise_timeout)
+            signal.setitimer(signal.ITIMER_REAL, limit)
+        try:
+            return fn()
+        except PartTimeout:
+            self.note("errors", name, f"stopped at its time limit ({limit:.0f} s)")
+        except Exception as exc:  # record and go on: one failure must not lose the other figures
+            self.note("errors", name, f"{type(exc).__name__}: {exc}"[:1500])
+            with self.lock:
+                self.results.setdefault("tracebacks", {})[name] = traceback.format_exc()[-3000:]
+        finally:
+            if alarm:
+                signal.setitimer(signal.ITIMER_REAL, 0)
+                signal.signal(signal.SIGALRM, previous)
+            with self.lock:
+                self.results["part_seconds"][name] = round(time.monotonic() - start, 1)
+            self.save()
+        return None
+
+    def run_proc(self, cmd, *, limit_s: float, env=None, on_line=None, cwd=REPO) -> tuple[int | None, str]:
+        """A child process (its own session), stdout+stderr read line by line; killed, with everything it
+        started, at limit_s. (return code or None when killed, the output's tail)"""
+        proc = subprocess.Popen(
+            cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            start_new_session=True, errors="replace",
+        )  # fmt: skip
+        self.procs.add(proc)
+        lines: list[str] = []
+
+        def read():
+            for line in proc.stdout:
+                lines.append(line)
+                if on_line is not None:
+                    on_line(line)
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            rc = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            rc = None
+        finally:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+                proc.wait()
+            self.procs.discard(proc)
+            reader.join(timeout=5)
+        return rc, "".join(lines)[-4000:]
+
+    def watchdog(self, hard_s: float) -> threading.Event:
+        """At hard_s after the start, whatever hangs: save, end our children, exit (rc 124)."""
+        done = threading.Event()
+
+        def watch():
+            if done.wait(max(0.0, hard_s - (time.monotonic() - self.t0))):
+                return
+            self.note("errors", "watchdog", f"hard stop at {hard_s:.0f} s (a part hung past its limit)")
+            for proc in list(self.procs):
+                kill_tree(proc.pid)
+            print(summary(self.results), flush=True)
+            os._exit(124)
+
+        threading.Thread(target=watch, daemon=True).start()
+        return done
+
+
+# ---------------------------------------------------------------- measurements
+
+
+def host_copy_gb_s(n_bytes: int, rounds: int = 5) -> float:
+    src = torch.ones(n_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    torch.cuda.synchronize()
     best = 0.0
-    for _ in range(10):
+    for _ in range(rounds + 1):  # the first pages dst in
         start = time.perf_counter()
         dst.copy_(src)
-        torch.cuda.synchronize()
         best = max(best, 2 * n_bytes / (time.perf_counter() - start) / 1e9)  # read + write
     return best
 
 
-def tg(path: Path, n_gen: int, **load_args) -> dict:
-    """Decode speed of one configuration (tokens/s, firing rate, effective GB/s of weights read)."""
+def device_seconds(fn, iters: int, device: str = "cuda") -> float:
+    """Mean seconds per call of fn(i) after one warm-up call: CUDA events on a GPU, the clock elsewhere."""
+    fn(0)
+    if device != "cuda":
+        start = time.perf_counter()
+        for i in range(iters):
+            fn(i)
+        return (time.perf_counter() - start) / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for i in range(iters):
+        fn(i)
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3 / iters
+
+
+def _copy_gb_s(n_bytes: int) -> float:
+    src = torch.ones(n_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return max(2 * n_bytes / device_seconds(lambda i: dst.copy_(src), 1) for _ in range(10)) / 1e9
+
+
+def _h2d_gb_s(n_bytes: int) -> float:
+    pinned = torch.ones(n_bytes, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(n_bytes, dtype=torch.uint8, device="cuda")
+    return (
+        max(n_bytes / device_seconds(lambda i: dev.copy_(pinned, non_blocking=True), 1) for _ in range(5))
+        / 1e9
+    )
+
+
+def gpu_bandwidth(n_bytes: int = GIB) -> dict:
+    """Device-to-device copy (read + write, best of 10) and pinned host-to-device (best of 5), GB/s."""
+    result = {"copy_gb_s": _copy_gb_s(n_bytes)}
+    torch.cuda.empty_cache()
+    result["h2d_pinned_gb_s"] = _h2d_gb_s(n_bytes)
+    torch.cuda.empty_cache()
+    return result
+
+
+def vram_budget_gib(sparse_path: Path, ctx: int) -> tuple[float, dict]:
+    """A budget that holds attention + KV (at ctx) + predictors + output + scratch + a third of the FFN."""
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.placement.budget import layer_tensor_groups, plan_budget
+
+    mf = ModelFile(sparse_path)
+    config = config_from_file(mf)
+    plan = plan_budget(mf, config, 1 << 50, ctx_size=ctx, device_type="cuda")  # everything fits
+    _, _, ffn = layer_tensor_groups(mf, config.n_layer)
+    ffn_bytes = sum(mf.tensors[n].n_bytes for names in ffn for n in names)
+    parts = {"scratch": plan.scratch_bytes, **plan.spent, "ffn_third": ffn_bytes // 3}
+    return sum(parts.values()) / GIB, {k: round(v / GIB, 3) for k, v in parts.items()}
+
+
+def ngl_for(dense_path: Path, budget_gib: float, ctx: int) -> int:
+    """Layers of the dense file that fit the same budget (hotcold's -ngl walk; n_layer + 1: the head too)."""
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.placement.budget import dense_layers_fitting
+
+    mf = ModelFile(dense_path)
+    config = config_from_file(mf)
+    n = dense_layers_fitting(mf, config, int(budget_gib * GIB), ctx_size=ctx)
+    return n + 1 if n == config.n_layer else n
+
+
+def decode_run(path: Path, *, n_gen: int, ctx: int, threads: int, device: str, **load_args) -> dict:
+    """hotcold.load + one decode measurement (bench.measure: n_gen tokens after a 4-token warm-up)."""
     import hotcold
     from hotcold.cli.bench import measure, weight_bytes
 
+    cuda = device == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    llm = hotcold.load(path, ctx_size=n_gen + 8, **load_args)
+    llm = hotcold.load(path, ctx_size=ctx, threads=threads, device=device, **load_args)
     load_s = time.perf_counter() - start
-    measure(llm, "tg", 4)  # warm-up
-    seconds, rate = measure(llm, "tg", n_gen)
-    sizes = weight_bytes(llm.loaded.file)
-    sparse = not llm.loaded.dense
-    per_token = (
-        sizes["other"] + sizes["ffn"] * (rate if sparse else 1.0) + (sizes["predictor"] if sparse else 0)
+    try:
+        measure(llm, "tg", 4)
+        seconds, rate = measure(llm, "tg", n_gen)
+        sizes = weight_bytes(llm.loaded.file)
+        sparse = not llm.loaded.dense
+        per_token = sizes["other"] + sizes["ffn"] * (rate if sparse else 1.0)
+        per_token += sizes["predictor"] if sparse else 0
+        ms = 1e3 * seconds / n_gen
+        record = {
+            "tps": n_gen / seconds,
+            "gb_s": per_token * n_gen / seconds / 1e9,
+            "ms_per_token": ms,
+            "ms_per_layer": ms / llm.config.n_layer,
+            "firing_rate": rate if sparse else 1.0,
+            "bytes_per_token": per_token,
+            "load_seconds": load_s,
+            "n_gen": n_gen,
+            "ctx_size": ctx,
+            "notes": llm.loaded.notes,
+        }
+        if cuda:
+            record["vram_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
+            record["vram_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
+        return record
+    finally:
+        del llm
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+
+
+def kernel_bench(
+    copy_gb_s: float | None, *, device: str = "cuda", shape=(11008, 4096), iters: int = 60, n: int = 6
+) -> dict:
+    """hot_gather_matvec / hot_axpy over 7B FFN rows (11008 x 4096, F16, one token), 10% and 100% of rows,
+    cycling over n matrices and masks (6: 540 MB, more than the L2 holds); GB/s of the rows read.
+    (device "cpu" under TRITON_INTERPRET=1 with a small shape: a check of this function, not a figure.)"""
+    import hotcold.kernels.triton as kt
+
+    if not kt.available():
+        raise RuntimeError("Triton is not available")
+    F, D = shape
+    gen = torch.Generator(device=device).manual_seed(0)
+    ws = [torch.randn(F, D, device=device, dtype=torch.float16, generator=gen) for _ in range(n)]
+    x = torch.randn(1, D, device=device, generator=gen)
+    a = torch.randn(1, F, device=device, generator=gen)
+    out_mv = torch.empty(1, F, device=device)
+    out_ax = torch.empty(1, D, device=device)
+    xh = x[0].half()  # torch's F16 GEMV over all rows: the dense reference
+    rows = {}
+    for density in (0.10, 1.00):
+        masks = [torch.rand(1, F, device=device, generator=gen) < density for _ in range(n)]
+        n_rows = sum(int(m.sum()) for m in masks) / n
+        ops = {
+            "hot_gather_matvec": lambda i, m=masks: kt.hot_gather_matvec(ws[i % n], x, m[i % n], out=out_mv),
+            "hot_axpy": lambda i, m=masks: kt.hot_axpy(ws[i % n], a, m[i % n], out=out_ax),
+        }
+        if density == 1.0:
+            ops["torch_mv_dense"] = lambda i: torch.mv(ws[i % n], xh)
+        for op, fn in ops.items():
+            seconds = device_seconds(fn, iters, device)
+            gb_s = n_rows * D * 2 / seconds / 1e9
+            rows[f"{op}@{density:.0%}"] = {
+                "us": seconds * 1e6,
+                "rows": n_rows,
+                "gb_s": gb_s,
+                "share_of_copy": gb_s / copy_gb_s if copy_gb_s else None,
+            }
+    return rows
+
+
+def fused_kernels(device: str) -> dict:
+    """hotcold.kernels.triton_decode.benchmark(device), when the module exists (written elsewhere)."""
+    if importlib.util.find_spec("hotcold.kernels.triton_decode") is None:
+        return {"absent": "no module hotcold.kernels.triton_decode"}
+    if device != "cuda":
+        return {"skipped": "the module exists; its benchmark needs a CUDA GPU"}
+    from hotcold.kernels import triton_decode
+
+    return {"result": triton_decode.benchmark(torch.device("cuda"))}
+
+
+# ---------------------------------------------------------------- the parts
+
+
+def synth_files(b: Bench, args) -> tuple[Path, Path]:
+    """The sparse and the dense file of one model (synth.py, the two in parallel; reused when complete)."""
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    stem = f"synth-{args.shape}-{args.layers}l" + (f"-v{args.vocab}" if args.vocab else "")
+    sparse, dense = work / f"{stem}.powerinfer.gguf", work / f"{stem}.gguf"
+    done = work / f"{stem}.done"
+    if not done.exists():
+        start = time.perf_counter()
+        base = [sys.executable, str(HERE / "synth.py"), "--shape", args.shape, "--layers", str(args.layers)]
+        base += ["--vocab", str(args.vocab)] if args.vocab else []
+        procs = {
+            name: subprocess.Popen(base + extra + ["-o", str(path)], stdout=subprocess.PIPE, text=True)
+            for name, path, extra in (("sparse", sparse, []), ("dense", dense, ["--dense"]))
+        }
+        try:
+            for name, proc in procs.items():
+                out, _ = proc.communicate(
+                    timeout=max(1.0, args.synth_limit_s - (time.perf_counter() - start))
+                )
+                if proc.returncode != 0:
+                    raise RuntimeError(f"synth.py ({name}) exited {proc.returncode}")
+                b.results.setdefault("synth", {})[name] = json.loads(out)
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    kill_tree(proc.pid)
+        b.set(synth_seconds=time.perf_counter() - start)
+        done.write_text("ok\n")
+    b.set(sparse_file=str(sparse), dense_file=str(dense), file_bytes=sparse.stat().st_size)
+    return sparse, dense
+
+
+def run_config(b: Bench, name: str, path: Path, args, **load_args) -> None:
+    record = decode_run(
+        path, n_gen=args.n_gen, ctx=args.ctx, threads=args.threads, device=args.device, **load_args
     )
-    result = {
-        "load_seconds": load_s,
-        "tokens_per_s": n_gen / seconds,
-        "firing_rate": rate if sparse else 1.0,
-        "effective_gb_s": n_gen / seconds * per_token / 1e9,
-        "notes": llm.loaded.notes,
-    }
-    del llm
-    torch.cuda.empty_cache()
-    return result
+    with b.lock:
+        b.results["runs"][name] = record
+    b.set(**{f"{name}_tps": record["tps"], f"{name}_gb_s": record["gb_s"]})
+    print(
+        f"gpu.py: {name}: {record['tps']:.2f} tok/s, {record['gb_s']:.1f} GB/s", file=sys.stderr, flush=True
+    )
+
+
+def powerinfer(b: Bench, args, sparse: Path, dense: Path, limit_s: float) -> None:
+    script = Path(args.anchors) / "powerinfer-gpu.sh"
+    if not script.exists():
+        b.note("skipped", "powerinfer", f"{script} missing (copy ../shared/anchors to .anchors and carry it)")
+        return
+    if args.device != "cuda":
+        b.note("skipped", "powerinfer", "no CUDA GPU (its binaries are CUDA builds)")
+        return
+    pi_out = Path(args.workdir) / "pi"
+    pi_out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OUT=str(pi_out), PY=sys.executable)
+    budget = f"{b.results['budget_gib']:.2f}"
+    cmd = ["bash", str(script), str(sparse), str(dense), budget, str(b.results["ngl"])]
+    cmd += [str(args.n_gen), str(args.threads)]
+    table: dict = {}
+
+    def on_line(line: str) -> None:
+        if (row := parse_pi_line(line)) is not None:
+            name, rc, tps = row
+            table[name] = {"rc": rc, "tps": tps}
+            fields = {"pi_table": dict(table)}
+            if name in PI_FIELDS:
+                fields[PI_FIELDS[name]] = tps
+            b.set(**fields)
+
+    rc, tail = b.run_proc(cmd, limit_s=limit_s, env=env, on_line=on_line)
+    logs = {p.stem: p.read_text(errors="replace")[-1500:] for p in sorted(pi_out.glob("pi-*.log"))}
+    b.set(powerinfer={"command": " ".join(cmd), "rc": rc, "tail": tail, "logs": logs})
+    if rc is None:
+        b.note("errors", "powerinfer", f"powerinfer-gpu.sh stopped at its time limit ({limit_s:.0f} s)")
+    for name, row in table.items():
+        if row["tps"] is None or row["rc"] != 0:
+            b.note("errors", f"powerinfer_{name}", f"rc={row['rc']}, no tokens/s (see powerinfer.logs)")
+
+
+def gpu_tests(b: Bench, limit_s: float) -> None:
+    files = sorted(
+        str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py") if "mark.gpu" in p.read_text()
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-m",
+        "gpu",
+        "--continue-on-collection-errors",
+        "-p",
+        "no:cacheprovider",
+    ]
+    rc, tail = b.run_proc(cmd + (files or ["tests/"]), limit_s=limit_s)
+    b.set(gpu_tests={"files": files, "returncode": rc, "tail": tail[-2500:]})
+
+
+def finish(b: Bench) -> None:
+    with b.lock:
+        r = b.results
+        for key, (num, den) in RATIOS.items():
+            r[key] = r[num] / r[den] if r.get(num) and r.get(den) else None
+        hybrid = r["runs"].get("hybrid", {})
+        r["vram_used_gib"] = hybrid.get("vram_peak_reserved_gib")
+        r["vram_allocated_gib"] = hybrid.get("vram_peak_allocated_gib")
+    b.save()
+
+
+def summary(r: dict) -> str:
+    def f(x, spec=".1f"):
+        return "—" if x is None else format(x, spec)
+
+    runs = r.get("runs", {})
+    rows = [
+        ("dense, all on the GPU", "dense_all_gpu", "pi_dense_all_gpu_tps"),
+        ("sparse, all on the GPU", "sparse_all_gpu", "pi_sparse_all_gpu_tps"),
+        (f"hybrid, {f(r.get('budget_gib'), '.2f')} GiB", "hybrid", "pi_hybrid_tps"),
+        (f"dense -ngl {r.get('ngl')}, same VRAM", "dense_ngl", "pi_dense_ngl_tps"),
+        ("sparse, CPU only", "sparse_cpu_only", "pi_sparse_cpu_only_tps"),
+    ]
+    lines = [
+        f"### GPU run {r.get('date')} on {r.get('gpu')} ({r.get('shape')} x {r.get('layers')} layers, F16, "
+        f"tg{r.get('n_gen')}, ctx {r.get('ctx')}, {r.get('threads')} threads{', CPU DRY RUN' if r.get('dry_run') else ''})",
+        "",
+        f"Copy bandwidth: GPU {f(r.get('copy_gb_s'), '.0f')} GB/s, host {f(r.get('host_copy_gb_s'))} GB/s, "
+        f"pinned host-to-device {f(r.get('h2d_pinned_gb_s'))} GB/s. Synthesis {f(r.get('synth_seconds'))} s.",
+        "",
+        "| configuration | hotcold tok/s | ms/token | GB/s | PowerInfer tok/s | hotcold / PowerInfer |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for label, run, pi in rows:
+        rec = runs.get(run, {})
+        tps, pi_tps = rec.get("tps"), r.get(pi)
+        ratio = tps / pi_tps if tps and pi_tps else None
+        lines.append(
+            f"| {label} | {f(tps)} | {f(rec.get('ms_per_token'), '.2f')} | {f(rec.get('gb_s'))} | {f(pi_tps)} | {f(ratio, '.2f')} |"
+        )
+    lines += [
+        "",
+        f"Dense all-GPU reads {f(r.get('dense_all_gpu_share_of_copy'), '.0%')} of copy bandwidth; sparse / dense all-GPU "
+        f"{f(r.get('sparse_over_dense_all_gpu'), '.2f')}x; hybrid / dense -ngl {f(r.get('hybrid_over_dense_ngl'), '.2f')}x "
+        f"(PowerInfer: {f(r.get('pi_hybrid_over_pi_dense_ngl'), '.2f')}x); hybrid VRAM used {f(r.get('vram_used_gib'), '.2f')} GiB.",
+    ]
+    kernels = r.get("kernels") or {}
+    if kernels:
+        lines += ["", "| kernel @ rows | us | GB/s | share of copy |", "| --- | --- | --- | --- |"]
+        lines += [
+            f"| {k} | {f(v['us'])} | {f(v['gb_s'], '.0f')} | {f(v['share_of_copy'], '.0%')} |"
+            for k, v in kernels.items()
+        ]
+    tests = r.get("gpu_tests") or {}
+    if tests:
+        last = tests.get("tail", "").strip().splitlines()[-1:] or [""]
+        lines += ["", f"pytest -m gpu: rc {tests.get('returncode')}: {last[0]}"]
+    for table in ("errors", "skipped"):
+        for k, v in (r.get(table) or {}).items():
+            lines.append(f"- {table[:-1] if table == 'errors' else table}: {k}: {str(v)[:200]}")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", ".") + "/gpu.json")
-    ap.add_argument("--shape", default="7b")
-    ap.add_argument("--workdir", default="/tmp/hotcold-gpu")
-    ap.add_argument("--budget", type=float, default=8.0, help="GiB for the hybrid vs -ngl comparison")
-    ap.add_argument("--n-gen", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
-    args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("no CUDA GPU: nothing to measure", file=sys.stderr)
-        return 1
-    results: dict = {
-        "date": time.strftime("%Y-%m-%d %H:%M"),
-        "gpu": torch.cuda.get_device_name(),
-        "threads": args.threads,
-    }
-
-    def save():
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(results, indent=2))
-
-    results["copy_bandwidth_gb_s"] = copy_bandwidth_gb_s()
-    save()
-    workdir = Path(args.workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-    path = workdir / f"synth-{args.shape}.powerinfer.gguf"
-    if not path.exists():
-        start = time.perf_counter()
-        subprocess.run(
-            [sys.executable, str(Path(__file__).parent / "synth.py"), "--shape", args.shape, "-o", str(path)],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        results["synth_seconds"] = time.perf_counter() - start
-    results["file_bytes"] = path.stat().st_size
-    save()
-    common = dict(device="cuda", threads=args.threads)
-    runs = {
-        "hybrid_sparse_budget": dict(vram_budget=args.budget, reset_gpu_index=True),
-        "dense_ngl_budget": dict(vram_budget=args.budget, dense=True),
-        "dense_all_gpu": dict(dense=True),
-        "sparse_all_gpu": dict(reset_gpu_index=True),
-    }
-    for name, extra in runs.items():
-        try:
-            results[name] = tg(path, args.n_gen, **common, **extra)
-        except Exception as exc:  # record and go on: one failure must not lose the other figures
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-        save()
-    hyb, ngl = results.get("hybrid_sparse_budget", {}), results.get("dense_ngl_budget", {})
-    if "tokens_per_s" in hyb and "tokens_per_s" in ngl:
-        results["hybrid_over_ngl"] = hyb["tokens_per_s"] / ngl["tokens_per_s"]
-    dense_gpu = results.get("dense_all_gpu", {})
-    if "effective_gb_s" in dense_gpu:
-        results["dense_all_gpu_share_of_copy_bw"] = (
-            dense_gpu["effective_gb_s"] / results["copy_bandwidth_gb_s"]
-        )
-    save()
-    tests = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/"],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    ap.add_argument(
+        "--cpu-dry-run", action="store_true", help="the plumbing on the CPU: tiny shape, few tokens"
     )
-    results["gpu_tests"] = {"returncode": tests.returncode, "tail": tests.stdout[-2000:]}
-    save()
-    print(json.dumps(results, indent=2))
+    ap.add_argument("--shape", default=None, help="synth.py shape (default 7b; tiny in a dry run)")
+    ap.add_argument(
+        "--layers", type=int, default=None, help="layers of the synthetic model (default 8; 2 dry)"
+    )
+    ap.add_argument(
+        "--n-gen", type=int, default=None, help="tokens per decode measurement (default 64; 4 dry)"
+    )
+    ap.add_argument("--vocab", type=int, default=None, help="synth.py vocabulary (default 32000; 1024 dry)")
+    ap.add_argument("--ctx", type=int, default=2048, help="context size the KV cache is charged for")
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--workdir", default=None, help="model files (default /dev/shm/hotcold-gpu or /tmp/...)")
+    ap.add_argument("--anchors", default=str(REPO / ".anchors"), help="a copy of ../shared/anchors")
+    ap.add_argument("--deadline-s", type=float, default=540.0, help="no part starts after this")
+    ap.add_argument("--synth-limit-s", type=float, default=150.0)
+    ap.add_argument("--pi-limit-s", type=float, default=180.0)
+    ap.add_argument("--tests-limit-s", type=float, default=120.0)
+    args = ap.parse_args(argv)
+    dry = args.cpu_dry_run
+    args.device = "cpu" if dry else "cuda"
+    args.shape = args.shape or ("tiny" if dry else "7b")
+    args.layers = args.layers or (2 if dry else 8)
+    args.n_gen = args.n_gen or (4 if dry else 64)
+    args.vocab = args.vocab or (1024 if dry else None)  # a small vocabulary opens fast (the test's time)
+    if args.workdir is None:
+        shm = Path("/dev/shm")
+        base = shm if shm.is_dir() and os.access(shm, os.W_OK) and not dry else Path("/tmp")
+        args.workdir = str(base / "hotcold-gpu")
+    b = Bench(Path(args.out), args.deadline_s)
+    done = b.watchdog(args.deadline_s + 25)
+    try:
+        return run_all(b, args)
+    finally:
+        done.set()
+
+
+def run_all(b: Bench, args) -> int:
+    dry = args.cpu_dry_run
+    b.set(
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        dry_run=dry, shape=args.shape, layers=args.layers, n_gen=args.n_gen, ctx=args.ctx,
+        threads=args.threads, torch=torch.__version__, python=sys.version.split()[0],
+    )  # fmt: skip
+    if not dry and not torch.cuda.is_available():
+        b.note(
+            "errors", "cuda", "no CUDA GPU: only the CPU figures can be measured (--cpu-dry-run for a check)"
+        )
+        args.device = "cpu"
+    cuda = args.device == "cuda"
+
+    def bandwidth():
+        b.set(host_copy_gb_s=host_copy_gb_s((64 << 20) if dry else GIB))
+        if cuda:
+            b.set(**gpu_bandwidth())
+        else:
+            b.note("skipped", "gpu_bandwidth", "no CUDA GPU")
+
+    b.part("bandwidth", bandwidth, need_s=10, limit_s=60)
+    files = b.part("synth", lambda: synth_files(b, args), need_s=40, limit_s=args.synth_limit_s + 10)
+    if files is None:
+        print(summary(b.results))
+        return 1
+    sparse, dense = files
+
+    def budget():
+        gib, parts = vram_budget_gib(sparse, args.ctx)
+        b.set(budget_gib=gib, budget_parts_gib=parts, ngl=ngl_for(dense, gib, args.ctx))
+
+    b.part("budget", budget, need_s=1, limit_s=60)
+    run = dict(need_s=15, limit_s=120)
+    b.part("dense_all_gpu", lambda: run_config(b, "dense_all_gpu", dense, args, dense=True), **run)
+    b.part(
+        "sparse_all_gpu", lambda: run_config(b, "sparse_all_gpu", sparse, args, reset_gpu_index=True), **run
+    )
+    if b.results["budget_gib"] is not None:
+        # PowerInfer runs all five of its configurations in one script; the hotcold budget runs come after it
+        pi_limit = min(args.pi_limit_s, b.left() - 90)
+        b.part(
+            "powerinfer",
+            lambda: powerinfer(b, args, sparse, dense, pi_limit),
+            need_s=60 + 90,
+            limit_s=pi_limit + 20,
+        )
+        vram = b.results["budget_gib"]
+        b.part(
+            "hybrid",
+            lambda: run_config(b, "hybrid", sparse, args, vram_budget=vram, reset_gpu_index=True),
+            **run,
+        )
+        ngl = b.results["ngl"]
+        b.part(
+            "dense_ngl", lambda: run_config(b, "dense_ngl", dense, args, dense=True, n_gpu_layers=ngl), **run
+        )
+    else:
+        b.note("skipped", "budget_runs", "no budget (the budget part failed)")
+    b.part("sparse_cpu_only", lambda: run_config(b, "sparse_cpu_only", sparse, args, vram_budget=0), **run)
+    finish(b)
+    if cuda:
+        b.part("kernels", lambda: b.set(kernels=kernel_bench(b.results["copy_gb_s"])), need_s=20, limit_s=90)
+        torch.cuda.empty_cache()
+    else:
+        b.note("skipped", "kernels", "no CUDA GPU")
+    b.part("fused_kernels", lambda: b.set(fused_kernels=fused_kernels(args.device)), need_s=15, limit_s=90)
+    if dry:
+        b.note("skipped", "gpu_tests", "dry run")
+    else:
+        b.part(
+            "gpu_tests",
+            lambda: gpu_tests(b, min(args.tests_limit_s, b.left())),
+            need_s=30,
+            limit_s=args.tests_limit_s + 10,
+        )
+    finish(b)
+    text = summary(b.results)
+    Path(args.out).with_name("gpu-summary.md").write_text(text + "\n")
+    print(text)
     return 0
 
 

@@ -9,7 +9,14 @@ random permutation of the neurons, fitted so that the mean firing rate is --firi
 hottest 20% of neurons take --skew (default 80%) of all firings, as the PowerInfer paper measured.
 The expected firing counts are written as activation/activation_{i}.pt, as `hotcold profile` would.
 
+`--dense` with the same seed writes the same weights in the dense layout (ffn_down = ffn_down_t
+transposed, no predictors): the sparse and the dense file are one model. `--layers N` keeps a shape's
+widths with N layers (a 7B-wide model that fits a short benchmark). Weights come from one seeded
+generator in file order; the predictors are calibrated once per layer, in a thread pool that runs
+while the weights are written (each layer has its own generator, so threads change nothing).
+
     python benchmarks/synth.py --shape 1b -o /tmp/synth-1b.powerinfer.gguf
+    python benchmarks/synth.py --shape 7b --layers 8 -o /tmp/synth-7b-8l.powerinfer.gguf [--dense]
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -80,7 +89,8 @@ def make_predictor(
     noise = h @ fc2.T  # [S, F]
     bias_channel = h[:, 0] + h[:, 1]  # |z0| [S]
     # neuron fires iff b * |z0| + noise >= 0  <=>  b >= -noise / |z0|: b is that ratio's p-quantile
-    ratio = np.sort((-noise / bias_channel[:, None]).numpy(), axis=0)
+    # (torch's sort: the same sorted values as numpy's, on every core)
+    ratio = torch.sort(-noise / bias_channel[:, None], dim=0).values.numpy()
     rows = np.clip(np.round(probs * (n_samples - 1)), 0, n_samples - 1).astype(np.int64)
     offsets = ratio[rows, np.arange(n_ff)].astype(np.float32)
     fc2[:, 0] = torch.from_numpy(offsets)
@@ -88,14 +98,14 @@ def make_predictor(
     return fc1, fc2
 
 
-def vocab_metadata() -> list[tuple]:
+def vocab_metadata(n_vocab: int = N_VOCAB) -> list[tuple]:
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    tokens += [f"\u2581t{i}" for i in range(N_VOCAB - len(tokens))]
-    types = [2, 3, 3] + [6] * 256 + [1] * (N_VOCAB - 259)
+    tokens += [f"\u2581t{i}" for i in range(n_vocab - len(tokens))]
+    types = [2, 3, 3] + [6] * 256 + [1] * (n_vocab - 259)
     return [
         ("tokenizer.ggml.model", "llama", V.STRING),
         ("tokenizer.ggml.tokens", tokens, V.ARRAY),
-        ("tokenizer.ggml.scores", [0.0] * 259 + [-float(i) for i in range(N_VOCAB - 259)], V.ARRAY),
+        ("tokenizer.ggml.scores", [0.0] * 259 + [-float(i) for i in range(n_vocab - 259)], V.ARRAY),
         ("tokenizer.ggml.token_type", types, V.ARRAY),
         ("tokenizer.ggml.bos_token_id", 1, V.UINT32),
         ("tokenizer.ggml.eos_token_id", 2, V.UINT32),
@@ -119,10 +129,16 @@ def synthesize(
     dense: bool = False,
     activation: str = "relu",
     gate_scale: np.ndarray | None = None,
+    workers: int | None = None,
+    n_vocab: int = N_VOCAB,
 ) -> dict:
     """activation "silu" (dense only): an ordinary SwiGLU file (no hotcold.ffn_activation key), for
     `hotcold sparsify`; gate_scale [F]: each neuron's gate row multiplied by it (the spread of gate
-    magnitudes, benchmarks/sparsify_speed.py)."""
+    magnitudes, benchmarks/sparsify_speed.py). dense: the same weights as the sparse file of the same
+    seed, in the dense layout. workers: threads calibrating predictors (default: one per core). n_vocab:
+    fewer tokens make a file that opens fast (the gguf reader parses the vocabulary in Python)."""
+    if n_vocab < 259:
+        raise ValueError(f"n_vocab must be >= 259 (3 special + 256 byte tokens), got {n_vocab}")
     if activation not in ("relu", "silu") or (activation == "silu" and not dense):
         raise ValueError("activation is relu, or silu for a dense file")
     qtype = {"f32": Q.F32, "f16": Q.F16}[outtype]
@@ -132,8 +148,13 @@ def synthesize(
     kv = n_head_kv * head_dim
     probs_sorted = firing_probabilities(n_ff, firing, skew)
 
-    def rand(shape, fan_in):
-        return lambda: (torch.randn(*shape, generator=gen) / math.sqrt(fan_in)).numpy().astype(dtype)
+    def cast(t: torch.Tensor, *, transpose: bool = False) -> np.ndarray:
+        # torch's float16 cast and transpose: numpy's bits, on every core
+        t = t.to(torch.float16) if dtype is np.float16 else t.to(torch.float32)
+        return (t.T.contiguous() if transpose else t).numpy()
+
+    def rand(shape, fan_in, *, transpose=False):
+        return lambda: cast(torch.randn(*shape, generator=gen).div_(math.sqrt(fan_in)), transpose=transpose)
 
     def ones(n):
         return lambda: np.ones(n, dtype=np.float32)
@@ -144,7 +165,7 @@ def synthesize(
             return make
         return lambda: (make().astype(np.float32) * gate_scale[:, None].astype(np.float32)).astype(dtype)
 
-    specs = [TensorSpec("token_embd.weight", (N_VOCAB, n_embd), qtype, rand((N_VOCAB, n_embd), 1))]
+    specs = [TensorSpec("token_embd.weight", (n_vocab, n_embd), qtype, rand((n_vocab, n_embd), 1))]
     predictors, activations = [], []
     for i in range(n_layer):
         p = f"blk.{i}."
@@ -158,28 +179,44 @@ def synthesize(
             TensorSpec(p + "ffn_gate.weight", (n_ff, n_embd), qtype, scaled_gate()),
             TensorSpec(p + "ffn_up.weight", (n_ff, n_embd), qtype, rand((n_ff, n_embd), n_embd)),
         ]
+        # the dense file draws the same numbers in the same order: ffn_down is ffn_down_t transposed
+        down = rand((n_ff, n_embd), n_ff, transpose=dense)
         if dense:
-            specs.append(TensorSpec(p + "ffn_down.weight", (n_embd, n_ff), qtype, rand((n_embd, n_ff), n_ff)))
-            continue
-        specs.append(TensorSpec(p + "ffn_down_t.weight", (n_ff, n_embd), qtype, rand((n_ff, n_embd), n_ff)))
+            specs.append(TensorSpec(p + "ffn_down.weight", (n_embd, n_ff), qtype, down))
+        else:
+            specs.append(TensorSpec(p + "ffn_down_t.weight", (n_ff, n_embd), qtype, down))
         probs = np.empty(n_ff)
         probs[torch.randperm(n_ff, generator=gen).numpy()] = probs_sorted  # hot neurons scattered
-        activations.append(probs)
-        predictors.append((i, probs))
+        if not dense:
+            activations.append(probs)
+            predictors.append((i, probs))
     specs += [
         TensorSpec("output_norm.weight", (n_embd,), Q.F32, ones(n_embd)),
-        TensorSpec("output.weight", (N_VOCAB, n_embd), qtype, rand((N_VOCAB, n_embd), n_embd)),
+        TensorSpec("output.weight", (n_vocab, n_embd), qtype, rand((n_vocab, n_embd), n_embd)),
     ]
-    for i, probs in predictors:  # predictors last, as PowerInfer's convert.py writes them
+    # predictors last, as PowerInfer's convert.py writes them; calibrated once per layer, in threads that
+    # run while the weights before them are written (each layer has its own generator: same bits)
+    n_workers = max(1, min(workers or os.cpu_count() or 1, len(predictors)))
+    pool = ThreadPoolExecutor(n_workers) if predictors else None
+    futures = {
+        i: pool.submit(
+            make_predictor, n_embd, n_ff, rank, probs, torch.Generator().manual_seed(seed * 1000 + i)
+        )
+        for i, probs in predictors
+    }
 
-        def make(i=i, probs=probs, which=0):
-            fc1, fc2 = make_predictor(
-                n_embd, n_ff, rank, probs, torch.Generator().manual_seed(seed * 1000 + i)
-            )
-            return (fc1 if which == 0 else fc2).numpy().astype(dtype)
+    def predictor(i: int, which: int):
+        def make():
+            fc = futures[i].result()[which]
+            if which == 1:
+                del futures[i]  # both halves taken: free the layer's calibration
+            return cast(fc)
 
-        specs.append(TensorSpec(f"blk.{i}.fc1.weight", (rank, n_embd), qtype, lambda m=make: m(which=0)))
-        specs.append(TensorSpec(f"blk.{i}.fc2.weight", (n_ff, rank), qtype, lambda m=make: m(which=1)))
+        return make
+
+    for i, _ in predictors:
+        specs.append(TensorSpec(f"blk.{i}.fc1.weight", (rank, n_embd), qtype, predictor(i, 0)))
+        specs.append(TensorSpec(f"blk.{i}.fc2.weight", (n_ff, rank), qtype, predictor(i, 1)))
 
     arch = "llama"
     meta = [
@@ -193,11 +230,17 @@ def synthesize(
         (f"{arch}.attention.head_count_kv", n_head_kv, V.UINT32),
         (f"{arch}.attention.layer_norm_rms_epsilon", 1e-5, V.FLOAT32),
         ("general.file_type", {"f32": 0, "f16": 1}[outtype], V.UINT32),
-        *vocab_metadata(),
+        *vocab_metadata(n_vocab),
     ]
     if dense and activation == "relu":
         meta.append(("hotcold.ffn_activation", "relu", V.STRING))
-    write_model_file(out, arch, meta, specs, sparse=not dense)
+    try:
+        write_model_file(out, arch, meta, specs, sparse=not dense)
+    finally:
+        if pool is not None:
+            for f in futures.values():
+                f.cancel()
+            pool.shutdown(wait=True)
     if activations:
         act_dir = out.parent / "activation"
         act_dir.mkdir(exist_ok=True)
@@ -227,10 +270,22 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=None, help="predictor rank (default per shape)")
     ap.add_argument("--dense", action="store_true", help="write a dense GGUF (ffn_down, no predictors)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--vocab", type=int, default=N_VOCAB, help="vocabulary size (fewer: a file that opens fast)"
+    )
+    ap.add_argument(
+        "--layers", type=int, default=None, help="number of layers (default per shape; widths unchanged)"
+    )
     args = ap.parse_args(argv)
     shape = dict(SHAPES[args.shape])
     if args.rank:
         shape["rank"] = args.rank
+    if args.layers is not None:
+        if args.layers < 1:
+            ap.error(f"--layers must be >= 1, got {args.layers}")
+        shape["n_layer"] = args.layers
+    if args.vocab < 259:
+        ap.error(f"--vocab must be >= 259, got {args.vocab}")
     info = synthesize(
         Path(args.out),
         **shape,
@@ -239,6 +294,7 @@ def main(argv=None) -> int:
         outtype=args.outtype,
         seed=args.seed,
         dense=args.dense,
+        n_vocab=args.vocab,
     )
     json.dump({"shape": args.shape, **shape, **info}, sys.stdout, indent=2)
     print()
