@@ -89,10 +89,10 @@ def make_predictor(
     noise = h @ fc2.T  # [S, F]
     bias_channel = h[:, 0] + h[:, 1]  # |z0| [S]
     # neuron fires iff b * |z0| + noise >= 0  <=>  b >= -noise / |z0|: b is that ratio's p-quantile
-    # (torch's sort: the same sorted values as numpy's, on every core)
-    ratio = torch.sort(-noise / bias_channel[:, None], dim=0).values.numpy()
+    # (sorted per neuron along contiguous rows: numpy's SIMD sort, which releases the GIL for the threads)
+    ratio = np.sort((-noise / bias_channel[:, None]).T.contiguous().numpy(), axis=1)  # [F, S]
     rows = np.clip(np.round(probs * (n_samples - 1)), 0, n_samples - 1).astype(np.int64)
-    offsets = ratio[rows, np.arange(n_ff)].astype(np.float32)
+    offsets = ratio[np.arange(n_ff), rows].astype(np.float32)
     fc2[:, 0] = torch.from_numpy(offsets)
     fc2[:, 1] = torch.from_numpy(offsets)
     return fc1, fc2
@@ -135,7 +135,7 @@ def synthesize(
     """activation "silu" (dense only): an ordinary SwiGLU file (no hotcold.ffn_activation key), for
     `hotcold sparsify`; gate_scale [F]: each neuron's gate row multiplied by it (the spread of gate
     magnitudes, benchmarks/sparsify_speed.py). dense: the same weights as the sparse file of the same
-    seed, in the dense layout. workers: threads calibrating predictors (default: one per core). n_vocab:
+    seed, in the dense layout. workers: threads calibrating predictors (default: one per 8 cores). n_vocab:
     fewer tokens make a file that opens fast (the gguf reader parses the vocabulary in Python)."""
     if n_vocab < 259:
         raise ValueError(f"n_vocab must be >= 259 (3 special + 256 byte tokens), got {n_vocab}")
@@ -196,7 +196,8 @@ def synthesize(
     ]
     # predictors last, as PowerInfer's convert.py writes them; calibrated once per layer, in threads that
     # run while the weights before them are written (each layer has its own generator: same bits)
-    n_workers = max(1, min(workers or os.cpu_count() or 1, len(predictors)))
+    # each worker's torch ops run on an OpenMP team of all cores: one worker per 8 cores is plenty
+    n_workers = max(1, min(workers or (os.cpu_count() or 1) // 8, len(predictors)))
     pool = ThreadPoolExecutor(n_workers) if predictors else None
     futures = {
         i: pool.submit(
