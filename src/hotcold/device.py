@@ -9,8 +9,13 @@ hands every tensor out through `place`, the KV cache asks `kv_dtype`, and the bu
 The rules:
 - on a GPU, dense matmuls run on fp16 copies of block-quantized matrices (no GPU block kernels for dense
   matmuls yet); float matrices keep their dtype; vectors (norms, biases) are float32 everywhere;
-- the KV cache is fp16 on a GPU and float32 on the CPU (the CPU's C attention reads float32), per layer;
-- hot FFN rows keep their file format on the fast device (the Triton kernels read the blocks).
+- the KV cache is fp16 on a GPU and float32 on the CPU (the CPU's C attention reads float32), per layer:
+  a layer whose attention stays on the CPU keeps a float32 cache whatever the other layers do;
+- hot FFN rows keep their file format on the fast device where the Triton kernels read the blocks (Q8_0,
+  Q4_0, float types); other block types go over as fp16 rows (sparse/hybrid.py), and a CUDA device also
+  holds each hot neuron's int64 id.
+
+Byte counts are Python ints (never int32 arithmetic: PowerInfer overflowed above 2 GiB).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hotcold.kernels.triton_args import QTYPES as HOT_BLOCK_TYPES
 from hotcold.quants import QuantTensor
 
 CPU = torch.device("cpu")
@@ -50,9 +56,23 @@ def kv_dtype(device: torch.device) -> torch.dtype:
 
 
 def placed_nbytes(qtype_name: str, shape: tuple[int, ...], file_bytes: int, device_type: str) -> int:
-    """Bytes a file tensor takes once `place`d on a device of `device_type`."""
-    blocks = qtype_name not in FLOAT_TYPE_NAMES and len(shape) >= 2
-    return 2 * math.prod(shape) if device_type == "cuda" and blocks else file_bytes
+    """Bytes a file tensor takes once placed on a device of `device_type`: vectors (norms, biases) as
+    float32 (`place_vector`), block-quantized matrices as fp16 on a GPU (`place`), the rest as stored."""
+    n = math.prod(int(d) for d in shape)  # Python ints: no fixed-width overflow whatever `shape` holds
+    if len(shape) < 2:
+        return 4 * n
+    blocks = qtype_name not in FLOAT_TYPE_NAMES
+    return 2 * n if device_type == "cuda" and blocks else int(file_bytes)
+
+
+def hot_row_nbytes(qtype_name: str, row_values: int, file_row_bytes: int, device_type: str) -> int:
+    """Bytes one hot row of an FFN matrix takes on the fast device (sparse/hybrid.py's `_rows_to`): its file
+    format, except block types the Triton kernels cannot read, which go to a GPU as fp16."""
+    readable = qtype_name in FLOAT_TYPE_NAMES or qtype_name.lower() in HOT_BLOCK_TYPES
+    return int(file_row_bytes) if device_type != "cuda" or readable else 2 * int(row_values)
+
+
+HOT_INDEX_BYTES = 8  # a CUDA fast device keeps each hot neuron's int64 id (HybridFFN.hot_idx_fast)
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,14 @@ from hotcold import cores, registry, validate
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import CPU, DevicePlan
 from hotcold.gguf_io import GGUFError, ModelFile
-from hotcold.placement.budget import GIB, BudgetPlan, default_budget_bytes, dense_layers_fitting, plan_budget
+from hotcold.placement.budget import (
+    DEFAULT_CTX,
+    GIB,
+    BudgetPlan,
+    default_budget_bytes,
+    plan_budget,
+    plan_offload,
+)
 from hotcold.sparse.ffn import DenseFFN, SparseFFN
 from hotcold.tokenizer import Tokenizer
 from hotcold.weights import TensorSource
@@ -24,7 +31,6 @@ from hotcold.weights import TensorSource
 log = logging.getLogger(__name__)
 
 DEMO_MODEL_NAME = "demo.powerinfer.gguf"
-DEFAULT_CTX = 2048
 AUTO_BUDGET_STEP = 256 << 20  # an automatic budget is rounded down so the placement cache stays valid
 
 
@@ -45,6 +51,9 @@ class LoadedModel:
     plan: BudgetPlan | None = None
     hot: list[np.ndarray] | None = None
     devices: DevicePlan | None = None
+    vram_planned: dict[str, int] | None = (
+        None  # the plan's VRAM by part (dense, kv, scratch, hot); None: no plan
+    )
 
 
 def resolve_device(device: str) -> str:
@@ -106,7 +115,7 @@ def load_model(
         fast = None
     thresholded = _thresholded_sparsity(model_file, config, sparsity, dense)
     dense = dense or not config.sparse
-    plan, hot = None, None
+    plan, hot, vram_planned = None, None, None
     devices = DevicePlan.cpu_only(config.n_layer)
     if fast is not None and not dense:
         if vram_budget is None and fast.type == "cuda":
@@ -130,13 +139,17 @@ def load_model(
                     "hot neurons on the GPU need Triton: pip install 'hotcold[gpu]' (or --vram-budget 0)"
                 )
         devices = sparse_device_plan(plan, fast, hot)
+        vram_planned = plan.parts(hot_rows_bytes(plan, hot))
     elif fast is not None and (n_gpu_layers or fast.type == "cuda"):
         if n_gpu_layers is None:  # dense on a GPU: as many whole layers as the budget holds
             budget = default_budget_bytes() if vram_budget is None else int(vram_budget * GIB)
-            n_gpu_layers = dense_layers_fitting(model_file, config, budget, ctx_size=ctx)
-            if n_gpu_layers == config.n_layer:
-                n_gpu_layers += 1  # the output head too
-        if n_gpu_layers:
+            offload = plan_offload(model_file, config, budget, ctx_size=ctx, device_type=fast.type)
+            devices = offload_device_plan(
+                config.n_layer, offload.n_layers, fast, output=offload.output_on_gpu
+            )
+            notes.append(offload.describe(config.n_layer))
+            vram_planned = offload.parts()
+        else:
             devices = offload_device_plan(config.n_layer, n_gpu_layers, fast)
             n = min(n_gpu_layers, config.n_layer)
             notes.append(f"-ngl {n_gpu_layers}: {n} of {config.n_layer} layers on {fast}")
@@ -168,7 +181,16 @@ def load_model(
         f"{config.arch} {mode} on {where}: {config.n_layer} layers, n_embd {config.n_embd}, n_ff {config.n_ff}",
     )
     dense = dense and thresholded is None  # a thresholded file runs sparse (on a dense device plan)
-    return LoadedModel(model, tokenizer, config, model_file, device, dense, ctx, notes, plan, hot, devices)
+    return LoadedModel(
+        model, tokenizer, config, model_file, device, dense, ctx, notes, plan, hot, devices, vram_planned
+    )
+
+
+def hot_rows_bytes(plan: BudgetPlan, hot: list[np.ndarray] | None) -> int:
+    """What the hot copies take on the fast device (Python ints: no int32 wrap above 2 GiB)."""
+    if hot is None:
+        return 0
+    return sum(len(h) * int(b) for h, b in zip(hot, plan.bytes_per_neuron, strict=True))
 
 
 def _attach_static_step(model, notes: list[str]) -> None:
@@ -219,11 +241,16 @@ def sparse_device_plan(plan: BudgetPlan, fast: torch.device, hot: list[np.ndarra
     )
 
 
-def offload_device_plan(n_layer: int, n_gpu_layers: int, fast: torch.device) -> DevicePlan:
-    """llama.cpp's -ngl for dense files: the last N layers (all their weights) on the GPU, then the head."""
+def offload_device_plan(
+    n_layer: int, n_gpu_layers: int, fast: torch.device, *, output: bool | None = None
+) -> DevicePlan:
+    """llama.cpp's -ngl for dense files: the last N layers (attention and FFN) on the GPU; the output head
+    there when `output` says so (a budget's OffloadPlan), or by llama.cpp's rule (N > n_layer) when None.
+    Predictors stay on the CPU: a dense run never calls them."""
     on_fast = [i >= n_layer - n_gpu_layers for i in range(n_layer)]
     layers = tuple(fast if f else CPU for f in on_fast)
-    return DevicePlan(layers, layers, layers, output=fast if n_gpu_layers > n_layer else CPU)
+    head = n_gpu_layers > n_layer if output is None else output
+    return DevicePlan(layers, (CPU,) * n_layer, layers, output=fast if head else CPU)
 
 
 def ffn_maker(devices: DevicePlan, *, dense: bool, threads: int | None):
