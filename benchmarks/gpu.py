@@ -121,14 +121,26 @@ def kill_tree(pid: int) -> None:
         p = todo.pop()
         tree.append(p)
         todo += children.get(p, [])
+    alive = tree
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for p in tree:
+        for p in alive:
             try:
                 os.kill(p, sig)
             except OSError:
                 pass
-        if sig == signal.SIGTERM:
-            time.sleep(2)
+        for _ in range(20 if sig == signal.SIGTERM else 0):  # up to 2 s to go quietly
+            alive = [p for p in alive if _running(p)]
+            if not alive:
+                return
+            time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"  # a zombie is gone (its parent reaps it)
 
 
 class Bench:
@@ -160,7 +172,7 @@ class Bench:
     def note(self, table: str, key: str, text: str) -> None:
         with self.lock:
             self.results[table][key] = text
-        print(f"gpu.py: {table[:-1] if table.endswith('s') else table} {key}: {text}", file=sys.stderr)
+        print(f"gpu.py: {table} {key}: {text}", file=sys.stderr, flush=True)
         self.save()
 
     def part(self, name: str, fn, *, need_s: float, limit_s: float):
@@ -235,7 +247,11 @@ class Bench:
             self.note("errors", "watchdog", f"hard stop at {hard_s:.0f} s (a part hung past its limit)")
             for proc in list(self.procs):
                 kill_tree(proc.pid)
-            print(summary(self.results), flush=True)
+            try:
+                with self.lock:
+                    print(summary(self.results), flush=True)
+            except Exception:  # the main thread may be anywhere
+                pass
             os._exit(124)
 
         threading.Thread(target=watch, daemon=True).start()
@@ -438,6 +454,7 @@ def synth_files(b: Bench, args) -> tuple[Path, Path]:
             name: subprocess.Popen(base + extra + ["-o", str(path)], stdout=subprocess.PIPE, text=True)
             for name, path, extra in (("sparse", sparse, []), ("dense", dense, ["--dense"]))
         }
+        b.procs.update(procs.values())
         try:
             for name, proc in procs.items():
                 out, _ = proc.communicate(
@@ -450,6 +467,7 @@ def synth_files(b: Bench, args) -> tuple[Path, Path]:
             for proc in procs.values():
                 if proc.poll() is None:
                     kill_tree(proc.pid)
+                b.procs.discard(proc)
         b.set(synth_seconds=time.perf_counter() - start)
         done.write_text("ok\n")
     b.set(sparse_file=str(sparse), dense_file=str(dense), file_bytes=sparse.stat().st_size)
@@ -457,15 +475,44 @@ def synth_files(b: Bench, args) -> tuple[Path, Path]:
 
 
 def run_config(b: Bench, name: str, path: Path, args, **load_args) -> None:
-    record = decode_run(
-        path, n_gen=args.n_gen, ctx=args.ctx, threads=args.threads, device=args.device, **load_args
-    )
+    """One decode_run, in a child process when isolated (a hang or a CUDA error that poisons the process
+    then costs this run alone, and the child is killed at the part's limit), else in this process."""
+    spec = dict(path=str(path), n_gen=args.n_gen, ctx=args.ctx, threads=args.threads, device=args.device)
+    if args.isolate == "all" or (
+        args.isolate == "auto" and (args.device == "cuda" or name == "dense_all_gpu")
+    ):
+        work = Path(args.workdir)
+        spec_file, result_file = work / f"run-{name}.json", work / f"run-{name}.result.json"
+        result_file.unlink(missing_ok=True)
+        spec_file.write_text(json.dumps({**spec, "load_args": load_args, "result": str(result_file)}))
+        limit = max(1.0, min(args.run_limit_s, b.left()))
+        rc, tail = b.run_proc(
+            [sys.executable, str(HERE / "gpu.py"), "--one-run", str(spec_file)], limit_s=limit
+        )
+        if not result_file.exists():
+            raise RuntimeError(f"child exited {rc} without a result; its output ends: {tail[-1200:]}")
+        record = json.loads(result_file.read_text())
+        record["isolated"] = True
+    else:
+        record = decode_run(Path(spec.pop("path")), **spec, **load_args)
     with b.lock:
         b.results["runs"][name] = record
     b.set(**{f"{name}_tps": record["tps"], f"{name}_gb_s": record["gb_s"]})
     print(
         f"gpu.py: {name}: {record['tps']:.2f} tok/s, {record['gb_s']:.1f} GB/s", file=sys.stderr, flush=True
     )
+
+
+def one_run(spec_file: str) -> int:
+    """The child of an isolated run: decode_run as the spec says, the record written where it says."""
+    spec = json.loads(Path(spec_file).read_text())
+    result = Path(spec.pop("result"))
+    load_args = spec.pop("load_args")
+    record = decode_run(Path(spec.pop("path")), **spec, **load_args)
+    tmp = result.with_name(result.name + ".tmp")
+    tmp.write_text(json.dumps(record, default=str))
+    tmp.replace(result)
+    return 0
 
 
 def powerinfer(b: Bench, args, sparse: Path, dense: Path, limit_s: float) -> None:
@@ -498,6 +545,8 @@ def powerinfer(b: Bench, args, sparse: Path, dense: Path, limit_s: float) -> Non
     b.set(powerinfer={"command": " ".join(cmd), "rc": rc, "tail": tail, "logs": logs})
     if rc is None:
         b.note("errors", "powerinfer", f"powerinfer-gpu.sh stopped at its time limit ({limit_s:.0f} s)")
+    elif not table:
+        b.note("errors", "powerinfer", f"powerinfer-gpu.sh exited {rc} with no table (see powerinfer.tail)")
     for name, row in table.items():
         if row["tps"] is None or row["rc"] != 0:
             b.note("errors", f"powerinfer_{name}", f"rc={row['rc']}, no tokens/s (see powerinfer.logs)")
@@ -607,7 +656,17 @@ def main(argv=None) -> int:
     ap.add_argument("--synth-limit-s", type=float, default=150.0)
     ap.add_argument("--pi-limit-s", type=float, default=180.0)
     ap.add_argument("--tests-limit-s", type=float, default=120.0)
+    ap.add_argument("--run-limit-s", type=float, default=120.0, help="each hotcold load + decode")
+    ap.add_argument(
+        "--isolate",
+        choices=("auto", "all", "none"),
+        default="auto",
+        help="hotcold runs in child processes (auto: all on a GPU; in a dry run the first only, to check it)",
+    )
+    ap.add_argument("--one-run", metavar="SPEC.json", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.one_run:
+        return one_run(args.one_run)
     dry = args.cpu_dry_run
     args.device = "cpu" if dry else "cuda"
     args.shape = args.shape or ("tiny" if dry else "7b")
@@ -628,13 +687,18 @@ def main(argv=None) -> int:
 
 def run_all(b: Bench, args) -> int:
     dry = args.cpu_dry_run
+    try:
+        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else None
+    except Exception as exc:  # a broken driver: the CPU figures still come
+        b.note("errors", "cuda", f"{type(exc).__name__}: {exc}")
+        gpu = None
     b.set(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        gpu=torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        gpu=gpu,
         dry_run=dry, shape=args.shape, layers=args.layers, n_gen=args.n_gen, ctx=args.ctx,
         threads=args.threads, torch=torch.__version__, python=sys.version.split()[0],
     )  # fmt: skip
-    if not dry and not torch.cuda.is_available():
+    if not dry and gpu is None:
         b.note(
             "errors", "cuda", "no CUDA GPU: only the CPU figures can be measured (--cpu-dry-run for a check)"
         )
@@ -657,40 +721,42 @@ def run_all(b: Bench, args) -> int:
 
     def budget():
         gib, parts = vram_budget_gib(sparse, args.ctx)
-        b.set(budget_gib=gib, budget_parts_gib=parts, ngl=ngl_for(dense, gib, args.ctx))
+        b.set(budget_gib=gib, budget_parts_gib=parts)
+        b.set(ngl=ngl_for(dense, gib, args.ctx))
 
     b.part("budget", budget, need_s=1, limit_s=60)
-    run = dict(need_s=15, limit_s=120)
+    run = dict(need_s=15, limit_s=args.run_limit_s + 10)
     b.part("dense_all_gpu", lambda: run_config(b, "dense_all_gpu", dense, args, dense=True), **run)
     b.part(
         "sparse_all_gpu", lambda: run_config(b, "sparse_all_gpu", sparse, args, reset_gpu_index=True), **run
     )
-    if b.results["budget_gib"] is not None:
+    vram, ngl = b.results["budget_gib"], b.results["ngl"]
+    if vram is not None and ngl is not None:
         # PowerInfer runs all five of its configurations in one script; the hotcold budget runs come after it
         pi_limit = min(args.pi_limit_s, b.left() - 90)
-        b.part(
-            "powerinfer",
-            lambda: powerinfer(b, args, sparse, dense, pi_limit),
-            need_s=60 + 90,
-            limit_s=pi_limit + 20,
-        )
-        vram = b.results["budget_gib"]
-        b.part(
-            "hybrid",
-            lambda: run_config(b, "hybrid", sparse, args, vram_budget=vram, reset_gpu_index=True),
-            **run,
-        )
-        ngl = b.results["ngl"]
-        b.part(
-            "dense_ngl", lambda: run_config(b, "dense_ngl", dense, args, dense=True, n_gpu_layers=ngl), **run
-        )
+        pi = lambda: powerinfer(b, args, sparse, dense, pi_limit)  # noqa: E731
+        b.part("powerinfer", pi, need_s=60 + 90, limit_s=pi_limit + 20)
     else:
-        b.note("skipped", "budget_runs", "no budget (the budget part failed)")
+        b.note("skipped", "powerinfer", "no budget or -ngl (the budget part failed)")
+    if vram is not None:
+        hybrid = dict(vram_budget=vram, reset_gpu_index=True)
+        b.part("hybrid", lambda: run_config(b, "hybrid", sparse, args, **hybrid), **run)
+    else:
+        b.note("skipped", "hybrid", "no budget (the budget part failed)")
+    if ngl is not None:
+        offload = dict(dense=True, n_gpu_layers=ngl)
+        b.part("dense_ngl", lambda: run_config(b, "dense_ngl", dense, args, **offload), **run)
+    else:
+        b.note("skipped", "dense_ngl", "no -ngl (the budget part failed)")
     b.part("sparse_cpu_only", lambda: run_config(b, "sparse_cpu_only", sparse, args, vram_budget=0), **run)
     finish(b)
     if cuda:
-        b.part("kernels", lambda: b.set(kernels=kernel_bench(b.results["copy_gb_s"])), need_s=20, limit_s=90)
-        torch.cuda.empty_cache()
+
+        def kernels():
+            b.set(kernels=kernel_bench(b.results["copy_gb_s"]))
+            torch.cuda.empty_cache()
+
+        b.part("kernels", kernels, need_s=20, limit_s=90)
     else:
         b.note("skipped", "kernels", "no CUDA GPU")
     b.part("fused_kernels", lambda: b.set(fused_kernels=fused_kernels(args.device)), need_s=15, limit_s=90)

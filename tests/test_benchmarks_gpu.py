@@ -47,3 +47,46 @@ def test_cpu_dry_run_writes_every_field(tmp_path):
     assert {"kernels", "powerinfer", "gpu_tests"} <= set(r["skipped"])
     assert (tmp_path / "work" / "activation" / "activation_0.pt").exists()
     assert (out.parent / "gpu-summary.md").read_text().startswith("### GPU run")
+
+
+FAKE_PI = """#!/bin/bash
+# stands in for powerinfer-gpu.sh: SPARSE DENSE BUDGET NGL N THREADS, the table on stdout and in $OUT
+echo "$@" > "$OUT/args.txt"
+echo "log of main" > "$OUT/pi-hybrid_budget.log"
+printf '%-18s rc=%s tg=%s tok/s\\n' hybrid_budget 0 41.37 | tee -a "$OUT/pi-table.txt"
+printf '%-18s rc=%s tg=%s tok/s\\n' sparse_all_gpu 0 212.05 | tee -a "$OUT/pi-table.txt"
+sleep "${HANG:-0}"
+printf '%-18s rc=%s tg=%s tok/s\\n' dense_ngl 124 "" | tee -a "$OUT/pi-table.txt"
+"""
+
+
+def _fake_pi(tmp_path, monkeypatch, hang: str, limit_s: float):
+    anchors = tmp_path / "anchors"
+    anchors.mkdir()
+    (anchors / "powerinfer-gpu.sh").write_text(FAKE_PI)
+    monkeypatch.setenv("HANG", hang)
+    b = gpu.Bench(tmp_path / "gpu.json", 100)
+    b.results.update(budget_gib=2.976, ngl=5)
+    args = gpu.argparse.Namespace(
+        anchors=str(anchors), device="cuda", workdir=str(tmp_path), n_gen=64, threads=16
+    )
+    gpu.powerinfer(b, args, tmp_path / "s.powerinfer.gguf", tmp_path / "d.gguf", limit_s)
+    return gpu.json.loads((tmp_path / "gpu.json").read_text())
+
+
+def test_powerinfer_part_passes_the_arguments_and_reads_the_table(tmp_path, monkeypatch):
+    r = _fake_pi(tmp_path, monkeypatch, "0", 30)
+    args = (tmp_path / "pi" / "args.txt").read_text().split()
+    assert args == [str(tmp_path / "s.powerinfer.gguf"), str(tmp_path / "d.gguf"), "2.98", "5", "64", "16"]
+    assert (
+        r["pi_hybrid_tps"] == 41.37 and r["pi_sparse_all_gpu_tps"] == 212.05 and r["pi_dense_ngl_tps"] is None
+    )
+    assert r["powerinfer"]["rc"] == 0 and "log of main" in r["powerinfer"]["logs"]["pi-hybrid_budget"]
+    assert set(r["errors"]) == {"powerinfer_dense_ngl"}
+
+
+def test_powerinfer_part_keeps_what_came_before_its_time_limit(tmp_path, monkeypatch):
+    start = gpu.time.monotonic()
+    r = _fake_pi(tmp_path, monkeypatch, "60", 1.5)
+    assert gpu.time.monotonic() - start < 10
+    assert r["pi_hybrid_tps"] == 41.37 and r["powerinfer"]["rc"] is None and "powerinfer" in r["errors"]
