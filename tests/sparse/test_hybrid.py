@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -170,3 +175,47 @@ def test_hot_rows_of_types_the_gpu_kernels_lack_go_over_as_f16():
     kept = _rows_to(QuantTensor.from_float(torch.randn(4, 64), Q.Q8_0), rows, fast)
     assert isinstance(kept, QuantTensor) and kept.qtype == Q.Q8_0 and kept.device == fast
     assert isinstance(_rows_to(q4k, rows, torch.device("cpu")), QuantTensor)  # the CPU reads Q4_K itself
+
+
+# ---------------------------------------------------------------- launches and host waits, on meta
+
+COUNT_ON_META = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {root!r})
+    from hotcold.kernels.launches import LaunchCounter
+    from hotcold.sparse.hybrid import HybridFFN
+    from hotcold.sparse.predictor import Predictor
+    from tests.fixtures import ffn_state, ffn_weights
+
+    F, D, R = 1280, 256, 64
+    out = {{}}
+    for name, n_hot in (("split", 512), ("all_hot", F)):
+        weights = ffn_weights(F, D, "gated", torch.float16, bias=False)
+        predictor = Predictor(torch.empty(R, D, device="meta"), torch.empty(F, R, device="meta"), 0.0)
+        ffn = HybridFFN(weights, predictor, torch.arange(n_hot), "meta", layer=0, threads=1)
+        h, p = torch.empty(1, D, device="meta"), torch.empty(1, D, device="meta")
+        with LaunchCounter("meta") as count:
+            ffn.apply(h, p, ffn_state())
+        out[name] = dict(syncs=count.syncs, sync_ops=dict(count.sync_ops), d2h=count.d2h, h2d=count.h2d,
+                         launches=count.launches, ops=dict(count.by_op))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_hybrid_layer_waits_for_the_host_once():
+    """Counted on the meta device (the same dispatch path as CUDA): one host wait a layer, for the
+    predictor's mask and the FFN input together; no blocking copy; the cold result goes back without one."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run(
+        [sys.executable, "-c", COUNT_ON_META.format(root=root)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    split, all_hot = got["split"], got["all_hot"]
+    assert split["sync_ops"] == {"event_wait": 1}, split
+    assert split["d2h"] == 2 and split["h2d"] == 1, split  # mask + x out, the cold result in
+    assert all_hot["sync_ops"] == {"event_wait": 1} and all_hot["d2h"] == 1 and all_hot["h2d"] == 0, all_hot
+    assert split["ops"]["triton:_matvec_kernel"] == 2 and split["ops"]["triton:_axpy_kernel"] == 1, split

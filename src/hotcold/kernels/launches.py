@@ -176,3 +176,14 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     if any(t.device.type == "meta" for t in tensors):
         return
     kernel[grid](*args, **kwargs)
+
+
+def host_wait(event) -> None:
+    """The host waits for `event` (a torch.cuda.Event; None: nothing to wait for; "meta": a wait that
+    would happen on a GPU), counted as one host sync by every active LaunchCounter."""
+    if event is None:
+        return
+    for counter in _ACTIVE:
+        counter._sync("event_wait")
+    if not isinstance(event, str):
+        event.synchronize()

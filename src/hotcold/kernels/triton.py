@@ -43,6 +43,7 @@ import os
 
 import torch
 
+from hotcold.kernels.launches import launch
 from hotcold.kernels.triton_args import _FLOAT_NAMES, QTYPES, _activations, _out, _qtype_name
 
 try:
@@ -285,9 +286,11 @@ def hot_gather_matvec(
         return out.zero_()
     cfg = _config("matvec", t, w, code, d)
     grid = (triton.cdiv(k, cfg["BLOCK_K"]), triton.cdiv(t, cfg["BLOCK_T"]))
-    _matvec_kernel[grid](
-        w, x, mask, out, k, d, t, w.stride(0), x.stride(0), mask.stride(0), out.stride(0), QTYPE=code, **cfg
-    )
+    launch(
+        _matvec_kernel,
+        grid,
+        w, x, mask, out, k, d, t, w.stride(0), x.stride(0), mask.stride(0), out.stride(0), QTYPE=code, **cfg,
+    )  # fmt: skip
     return out
 
 
@@ -322,7 +325,9 @@ def hot_axpy(
     # [S, T, D] partial sums; one split writes the result directly
     partial = out[None] if splits == 1 else torch.empty((splits, t, d), dtype=torch.float32, device=w.device)
     grid = (n_d, splits, triton.cdiv(t, cfg["BLOCK_T"]))
-    _axpy_kernel[grid](
+    launch(
+        _axpy_kernel,
+        grid,
         w,
         a,
         mask,

@@ -1,18 +1,23 @@
 """Hybrid FFN: the hot neurons' rows live on the fast device (a compact copy), the CPU keeps the full
 matrices and computes the cold neurons that fire; both parts run at the same time and are added.
 
-Order per call: norm and predictor on the layer's device -> mask; the mask comes to the CPU first (that
-sync waits only for the predictor), then the hot part is launched on the fast device (asynchronous on
-CUDA), then the CPU computes the cold firing rows (the C kernel releases the GIL), then the two are
-summed. Both halves are `sparse_step` (gate first, one C call on the CPU); on CUDA the hot half is the
-Triton kernels. Any device can stand in for the GPU: tests use a second "cpu" placement and get the
-same numbers.
+Order per call, with one host wait a layer:
+1. the predictor on the layer's device -> mask; the mask and the FFN input are copied to pinned host
+   memory without blocking, and an event is recorded behind the copies;
+2. the hot part is launched on the fast device (asynchronous on CUDA), queued after the copies;
+3. the host waits for the event: the predictor and the two copies, not the hot kernels;
+4. the CPU computes the cold firing rows (the C kernel releases the GIL) while the GPU runs the hot ones;
+5. the cold result goes back through pinned memory without blocking, and the sum is queued on the GPU.
+Both halves are `sparse_step` (gate first, one C call on the CPU); on CUDA the hot half is the Triton
+kernels. Any device can stand in for the GPU: tests use a second "cpu" placement and get the same
+numbers, and the `meta` device to count launches and waits (kernels/launches.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from hotcold.kernels.launches import host_wait
 from hotcold.kernels.triton_args import QTYPES
 from hotcold.ops import Norm
 from hotcold.quants import QuantTensor
@@ -69,28 +74,44 @@ class HybridFFN(FFN):
         self.cold_plan = row_plan(weights)
         self.hot_plan = row_plan(self.hot_weights)  # the CPU stand-in's hot half
         self.reference = DenseFFN(weights, layer=layer, expert=expert)  # ctx.dense: every neuron, on the CPU
+        self._down_bias: dict[
+            torch.device, torch.Tensor
+        ] = {}  # the down bias where the output goes, moved once
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         out_device = h.device
         if ctx.dense:
             return self.reference.apply(h.to(CPU), p.to(CPU), ctx).to(out_device)
         mask = self.predictor(p)  # [T, F] bool, on the predictor's device
-        mask_cpu = mask.to(CPU)  # sync point: waits for the predictor only
-        h_cpu = h.to(CPU)  # before the hot launch, so this copy does not wait for the hot kernels
+        # all hot: only the mask crosses (for the counts); else the FFN input too, for the cold rows
+        copies, ready = to_host([mask] if self.all_hot else [mask, h], wait=False)
         hot_out = self._hot(h.to(self.device, non_blocking=True), mask.to(self.device)[:, self.hot_idx_fast])
+        host_wait(ready)  # the predictor and the copies; the hot kernels run on
+        mask_cpu = copies[0]
         if self.all_hot:
             out = hot_out.to(out_device)
         else:
-            cold_out = sparse_step(self.weights, h_cpu, mask_cpu & self.cold, self.cold_plan, self.threads)
-            out = cold_out.to(out_device) + hot_out.to(out_device)
+            cold_out = sparse_step(
+                self.weights, copies[1], mask_cpu & self.cold, self.cold_plan, self.threads
+            )
+            out = hot_out.to(out_device) + to_device(cold_out, out_device)
         ctx.count(self.layer, mask_cpu)
         if ctx.keep_masks and self.expert is None:
             ctx.keep(self.layer, p, mask_cpu)
-        return self.weights.add_down_bias(out)
+        return self._add_down_bias(out)
+
+    def _add_down_bias(self, out: torch.Tensor) -> torch.Tensor:
+        bias = self.weights.down_bias
+        if bias is None:
+            return out
+        placed = self._down_bias.get(out.device)
+        if placed is None:
+            placed = self._down_bias[out.device] = bias.to(out.device)
+        return out + placed
 
     def _hot(self, h: torch.Tensor, mask_hot: torch.Tensor) -> torch.Tensor:
         w = self.hot_weights
-        if self.device.type != "cuda":
+        if self.device.type == "cpu":  # a CPU placement standing in for the GPU
             return sparse_step(w, h, mask_hot, self.hot_plan, self.threads)
         from hotcold.kernels import triton as gpu
 
@@ -98,6 +119,33 @@ class HybridFFN(FFN):
         gate = gpu_matvec(gpu, w.gate, h, mask_hot) if w.gate is not None else None
         a = torch.where(mask_hot, w.combine(up, gate), 0.0)
         return gpu_axpy(gpu, w.down_t, a, mask_hot)
+
+
+def to_host(tensors: list[torch.Tensor], *, wait: bool = True):
+    """Device tensors copied to the host without blocking (pinned memory on CUDA), then one wait for all of
+    them: the list of host copies, or with wait=False (copies, event) for the caller's `host_wait(event)`."""
+    if all(t.device.type == "cpu" for t in tensors):
+        return tensors if wait else (tensors, None)
+    pinned = tensors[0].device.type == "cuda"
+    copies = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) if pinned else None
+        copies.append(host.copy_(t, non_blocking=True) if pinned else t.to(CPU, non_blocking=True))
+    event = None
+    if pinned:
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(tensors[0].device))
+    if not wait:
+        return copies, event if event is not None else "meta"
+    host_wait(event if event is not None else "meta")
+    return copies
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host result onto the device without blocking the host (through pinned memory on CUDA)."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def _triton_args(w):
