@@ -231,8 +231,7 @@ class StaticDecoder:
             b.pos.fill_(pos)
             graph = self._graphs.get(kv)
             if graph is None:  # the first step of this cache runs eagerly, then the step is captured
-                self.run(kv.k, kv.v)
-                self._graphs[kv] = self._capture(kv)
+                self._graphs[kv] = self._run_and_capture(kv)
             else:
                 graph.replay()
             self._host.copy_(b.result, non_blocking=True)
@@ -245,14 +244,18 @@ class StaticDecoder:
         n_vocab = self.head.shape[0]
         return self._host[:n_vocab].clone(), self._host[n_vocab:].view(torch.int32).tolist()
 
-    def _capture(self, kv):
-        """A CUDA graph of run() over this cache's tensors (their addresses are baked in)."""
+    def _run_and_capture(self, kv):
+        """This token's step run eagerly on a side stream (also the warm-up CUDA graphs want before a
+        capture), then a CUDA graph of the same step over this cache's tensors (their addresses are baked in)."""
+        current = torch.cuda.current_stream(self.device)
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream.wait_stream(current)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        with torch.cuda.stream(stream):
             self.run(kv.k, kv.v)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
+            with torch.cuda.graph(graph, stream=stream):
+                self.run(kv.k, kv.v)
+        current.wait_stream(stream)
         return graph
 
 
