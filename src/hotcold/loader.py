@@ -186,6 +186,37 @@ def load_model(
     )
 
 
+@dataclass(frozen=True)
+class VramFigures:
+    """VRAM planned (by part: dense tensors, KV cache, prefill scratch, hot rows) and what this process has
+    allocated (torch.cuda.memory_allocated) and reserved at most (max_memory_reserved). Without a GPU in
+    use: no parts and None."""
+
+    planned: dict[str, int]
+    used: int | None
+    peak_reserved: int | None
+    budget: int | None = None
+
+    @property
+    def planned_total(self) -> int:
+        return sum(self.planned.values())
+
+
+def vram_figures(loaded: LoadedModel) -> VramFigures:
+    """The loaded model's VRAM plan beside what CUDA's caching allocator reports for this process now
+    (every model and buffer of the process: the figure the budget is meant to bound)."""
+    devices = getattr(loaded, "devices", None)
+    places = [] if devices is None else [*devices.attention, *devices.ffn, devices.output, devices.fast]
+    if not any(d is not None and d.type == "cuda" for d in places):
+        return VramFigures({}, None, None)
+    used = peak = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        used, peak = int(torch.cuda.memory_allocated()), int(torch.cuda.max_memory_reserved())
+    plan = getattr(loaded, "plan", None)
+    budget = plan.budget_bytes if plan is not None else None
+    return VramFigures(dict(getattr(loaded, "vram_planned", None) or {}), used, peak, budget)
+
+
 def hot_rows_bytes(plan: BudgetPlan, hot: list[np.ndarray] | None) -> int:
     """What the hot copies take on the fast device (Python ints: no int32 wrap above 2 GiB)."""
     if hot is None:

@@ -12,9 +12,23 @@ from pathlib import Path
 def add_args(p) -> None:
     p.add_argument("-m", "--model", default=None, help="model file; omitted: the bundled demo model")
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument(
+        "--vram-budget",
+        type=float,
+        default=None,
+        help="GiB: show the VRAM plan at this budget by part (dense tensors, KV cache, scratch, hot rows)",
+    )
+    p.add_argument(
+        "-c", "--ctx-size", type=int, default=None, help="context size the plan charges the KV for"
+    )
+    p.add_argument(
+        "--load",
+        action="store_true",
+        help="load the model (on the GPU when there is one) and show VRAM planned vs allocated",
+    )
 
 
-def describe(path: str | None) -> dict:
+def describe(path: str | None, *, vram_budget: float | None = None, ctx_size: int | None = None) -> dict:
     from hotcold.config import config_from_file
     from hotcold.gguf_io import ModelFile
     from hotcold.loader import demo_model_path
@@ -58,7 +72,77 @@ def describe(path: str | None) -> dict:
         "placement_cache": _placement(gpuidx),
         "n_expert": c.n_expert or None,
         "sparsify": _sparsify(mf, c),
+        "vram_plan": None if vram_budget is None else vram_plan(mf, c, vram_budget, ctx_size),
     }
+
+
+def vram_plan(mf, c, budget_gib: float, ctx_size: int | None) -> dict:
+    """The budget walk for this file (sparse: plan_budget, `hot` = what it leaves for hot rows; dense:
+    -ngl's plan_offload), without loading anything."""
+    from hotcold.placement.budget import GIB, default_ctx, plan_budget, plan_offload
+
+    budget, ctx = int(budget_gib * GIB), ctx_size or default_ctx(c)
+    if c.sparse:
+        plan = plan_budget(mf, c, budget, ctx_size=ctx)
+        parts, missed = plan.parts(), plan.missed
+        placed = (
+            f"attention of {sum(plan.layer_on_gpu)}/{c.n_layer} layers, predictors of "
+            f"{sum(plan.predictor_on_gpu)}, output on {'GPU' if plan.output_on_gpu else 'CPU'}"
+        )
+    else:
+        offload = plan_offload(mf, c, budget, ctx_size=ctx)
+        parts, missed = offload.parts(), offload.missed
+        placed = (
+            f"{offload.n_layers}/{c.n_layer} layers, output on {'GPU' if offload.output_on_gpu else 'CPU'}"
+        )
+    return {
+        "budget_bytes": budget,
+        "ctx_size": ctx,
+        "parts_bytes": parts,
+        "total_bytes": sum(parts.values()),
+        "placed": placed,
+        "did_not_fit": missed,
+    }
+
+
+def vram_loaded(args) -> dict:
+    """Load the model as `generate` would and compare the plan with what CUDA's allocator reports."""
+    import hotcold
+    from hotcold.loader import vram_figures
+
+    llm = hotcold.load(args.model, vram_budget=args.vram_budget, ctx_size=args.ctx_size)
+    v = vram_figures(llm.loaded)
+    if v.used is None:
+        return {"gpu": None, "note": "no GPU in use: nothing planned or allocated in VRAM"}
+    return {
+        "gpu": "cuda",
+        "budget_bytes": v.budget,
+        "planned_bytes": v.planned,
+        "planned_total_bytes": v.planned_total,
+        "allocated_bytes": v.used,
+        "peak_reserved_bytes": v.peak_reserved,
+    }
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def _vram_text(v: dict) -> str:
+    if v.get("gpu", "plan") is None:
+        return v["note"]
+    parts = v.get("parts_bytes") or v.get("planned_bytes") or {}
+    text = ", ".join(f"{k} {_gib(b)}" for k, b in parts.items())
+    if "allocated_bytes" in v:
+        return (
+            f"planned {_gib(v['planned_total_bytes'])} ({text}) of budget {_gib(v['budget_bytes'])}; "
+            f"allocated {_gib(v['allocated_bytes'])}, peak reserved {_gib(v['peak_reserved_bytes'])}"
+        )
+    missed = "; did not fit: " + "; ".join(v["did_not_fit"]) if v["did_not_fit"] else ""
+    return (
+        f"{_gib(v['budget_bytes'])} at ctx {v['ctx_size']}: {text} = {_gib(v['total_bytes'])}; "
+        f"{v['placed']}{missed}"
+    )
 
 
 def _sparsify(mf, c) -> str | None:
@@ -79,7 +163,11 @@ def _sparsify(mf, c) -> str | None:
 
 
 def run(args) -> int:
-    info = describe(args.model)
+    info = describe(
+        args.model, vram_budget=getattr(args, "vram_budget", None), ctx_size=getattr(args, "ctx_size", None)
+    )
+    if getattr(args, "load", False):
+        info["vram"] = vram_loaded(args)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -88,6 +176,8 @@ def run(args) -> int:
             value = "-"
         if key == "size_bytes":
             key, value = "size", f"{value / 2**20:.1f} MiB"
+        elif key in ("vram_plan", "vram") and isinstance(value, dict):
+            value = _vram_text(value)
         print(f"{key:18s} {value}")
     if info["activation_stats"] or info["predictors"]:
         model = f" -m {shlex.quote(args.model)}" if args.model else ""

@@ -24,6 +24,7 @@ from starlette.concurrency import run_in_threadpool
 
 from hotcold import __version__
 from hotcold.engine import Engine
+from hotcold.loader import vram_figures
 from hotcold.sampling import SamplingParams
 from hotcold.server import constraints, figures, tools
 from hotcold.server.echo import prompt_logprobs
@@ -129,6 +130,7 @@ def create_app(
             parallel=s.parallel,
             cancelled=s.cancelled,
             kv_usage=s.kv_usage(),
+            vram=vram_figures(server.llm.loaded),
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -45,8 +45,16 @@ class Metrics:
             self._recent.popleft()
 
     def render(
-        self, *, queue_depth: int, busy: int, parallel: int, cancelled: int, kv_usage: float = 0.0
+        self,
+        *,
+        queue_depth: int,
+        busy: int,
+        parallel: int,
+        cancelled: int,
+        kv_usage: float = 0.0,
+        vram=None,
     ) -> str:
+        """vram: the model's loader.VramFigures (None, or no parts: no GPU in use; the gauges read 0)."""
         tps = self.tokens_per_second()
         with self._lock:
             requests = sorted(self.requests.items())
@@ -93,5 +101,35 @@ class Metrics:
             "# HELP llamacpp:tokens_predicted_total Tokens generated.",
             "# TYPE llamacpp:tokens_predicted_total counter",
             f"llamacpp:tokens_predicted_total {generated}",
+            *vram_lines(vram),
         ]
         return "\n".join(lines) + "\n"
+
+
+def vram_lines(vram) -> list[str]:
+    """VRAM planned (the load plan's total, and by part) vs used (CUDA's caching allocator, this process)."""
+    planned = vram.planned if vram is not None else {}
+    used = vram.used if vram is not None and vram.used is not None else 0
+    peak = vram.peak_reserved if vram is not None and vram.peak_reserved is not None else 0
+    lines = [
+        "# HELP hotcold_vram_planned_bytes VRAM the load plan budgets: placed tensors, KV cache, prefill "
+        "scratch, hot rows (0 without a GPU).",
+        "# TYPE hotcold_vram_planned_bytes gauge",
+        f"hotcold_vram_planned_bytes {sum(planned.values())}",
+    ]
+    if planned:
+        lines += [
+            "# HELP hotcold_vram_planned_part_bytes The load plan's VRAM by part.",
+            "# TYPE hotcold_vram_planned_part_bytes gauge",
+            *(f'hotcold_vram_planned_part_bytes{{part="{k}"}} {v}' for k, v in planned.items()),
+        ]
+    return lines + [
+        "# HELP hotcold_vram_used_bytes VRAM this process has allocated now (torch.cuda.memory_allocated; 0 "
+        "without a GPU).",
+        "# TYPE hotcold_vram_used_bytes gauge",
+        f"hotcold_vram_used_bytes {used}",
+        "# HELP hotcold_vram_reserved_peak_bytes The most VRAM the caching allocator has reserved "
+        "(torch.cuda.max_memory_reserved; 0 without a GPU).",
+        "# TYPE hotcold_vram_reserved_peak_bytes gauge",
+        f"hotcold_vram_reserved_peak_bytes {peak}",
+    ]
