@@ -224,12 +224,19 @@ def _reduce_residual_kernel(part_ptr, res_ptr, out_ptr, S, D, BLOCK_D: tl.conste
 # ------------------------------------------------------------------------------------------------
 
 
-def _blocks(w: torch.Tensor) -> tuple[int, int]:
-    """(rows, columns) a program takes: on the interpreter narrow enough that tests cover several column
-    blocks; on a GPU [16, 256] tiles, 8 KiB of F16 a step in 16-byte loads (first guesses, not tuned)."""
+# GPU tiles of the row kernels: [rows, columns] a program step, 4 warps; first guesses, not tuned on a GPU.
+# benchmark() times the alternatives, so the first GPU run says which to keep.
+GPU_TILE = {"rows": 16, "cols": 256, "warps": 4}
+
+
+def _blocks(w: torch.Tensor) -> dict:
+    """BLOCK_R, BLOCK_D (and num_warps on a GPU) of a row kernel over weights w: on the interpreter narrow
+    enough that tests cover several column blocks; on a GPU GPU_TILE (F32 weights: half as many columns,
+    so a step still loads 8 KiB in 16-byte loads)."""
     if _INTERPRETED or w.device.type != "cuda":
-        return 16, 32
-    return 16, 128 if w.element_size() == 4 else 256
+        return dict(BLOCK_R=16, BLOCK_D=32)
+    cols = GPU_TILE["cols"] // 2 if w.element_size() == 4 else GPU_TILE["cols"]
+    return dict(BLOCK_R=GPU_TILE["rows"], BLOCK_D=cols, num_warps=GPU_TILE["warps"])
 
 
 def gemv(w, x, *, out, norm=None, eps=0.0, residual=None, relu=False, threshold=None, mask_out=None,
@@ -238,13 +245,13 @@ def gemv(w, x, *, out, norm=None, eps=0.0, residual=None, relu=False, threshold=
     With `threshold`: `mask_out` int8 [R] = (W @ x >= threshold), `count` int32 [1] += fired rows.
     With `normed_out`: also writes norm(x) there (fc1 of the predictor hands the FFN its input)."""
     r, d = w.shape
-    block_r, block_d = _blocks(w)
+    tile = _blocks(w)
     nw = norm if norm is not None else x
     if normed_out is not None and norm is None:
         raise ValueError("gemv: normed_out needs the norm weight")
     launch(
         _gemv_kernel,
-        (triton.cdiv(r, block_r),),
+        (triton.cdiv(r, tile["BLOCK_R"]),),
         w, x, nw,
         residual if residual is not None else x,
         mask_out if threshold is not None else out,
@@ -253,7 +260,7 @@ def gemv(w, x, *, out, norm=None, eps=0.0, residual=None, relu=False, threshold=
         float(threshold or 0.0), float(eps), r, d, w.stride(0),
         NORM=norm is not None and normed_out is None,
         RELU=relu, RESIDUAL=residual is not None, THRESHOLD=threshold is not None,
-        WRITE_NORMED=normed_out is not None, BLOCK_R=block_r, BLOCK_D=block_d,
+        WRITE_NORMED=normed_out is not None, **tile,
     )  # fmt: skip
     return mask_out if threshold is not None else out
 
@@ -263,13 +270,14 @@ def qkv_rope(wqkv, x, norm, eps, pos, cos, sin, q_out, k_cache, v_cache, *, n_q:
     cos/sin [n_ctx, Dh/2] fp32; k_cache, v_cache [n_ctx, Hkv, Dh] in the cache dtype."""
     rows, d = wqkv.shape
     half = cos.shape[1]
-    block_r, block_d = _blocks(wqkv)
+    tile = _blocks(wqkv)
+    block_p = tile.pop("BLOCK_R")
     pairs = rows // 2
     launch(
         _qkv_rope_kernel,
-        (triton.cdiv(pairs, block_r),),
+        (triton.cdiv(pairs, block_p),),
         wqkv, x, norm, float(eps), pos, cos, sin, q_out, k_cache, v_cache, d, wqkv.stride(0), n_q, n_kv,
-        HALF=half, BLOCK_P=block_r, BLOCK_D=block_d,
+        HALF=half, BLOCK_P=block_p, **tile,
     )  # fmt: skip
 
 
@@ -289,13 +297,13 @@ def gate_up(gate, up, h, mask, a_out, *, kind: str, activation: str, norm=None, 
     """a_out [F] = act(gate . h) * up . h (gated_both: act(up . h)) where mask [F] (None: every row);
     with `norm`, h is RMS-normed in the kernel first (a dense FFN, which has no predictor to do it)."""
     f, d = up.shape
-    block_r, block_d = _blocks(up)
+    tile = _blocks(up)
     launch(
         _gate_up_kernel,
-        (triton.cdiv(f, block_r),),
+        (triton.cdiv(f, tile["BLOCK_R"]),),
         gate, up, h, norm if norm is not None else h, float(eps), mask if mask is not None else h, a_out, f, d,
         gate.stride(0), up.stride(0), NORM=norm is not None, HAS_MASK=mask is not None, KIND=KIND_CODES[kind], ACT=ACTIVATION_CODES[activation],
-        BLOCK_R=block_r, BLOCK_D=block_d,
+        **tile,
     )  # fmt: skip
     return a_out
 
@@ -397,4 +405,22 @@ def benchmark(device: str | torch.device = "cuda", *, reps: int = 50) -> dict:
                                     2 * n * D * 2)  # fmt: skip
         coef = torch.where(fire, torch.rand(F, generator=gen, device=device) + 0.1, 0.0)
         out[f"down_axpy_{tag}"] = row(timed(lambda c=coef: down_axpy(down_t, c, x, partial, y)), n * D * 2)
+    # the row kernels' tile: which [rows, columns] x warps reads a dense 11008 x 4096 matrix fastest
+    a_out = torch.zeros(F, device=device)
+    sweep, default = {}, dict(GPU_TILE)
+    try:
+        for rows, cols, warps in (
+            (16, 256, 4),
+            (8, 256, 4),
+            (32, 256, 8),
+            (16, 512, 8),
+            (8, 512, 4),
+            (4, 1024, 4),
+        ):
+            GPU_TILE.update(rows=rows, cols=cols, warps=warps)
+            us = timed(lambda: gate_up(gate, up, x, None, a_out, kind="gated", activation="relu"))
+            sweep[f"{rows}x{cols}/w{warps}"] = row(us, 2 * F * D * 2)
+    finally:
+        GPU_TILE.update(default)
+    out["dense_gate_up_tiles"] = sweep
     return out
