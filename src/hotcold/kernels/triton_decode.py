@@ -171,8 +171,22 @@ def _gate_up_kernel(
         inv = 1.0
         if NORM:
             inv = _rms_inv(h_ptr, D, eps, BLOCK_D)
-        g = _dot_rows(gate_ptr, stride_g, rows, fire, h_ptr, nw_ptr, inv, D, NORM, BLOCK_D)
-        u = _dot_rows(up_ptr, stride_u, rows, fire, h_ptr, nw_ptr, inv, D, NORM, BLOCK_D)
+        # gate and up rows in one pass over h: each column block of h is loaded once for both
+        cols = tl.arange(0, BLOCK_D)
+        acc_g = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
+        g_ptr = gate_ptr + rows[:, None].to(tl.int64) * stride_g
+        u_ptr = up_ptr + rows[:, None].to(tl.int64) * stride_u
+        for d0 in range(0, D, BLOCK_D):
+            c = d0 + cols
+            hs = tl.load(h_ptr + c, mask=c < D, other=0.0)
+            if NORM:
+                hs = hs * inv * tl.load(nw_ptr + c, mask=c < D, other=0.0)
+            live = fire[:, None] & (c < D)[None, :]
+            acc_g += tl.load(g_ptr + c[None, :], mask=live, other=0.0).to(tl.float32) * hs[None, :]
+            acc_u += tl.load(u_ptr + c[None, :], mask=live, other=0.0).to(tl.float32) * hs[None, :]
+        g = tl.sum(acc_g, axis=1)
+        u = tl.sum(acc_u, axis=1)
         if ACT == 0:
             g = tl.maximum(g, 0.0)
         else:
