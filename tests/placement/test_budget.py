@@ -71,7 +71,9 @@ SHAPES = {  # ReluLLaMA-7B, ReluLLaMA-13B (PowerInfer's), ReluFalcon-40B
 }
 
 
-def fake_model(shape: str, matrices: Q = Q.F16, *, sparse: bool = True, predictors: Q = Q.F16):
+def fake_model(
+    shape: str, matrices: Q = Q.F16, *, sparse: bool = True, predictors: Q = Q.F16, biases: bool = False
+):
     """(model file, config) with the shape's tensors (F32 norms, `matrices` elsewhere); no bytes behind them."""
     s = SHAPES[shape]
     D, F, L, H, Hkv, V, R = (s[k] for k in ("D", "F", "L", "H", "Hkv", "V", "rank"))
@@ -101,6 +103,9 @@ def fake_model(shape: str, matrices: Q = Q.F16, *, sparse: bool = True, predicto
             add(names.FFN_GATE, i, (F, D), matrices)
         add(names.ATTN_OUT, i, (D, H * Dh), matrices)
         add(names.FFN_UP, i, (F, D), matrices)
+        if biases:  # OPT-style FFN biases
+            add(names.FFN_UP, i, (F,), Q.F32, "bias")
+            add(names.FFN_DOWN_T if sparse else names.FFN_DOWN, i, (D,), Q.F32, "bias")
         if sparse:
             add(names.FFN_DOWN_T, i, (F, D), matrices)
             add(names.PRED_FC1, i, (R, D), predictors)
@@ -132,6 +137,8 @@ def tensor_device(name: str, config: ModelConfig, devices: DevicePlan) -> torch.
 def hot_copy_bytes(mf, layer: int, n_hot: int) -> int:
     """What HybridFFN copies for `n_hot` neurons of a layer (sparse/hybrid.py `_rows_to`, `hot_idx_fast`)."""
     total = 8 * n_hot  # the int64 ids on the device
+    if names.tensor(names.FFN_UP, layer, "bias") in mf.tensors:
+        total += 4 * n_hot  # the hot neurons' up bias, float32
     for template in (names.FFN_UP, names.FFN_GATE, names.FFN_DOWN_T):
         e = mf.tensors.get(names.tensor(template, layer))
         if e is None:
@@ -156,6 +163,10 @@ def simulated_allocator(mf, config, devices: DevicePlan, *, ctx: int, scratch: i
             total += 2 * ctx * config.n_head_kv * config.head_dim * dtype.itemsize
     if devices.hot is not None:
         total += sum(hot_copy_bytes(mf, i, len(h)) for i, h in enumerate(devices.hot))
+        for i, h in enumerate(devices.hot):  # HybridFFN moves its down bias to the layer's device, once
+            bias = mf.tensors.get(names.tensor(names.FFN_DOWN_T, i, "bias"))
+            if len(h) and bias is not None and devices.attention[i].type == "cuda":
+                total += 4 * bias.shape[0]
     return total
 
 
@@ -212,6 +223,17 @@ def test_layer_offload_plans_never_exceed_the_budget_and_place_the_head(shape, s
     # a budget that holds every layer holds the head as well
     offload = plan_offload(mf, config, 200 * GIB, ctx_size=CTX)
     assert offload.n_layers == config.n_layer and offload.output_on_gpu
+
+
+def test_ffn_biases_are_charged():
+    """A biased FFN (OPT, Falcon-style files): each hot neuron's up bias goes with it, and a hybrid layer
+    keeps its down bias on the layer's device."""
+    mf, config = fake_model("7B", biases=True)
+    for gib in BUDGETS_GIB:
+        plan, hot, devices = sparse_plan(mf, config, gib * GIB)
+        assert plan.bytes_per_neuron[0] == 3 * 4096 * 2 + 4 + 8
+        used = simulated_allocator(mf, config, devices, ctx=CTX, scratch=plan.scratch_bytes)
+        assert used <= gib * GIB, f"{gib} GiB: {used - gib * GIB} bytes over"
 
 
 def test_a_budget_that_fits_part_of_the_attention():

@@ -263,9 +263,11 @@ def plan_budget(
     kv_total = 0
     layer_on_gpu: list[bool] = []
     first_miss = None
+    # a hybrid layer keeps its FFN's down bias where its output goes: the layer's device (sparse/hybrid.py)
+    down_bias = [sum(size[n] for n in ffn[i] if n.endswith(".bias") and "down" in n) for i in range(L)]
     for i in range(L):
         extra = 0 if any(layer_on_gpu) else attention_scratch
-        need = sum(size[n] for n in dense[i]) + kv
+        need = sum(size[n] for n in dense[i]) + kv + down_bias[i]
         fits = left > 0 and need + extra <= left
         layer_on_gpu.append(fits)
         if fits:
