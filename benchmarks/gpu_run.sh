@@ -9,7 +9,10 @@
 #    .gitignore) and the gguf package, which the GPU machine's image lacks, to .anchors/site/.
 # 2. The call, through the device tool's `run`:
 #        command: bash benchmarks/gpu_run.sh      carry: [".anchors"]      timeout_s: 600
-#    Extra arguments go to gpu.py (e.g. --deadline-s 500 --layers 8 --n-gen 64).
+#    Extra arguments go to gpu.py (e.g. --deadline-s 500 --layers 8 --n-gen 64). gpu.py stops starting
+#    parts at 540 s and hard-stops at 565 s, so timeout_s 600 leaves room for the start.
+# 3. After it: copy gpu.json from the call's files to benchmarks/results/gpu.json and paste the summary
+#    (gpu-summary.md) into benchmarks/RESULTS.md.
 # On the device, hotcold runs from src/ (PYTHONPATH; no pip install: pip there reaches no index, and an
 # isolated build would need to download setuptools); its C kernels compile on first use with the
 # machine's cc. Check it here first: python benchmarks/gpu.py --cpu-dry-run --out /tmp/gpu.json
