@@ -81,11 +81,13 @@ def load_model(
     n_gpu_layers: int | None = None,
     fast_device: str | None = None,
     sparsity: float | None = None,
+    kv_sequences: int = 1,
 ) -> LoadedModel:
     """fast_device: where hot rows and offloaded layers go; default the GPU when `device` resolves to cuda.
     Tests pass "cpu" to exercise the hybrid split with a second CPU placement standing in for the GPU.
     sparsity: for a `hotcold sparsify` file, the share of FFN neurons to skip (None: the file's target;
-    0: dense, the same as dense=True)."""
+    0: dense, the same as dense=True). kv_sequences: how many sequences will hold a KV cache at once (a
+    server's slots): the budget charges each GPU layer's cache that many times."""
     path = Path(path) if path is not None else demo_model_path()
     # the rules the CLI and the server apply too (NaN, infinities, out of range: ValueError naming the argument)
     threads = validate.check_optional("threads", threads)
@@ -93,6 +95,8 @@ def load_model(
     n_gpu_layers = validate.check_optional("n_gpu_layers", n_gpu_layers)
     ctx_size = validate.check_optional("ctx_size", ctx_size)
     sparsity = validate.check_optional("sparsity", sparsity)
+    if kv_sequences < 1:
+        raise ValueError(f"kv_sequences must be >= 1, got {kv_sequences}")
     if threads is None:  # the cores other processes leave free (cores.py says why)
         threads = cores.default_threads()
     torch.set_num_threads(threads)
@@ -122,7 +126,9 @@ def load_model(
             budget = default_budget_bytes() // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP
         else:
             budget = int((vram_budget or 0) * GIB)
-        plan = plan_budget(model_file, config, budget, ctx_size=ctx, device_type=fast.type)
+        plan = plan_budget(
+            model_file, config, budget, ctx_size=ctx, device_type=fast.type, kv_sequences=kv_sequences
+        )
         notes.append(plan.describe())
         hot = (
             None
@@ -143,7 +149,9 @@ def load_model(
     elif fast is not None and (n_gpu_layers or fast.type == "cuda"):
         if n_gpu_layers is None:  # dense on a GPU: as many whole layers as the budget holds
             budget = default_budget_bytes() if vram_budget is None else int(vram_budget * GIB)
-            offload = plan_offload(model_file, config, budget, ctx_size=ctx, device_type=fast.type)
+            offload = plan_offload(
+                model_file, config, budget, ctx_size=ctx, device_type=fast.type, kv_sequences=kv_sequences
+            )
             devices = offload_device_plan(
                 config.n_layer, offload.n_layers, fast, output=offload.output_on_gpu
             )

@@ -148,8 +148,9 @@ def hot_copy_bytes(mf, layer: int, n_hot: int) -> int:
     return total
 
 
-def simulated_allocator(mf, config, devices: DevicePlan, *, ctx: int, scratch: int) -> int:
-    """Bytes the loader would allocate on the GPU for `devices`, plus the scratch reserve."""
+def simulated_allocator(mf, config, devices: DevicePlan, *, ctx: int, scratch: int, n_seq: int = 1) -> int:
+    """Bytes the loader would allocate on the GPU for `devices` with `n_seq` sequences' KV caches (a
+    server's slots), plus the scratch reserve."""
     total = scratch
     for name, e in mf.tensors.items():
         where = tensor_device(name, config, devices)
@@ -160,7 +161,7 @@ def simulated_allocator(mf, config, devices: DevicePlan, *, ctx: int, scratch: i
         total += placed_nbytes(e.qtype.name, e.shape, e.n_bytes, "cuda")
     for device, dtype in zip(devices.attention, devices.kv_dtypes(), strict=True):
         if device.type == "cuda":  # KVCache: k and v [ctx, Hkv, Dh] in the layer's KV dtype
-            total += 2 * ctx * config.n_head_kv * config.head_dim * dtype.itemsize
+            total += n_seq * 2 * ctx * config.n_head_kv * config.head_dim * dtype.itemsize
     if devices.hot is not None:
         total += sum(hot_copy_bytes(mf, i, len(h)) for i, h in enumerate(devices.hot))
         for i, h in enumerate(devices.hot):  # HybridFFN moves its down bias to the layer's device, once
@@ -234,6 +235,27 @@ def test_ffn_biases_are_charged():
         assert plan.bytes_per_neuron[0] == 3 * 4096 * 2 + 4 + 8
         used = simulated_allocator(mf, config, devices, ctx=CTX, scratch=plan.scratch_bytes)
         assert used <= gib * GIB, f"{gib} GiB: {used - gib * GIB} bytes over"
+
+
+def test_every_slots_kv_cache_is_charged():
+    """A server with 4 slots allocates 4 KV caches: planned for one, 7B at 8 GiB would overshoot by 3."""
+    mf, config = fake_model("7B")
+    one = plan_budget(mf, config, 8 * GIB, ctx_size=CTX)
+    four = plan_budget(mf, config, 8 * GIB, ctx_size=CTX, kv_sequences=4)
+    devices = sparse_device_plan(one, CUDA, None)
+    assert simulated_allocator(mf, config, devices, ctx=CTX, scratch=one.scratch_bytes, n_seq=4) > 8 * GIB
+    assert sum(four.layer_on_gpu) < sum(one.layer_on_gpu)
+    assert four.kv_bytes == 4 * sum(four.layer_on_gpu) * kv_bytes_per_layer(config, CTX, 2)
+    for gib in BUDGETS_GIB:
+        plan = plan_budget(mf, config, gib * GIB, ctx_size=CTX, kv_sequences=4)
+        hot = solve_placement(skewed_counts(32, config.n_ff), plan.hot_bytes, plan.bytes_per_neuron)
+        devices = sparse_device_plan(plan, CUDA, hot if plan.hot_bytes > 0 else None)
+        used = simulated_allocator(mf, config, devices, ctx=CTX, scratch=plan.scratch_bytes, n_seq=4)
+        assert used <= gib * GIB
+        offload = plan_offload(mf, config, gib * GIB, ctx_size=CTX, kv_sequences=4)
+        devices = offload_device_plan(32, offload.n_layers, CUDA, output=offload.output_on_gpu)
+        used = simulated_allocator(mf, config, devices, ctx=CTX, scratch=offload.scratch_bytes, n_seq=4)
+        assert used <= gib * GIB
 
 
 def test_a_budget_that_fits_part_of_the_attention():

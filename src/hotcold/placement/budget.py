@@ -239,10 +239,12 @@ def plan_budget(
     *,
     ctx_size: int,
     device_type: str = "cuda",
+    kv_sequences: int = 1,
 ) -> BudgetPlan:
     """device_type: the fast device's type ("cuda"; tests use "cpu", a stand-in that keeps the file's
-    blocks and float32 KV). A budget below the scratch space places nothing; `missed` says what did not
-    fit and what it needed."""
+    blocks and float32 KV). kv_sequences: KV caches allocated at once (one per server slot), each of
+    ctx_size. A budget below the scratch space places nothing; `missed` says what did not fit and what it
+    needed."""
     if budget_bytes < 0:
         raise ValueError(f"VRAM budget must be >= 0, got {budget_bytes} bytes")
     budget_bytes = int(budget_bytes)
@@ -259,7 +261,7 @@ def plan_budget(
     else:
         scratch, left = base, budget_bytes - base
     spent = {"attention": 0, "predictors": 0, "output": 0}
-    kv = kv_bytes_per_layer(config, ctx_size, kv_dtype(torch.device(device_type)).itemsize)
+    kv = kv_sequences * kv_bytes_per_layer(config, ctx_size, kv_dtype(torch.device(device_type)).itemsize)
     kv_total = 0
     layer_on_gpu: list[bool] = []
     first_miss = None
@@ -326,7 +328,13 @@ def default_budget_bytes() -> int:
 
 
 def plan_offload(
-    model_file: ModelFile, config: ModelConfig, budget_bytes: int, *, ctx_size: int, device_type: str = "cuda"
+    model_file: ModelFile,
+    config: ModelConfig,
+    budget_bytes: int,
+    *,
+    ctx_size: int,
+    device_type: str = "cuda",
+    kv_sequences: int = 1,
 ) -> OffloadPlan:
     """Dense execution with layer offload (llama.cpp's -ngl) at a budget: the scratch space first, then the
     output head where it fits (the plan places it: `output_on_gpu`), then whole layers (attention, norms,
@@ -347,7 +355,7 @@ def plan_offload(
         left -= head
     else:
         missed.append(f"the output head ({_mib(head)})")
-    kv = kv_bytes_per_layer(config, ctx_size, kv_dtype(torch.device(device_type)).itemsize)
+    kv = kv_sequences * kv_bytes_per_layer(config, ctx_size, kv_dtype(torch.device(device_type)).itemsize)
     n, weights = 0, 0
     for i in reversed(range(config.n_layer)):
         need = sum(size[t] for t in dense[i] + ffn[i])
