@@ -17,6 +17,10 @@ never loses the others; a part that cannot fit is skipped with the reason record
    copy bandwidth; `hotcold.kernels.triton_decode.benchmark(device)` when that module exists;
 7. `pytest -m gpu` on the test files that hold GPU tests.
 
+On a GPU each hotcold run and the fused-kernel benchmark run in a child process (a hang or a CUDA error
+that poisons a process costs that part alone); PowerInfer and pytest are child processes too, killed with
+everything they started at their limits; a watchdog saves and exits 25 s after the deadline, whatever hangs.
+
     python benchmarks/gpu.py --out $OUT/gpu.json          # the device call: benchmarks/gpu_run.sh
     python benchmarks/gpu.py --cpu-dry-run --out /tmp/gpu.json   # the plumbing on the CPU, tiny shape
 """
@@ -474,24 +478,30 @@ def synth_files(b: Bench, args) -> tuple[Path, Path]:
     return sparse, dense
 
 
+def in_child(b: Bench, name: str, spec: dict, limit_s: float) -> dict:
+    """one_run(spec) in a child process, killed at limit_s: a hang or a CUDA error that poisons the process
+    then costs this part alone. Returns the child's record."""
+    work = Path(b.out).parent if spec.get("workdir") is None else Path(spec["workdir"])
+    spec_file, result_file = work / f"run-{name}.json", work / f"run-{name}.result.json"
+    result_file.unlink(missing_ok=True)
+    spec_file.write_text(json.dumps({**spec, "result": str(result_file)}))
+    rc, tail = b.run_proc(
+        [sys.executable, str(HERE / "gpu.py"), "--one-run", str(spec_file)], limit_s=limit_s
+    )
+    if not result_file.exists():
+        why = "was stopped at its time limit" if rc is None else f"exited {rc}"
+        raise RuntimeError(f"the child {why} without a result; its output ends: {tail[-1200:]}")
+    return json.loads(result_file.read_text())
+
+
 def run_config(b: Bench, name: str, path: Path, args, **load_args) -> None:
-    """One decode_run, in a child process when isolated (a hang or a CUDA error that poisons the process
-    then costs this run alone, and the child is killed at the part's limit), else in this process."""
+    """One decode_run, in a child process when isolated, else in this process."""
     spec = dict(path=str(path), n_gen=args.n_gen, ctx=args.ctx, threads=args.threads, device=args.device)
     if args.isolate == "all" or (
         args.isolate == "auto" and (args.device == "cuda" or name == "dense_all_gpu")
     ):
-        work = Path(args.workdir)
-        spec_file, result_file = work / f"run-{name}.json", work / f"run-{name}.result.json"
-        result_file.unlink(missing_ok=True)
-        spec_file.write_text(json.dumps({**spec, "load_args": load_args, "result": str(result_file)}))
-        limit = max(1.0, min(args.run_limit_s, b.left()))
-        rc, tail = b.run_proc(
-            [sys.executable, str(HERE / "gpu.py"), "--one-run", str(spec_file)], limit_s=limit
-        )
-        if not result_file.exists():
-            raise RuntimeError(f"child exited {rc} without a result; its output ends: {tail[-1200:]}")
-        record = json.loads(result_file.read_text())
+        spec = dict(kind="decode", workdir=args.workdir, load_args=load_args, **spec)
+        record = in_child(b, name, spec, max(1.0, min(args.run_limit_s, b.left())))
         record["isolated"] = True
     else:
         record = decode_run(Path(spec.pop("path")), **spec, **load_args)
@@ -504,11 +514,19 @@ def run_config(b: Bench, name: str, path: Path, args, **load_args) -> None:
 
 
 def one_run(spec_file: str) -> int:
-    """The child of an isolated run: decode_run as the spec says, the record written where it says."""
+    """The child of an isolated part: decode_run or fused_kernels as the spec says, the record written
+    where it says."""
     spec = json.loads(Path(spec_file).read_text())
     result = Path(spec.pop("result"))
-    load_args = spec.pop("load_args")
-    record = decode_run(Path(spec.pop("path")), **spec, **load_args)
+    kind = spec.pop("kind")
+    spec.pop("workdir", None)
+    if kind == "decode":
+        load_args = spec.pop("load_args")
+        record = decode_run(Path(spec.pop("path")), **spec, **load_args)
+    elif kind == "fused":
+        record = fused_kernels(spec["device"])
+    else:
+        raise ValueError(f"{spec_file}: unknown kind {kind!r}")
     tmp = result.with_name(result.name + ".tmp")
     tmp.write_text(json.dumps(record, default=str))
     tmp.replace(result)
@@ -657,6 +675,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pi-limit-s", type=float, default=180.0)
     ap.add_argument("--tests-limit-s", type=float, default=120.0)
     ap.add_argument("--run-limit-s", type=float, default=120.0, help="each hotcold load + decode")
+    ap.add_argument("--fused-limit-s", type=float, default=120.0, help="triton_decode.benchmark")
     ap.add_argument(
         "--isolate",
         choices=("auto", "all", "none"),
@@ -759,7 +778,15 @@ def run_all(b: Bench, args) -> int:
         b.part("kernels", kernels, need_s=20, limit_s=90)
     else:
         b.note("skipped", "kernels", "no CUDA GPU")
-    b.part("fused_kernels", lambda: b.set(fused_kernels=fused_kernels(args.device)), need_s=15, limit_s=90)
+
+    def fused():
+        if cuda and importlib.util.find_spec("hotcold.kernels.triton_decode") is not None:
+            spec = dict(kind="fused", device="cuda", workdir=args.workdir)
+            b.set(fused_kernels=in_child(b, "fused_kernels", spec, min(args.fused_limit_s, b.left())))
+        else:
+            b.set(fused_kernels=fused_kernels(args.device))
+
+    b.part("fused_kernels", fused, need_s=20, limit_s=args.fused_limit_s + 10)
     if dry:
         b.note("skipped", "gpu_tests", "dry run")
     else:
