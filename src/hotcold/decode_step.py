@@ -40,6 +40,11 @@ class StepLayer:
     fc1: torch.Tensor | None = None  # [R, D]: the predictor (None: dense FFN)
     fc2: torch.Tensor | None = None  # [F, R]
     threshold: float = 0.0
+    # the FFN matrices' ggml block types ("q8_0", "q4_0": uint8 [F, row bytes], read by the fused kernels
+    # as the file stores them); None: float
+    gate_qtype: str | None = None
+    up_qtype: str | None = None
+    down_qtype: str | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +56,16 @@ class StepShape:
     kind: str  # "gated" | "gated_both"
     activation: str  # "relu" | "silu"
     window: int = 0  # sliding window (0: none)
+
+
+def _mm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """w @ x in float32: on a GPU in w's dtype (fp32 accumulation inside), on the CPU (the reference) with
+    w widened, so the activations are never rounded to fp16."""
+    if w.dtype == torch.float32:
+        return F.linear(x, w)
+    if x.device.type == "cpu":
+        return F.linear(x, w.float())
+    return F.linear(x.to(w.dtype), w).float()
 
 
 class TorchKernels:
@@ -66,7 +81,7 @@ class TorchKernels:
             normed_out.copy_(self._norm(x, norm, eps))
             norm = None
         h = self._norm(x, norm, eps) if norm is not None else x
-        y = F.linear(h.to(w.dtype), w).float() if w.dtype != torch.float32 else F.linear(h, w)
+        y = _mm(h, w)
         if relu:
             y = torch.relu(y)
         if threshold is not None:
@@ -103,19 +118,19 @@ class TorchKernels:
         s = torch.where(live, qh @ k.transpose(1, 2), float("-inf"))  # [Hkv, G, S]
         out.copy_((torch.softmax(s, dim=-1) @ v).flatten())
 
-    def gate_up(self, gate, up, h, mask, a_out, *, kind, activation, norm=None, eps=0.0):
+    def gate_up(self, gate, up, h, mask, a_out, *, kind, activation, norm=None, eps=0.0, qtypes=(None, None)):
         act = torch.relu if activation == "relu" else F.silu
-        hw = (self._norm(h, norm, eps) if norm is not None else h).to(up.dtype)
-        g = act(F.linear(hw, gate).float())
-        u = F.linear(hw, up).float()
+        hn = self._norm(h, norm, eps) if norm is not None else h
+        g = act(_mm(hn, gate))
+        u = _mm(hn, up)
         a = g * (act(u) if kind == "gated_both" else u)
         return a_out.copy_(a if mask is None else torch.where(mask != 0, a, 0.0))
 
-    def down_axpy(self, down_t, a, residual, partial, out):
-        return out.copy_(residual + (a.to(down_t.dtype) @ down_t).float())
+    def down_axpy(self, down_t, a, residual, partial, out, *, qtype=None):
+        return out.copy_(residual + _mm(a, down_t.T))  # a @ down_t
 
     @staticmethod
-    def partial_rows(down_t: torch.Tensor) -> int:
+    def partial_rows(layer: StepLayer) -> int:
         return 1
 
 
@@ -131,8 +146,8 @@ def triton_kernels():
         down_axpy = staticmethod(td.down_axpy)
 
         @staticmethod
-        def partial_rows(down_t: torch.Tensor) -> int:
-            return td.axpy_splits(down_t, down_t.device)[0]
+        def partial_rows(layer: StepLayer) -> int:
+            return td.axpy_splits(layer.down_t.shape[0], layer.wo.shape[0], layer.down_t.device)[0]
 
     return TritonKernels()
 
@@ -141,7 +156,7 @@ class _Buffers:
     """Everything one step writes besides the KV cache, preallocated on the device."""
 
     def __init__(self, layers: list[StepLayer], shape: StepShape, n_vocab: int, device, partial_rows: int):
-        D = layers[0].wo.shape[0]
+        D = layers[0].wo.shape[0]  # wo is float [D, qd]
         n_ff = max(layer.up.shape[0] for layer in layers)
         rank = max((layer.fc1.shape[0] for layer in layers if layer.fc1 is not None), default=1)
         f32 = dict(dtype=torch.float32, device=device)
@@ -176,8 +191,7 @@ class StaticDecoder:
         self.n_ff = [layer.up.shape[0] for layer in layers]
         self.sparse = [layer.fc1 is not None for layer in layers]
         self._lock = threading.Lock()  # one set of buffers: one step at a time (server slots share a model)
-        sparse = [layer.down_t for layer in layers if layer.down_t is not None]
-        rows = max((self.kernels.partial_rows(d) for d in sparse), default=1)
+        rows = max((self.kernels.partial_rows(la) for la in layers if la.down_t is not None), default=1)
         self.buf = _Buffers(layers, shape, head.shape[0], self.device, rows)
         self.capture = self.device.type == "cuda" if capture is None else capture
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KV cache -> CUDA graph
@@ -204,12 +218,13 @@ class StaticDecoder:
                 k.gemv(
                     layer.fc2, r, out=r, threshold=layer.threshold, mask_out=mask, count=b.counts[i : i + 1]
                 )
-                k.gate_up(layer.gate, layer.up, b.h, mask, a, kind=s.kind, activation=s.activation)
+                k.gate_up(layer.gate, layer.up, b.h, mask, a, kind=s.kind, activation=s.activation,
+                          qtypes=(layer.gate_qtype, layer.up_qtype))  # fmt: skip
             else:  # dense FFN: every row, the norm computed inside the gate/up kernel
                 k.gate_up(layer.gate, layer.up, b.x2, None, a, kind=s.kind, activation=s.activation,
-                          norm=layer.ffn_norm, eps=s.eps)  # fmt: skip
+                          norm=layer.ffn_norm, eps=s.eps, qtypes=(layer.gate_qtype, layer.up_qtype))  # fmt: skip
             if layer.down_t is not None:
-                k.down_axpy(layer.down_t, a, b.x2, b.partial, b.x)
+                k.down_axpy(layer.down_t, a, b.x2, b.partial, b.x, qtype=layer.down_qtype)
             else:
                 k.gemv(layer.down, a, out=b.x, residual=b.x2)
         k.gemv(self.head, b.x, out=b.logits, norm=self.head_norm, eps=s.eps)
@@ -264,84 +279,134 @@ class StaticDecoder:
 # ------------------------------------------------------------------------------------------------
 
 
-def _float_on(t, device: torch.device) -> bool:
-    return isinstance(t, torch.Tensor) and t.device == device and t.dtype in (torch.float16, torch.bfloat16,
-                                                                               torch.float32)  # fmt: skip
+class _NoStep(Exception):
+    """Why a model cannot take the fused step (from_model returns it as text)."""
+
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+_BLOCK_TYPES = ("q8_0", "q4_0")  # the fused kernels read these ggml blocks as stored
+
+
+def _matrix(t, device: torch.device, what: str) -> torch.Tensor:
+    """A float matrix on `device`. Block-quantized CPU matrices (the CPU stand-in) are dequantized: what
+    the loader's placement gives a GPU (as fp16) for everything but hot FFN rows."""
+    from hotcold.quants import QuantTensor
+
+    if isinstance(t, QuantTensor) and t.device == device and device.type == "cpu":
+        return t.dequantize()
+    if not isinstance(t, torch.Tensor) or t.device != device or t.dtype not in _FLOATS:
+        raise _NoStep(f"{what} is not a float matrix on {device}")
+    return t
+
+
+def _ffn_matrix(t, device: torch.device, what: str, fused: bool) -> tuple[torch.Tensor, str | None]:
+    """(matrix, block type): Q8_0 / Q4_0 blocks stay blocks for the fused kernels; else a float matrix."""
+    from hotcold.quants import QuantTensor
+
+    if fused and isinstance(t, QuantTensor) and t.device == device and t.qtype.name.lower() in _BLOCK_TYPES:
+        return t.data, t.qtype.name.lower()
+    return _matrix(t, device, what), None
+
+
+def _ffn_parts(ffn, device: torch.device):
+    """(FFNWeights, predictor or None, norm) of a layer's FFN when all of it computes on `device`."""
+    from hotcold.sparse.ffn import DenseFFN, SparseFFN
+    from hotcold.sparse.hybrid import HybridFFN
+
+    if isinstance(ffn, HybridFFN) and ffn.all_hot and ffn.device == device and ffn.norm is not None:
+        return ffn.hot_weights, ffn.predictor, ffn.norm
+    if isinstance(ffn, SparseFFN) and ffn.expert is None and ffn.norm is not None:  # the CPU stand-in
+        return ffn.weights, ffn.predictor, ffn.norm
+    if isinstance(ffn, DenseFFN) and ffn.norm is not None:
+        return ffn.weights, None, ffn.norm
+    raise _NoStep(f"the FFN ({type(ffn).__name__}) is not all on {device}")
 
 
 def from_model(
     model, *, kernels: str | None = None, capture: bool | None = None, ctx_size: int | None = None
 ):
-    """(StaticDecoder, None) for a llama-family model whose every layer, FFN and head live on one device in
-    float types, else (None, why not). Sparse layers must be all-hot (every neuron on that device)."""
+    """(StaticDecoder, None) for a llama-family model whose every layer, FFN and head live on one device
+    (float matrices; FFN rows may be Q8_0 / Q4_0 blocks for the fused kernels), else (None, why not).
+    Sparse layers must be all-hot (every neuron on that device)."""
     from hotcold.models.llama import Llama
-    from hotcold.sparse.ffn import DenseFFN, SparseFFN
-    from hotcold.sparse.hybrid import HybridFFN
 
     if type(model) is not Llama:
         return None, f"{type(model).__name__} models take the eager step"
     c = model.config
     device = model.head.device
-    if c.rope_dim != c.head_dim or c.head_dim & (c.head_dim - 1):
-        return None, "partial RoPE or a head size that is not a power of two"
-    layers, kinds = [], set()
-    for i, layer in enumerate(model.layers):
-        ffn = layer.ffn
-        if layer.device != device:
-            return None, f"layer {i}'s attention is on {layer.device}, the head on {device}"
-        if isinstance(ffn, HybridFFN) and ffn.all_hot and ffn.device == device and ffn.norm is not None:
-            w, pred = ffn.hot_weights, ffn.predictor
-            fc1, fc2, thr = pred.fc1, pred.fc2, float(pred.threshold)
-        elif isinstance(ffn, SparseFFN) and ffn.expert is None and ffn.norm is not None:  # the CPU stand-in
-            w, pred = ffn.weights, ffn.predictor
-            fc1, fc2, thr = pred.fc1, pred.fc2, float(pred.threshold)
-        elif isinstance(ffn, DenseFFN) and ffn.norm is not None:
-            w, fc1, fc2, thr = ffn.weights, None, None, 0.0
-        else:
-            return None, f"layer {i}'s FFN ({type(ffn).__name__}) is not all on {device}"
-        if (
-            w.kind not in ("gated", "gated_both")
-            or w.activation not in ("relu", "silu")
-            or w.up_bias is not None
-        ):
-            return None, f"layer {i}'s FFN kind {w.kind}/{w.activation} has no fused step"
-        kinds.add((w.kind, w.activation))
-        wq, wk, wv = layer.qkv.weights
-        tensors = [wq, wk, wv, layer.wo, w.up, w.gate, w.down_t if w.down_t is not None else w.down]
-        tensors += [fc1, fc2] if fc1 is not None else []
-        if not all(_float_on(t, device) for t in tensors):
-            return None, f"layer {i} has weights that are not float tensors on {device}"
-        wqkv = torch.cat([wq, wk, wv])
-        if layer.qkv.c_group is None:
-            # the eager path (prefill) multiplies by views of the fused matrix, so the GPU holds q/k/v once;
-            # a C group (CPU weights) keeps its own pointers and its matrices
-            layer.qkv.weights[:] = list(torch.split(wqkv, [wq.shape[0], wk.shape[0], wv.shape[0]]))
-        layers.append(
-            StepLayer(
-                attn_norm=layer.attn_norm.weight,
-                wqkv=wqkv,
-                wo=layer.wo,
-                ffn_norm=ffn.norm.weight.to(device),
-                up=w.up,
-                gate=w.gate,
-                down_t=w.down_t,
-                down=w.down,
-                fc1=fc1,
-                fc2=fc2,
-                threshold=thr,
-            )
-        )
-    if len(kinds) != 1 or not _float_on(model.head.weight, device) or not model.layers[0].attn_norm.rms:
-        return None, "mixed FFN kinds, a non-float head, or a LayerNorm model"
-    kind, activation = kinds.pop()
     if kernels is None:
         kernels = "triton" if device.type == "cuda" and _triton_ok() else "torch"
+    fused = kernels == "triton"
+    if c.rope_dim != c.head_dim or c.head_dim & (c.head_dim - 1):
+        return None, "partial RoPE or a head size that is not a power of two"
+    if not model.layers[0].attn_norm.rms:
+        return None, "LayerNorm models take the eager step"
+    try:
+        layers = [_step_layer(i, layer, device, fused) for i, layer in enumerate(model.layers)]
+        head = _matrix(model.head.weight, device, "the output head")
+    except _NoStep as why:
+        return None, str(why)
+    kinds = {(w.kind, w.activation) for w, _ in layers}
+    if len(kinds) != 1:
+        return None, f"layers mix FFN kinds {sorted(kinds)}"
+    kind, activation = kinds.pop()
     cos, sin = model.rope._covering(max(c.n_ctx_train, ctx_size or 0), device)
     shape = StepShape(c.n_head, c.n_head_kv, c.head_dim, model.layers[0].attn_norm.eps, kind, activation,
                       window=c.sliding_window or 0)  # fmt: skip
-    decoder = StaticDecoder(layers, shape, model.head.norm.weight, model.head.weight, cos, sin,
+    step_layers = [step for _, step in layers]
+    decoder = StaticDecoder(step_layers, shape, model.head.norm.weight, head, cos, sin,
                             kernels=kernels, capture=capture)  # fmt: skip
     return decoder, None
+
+
+def _step_layer(i: int, layer, device: torch.device, fused: bool):
+    """(FFN weights, StepLayer) of model layer i, or _NoStep."""
+    if layer.device != device:
+        raise _NoStep(f"layer {i}'s attention is on {layer.device}, the head on {device}")
+    try:
+        w, predictor, norm = _ffn_parts(layer.ffn, device)
+    except _NoStep as why:
+        raise _NoStep(f"layer {i}: {why}") from None
+    if w.kind not in ("gated", "gated_both") or w.activation not in ("relu", "silu") or w.up_bias is not None:
+        raise _NoStep(f"layer {i}'s FFN ({w.kind}, {w.activation}, bias) has no fused step")
+    wq, wk, wv = layer.qkv.weights
+    mats = [_matrix(t, device, f"layer {i}'s attention") for t in (wq, wk, wv)]
+    wqkv = torch.cat(mats)
+    if (
+        device.type == "cuda"
+        and layer.qkv.c_group is None
+        and all(m is t for m, t in zip(mats, (wq, wk, wv)))
+    ):
+        # the eager path (prefill) multiplies by views of the fused matrix, so the GPU holds q/k/v once
+        layer.qkv.weights[:] = list(torch.split(wqkv, [m.shape[0] for m in mats]))
+    gate, gate_q = _ffn_matrix(w.gate, device, f"layer {i}'s ffn_gate", fused)
+    up, up_q = _ffn_matrix(w.up, device, f"layer {i}'s ffn_up", fused)
+    if w.down_t is not None:
+        down_t, down_q = _ffn_matrix(w.down_t, device, f"layer {i}'s ffn_down_t", fused)
+        down = None
+    else:
+        down_t, down_q, down = None, None, _matrix(w.down, device, f"layer {i}'s ffn_down")
+    fc1 = fc2 = None
+    if predictor is not None:
+        fc1 = _matrix(predictor.fc1, device, f"layer {i}'s predictor")
+        fc2 = _matrix(predictor.fc2, device, f"layer {i}'s predictor")
+    step = StepLayer(
+        attn_norm=layer.attn_norm.weight,
+        wqkv=wqkv,
+        wo=_matrix(layer.wo, device, f"layer {i}'s attn_output"),
+        ffn_norm=norm.weight.to(device),
+        up=up,
+        gate=gate,
+        down_t=down_t,
+        down=down,
+        fc1=fc1,
+        fc2=fc2,
+        threshold=float(predictor.threshold) if predictor is not None else 0.0,
+        gate_qtype=gate_q,
+        up_qtype=up_q,
+        down_qtype=down_q,
+    )
+    return w, step
 
 
 def _triton_ok() -> bool:

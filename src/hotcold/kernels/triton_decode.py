@@ -26,7 +26,8 @@ from __future__ import annotations
 import torch
 
 from hotcold.kernels.launches import launch
-from hotcold.kernels.triton import _INTERPRETED, _sm_count, tl, triton
+from hotcold.kernels.triton import _INTERPRETED, _QCODE, _load_rows, _sm_count, tl, triton
+from hotcold.kernels.triton_args import QTYPES
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 
@@ -159,7 +160,7 @@ def _attention_kernel(
 @_jit
 def _gate_up_kernel(
     gate_ptr, up_ptr, h_ptr, nw_ptr, eps, m_ptr, a_ptr, F, D, stride_g, stride_u,
-    NORM: tl.constexpr, HAS_MASK: tl.constexpr, KIND: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    QG: tl.constexpr, QU: tl.constexpr, NORM: tl.constexpr, HAS_MASK: tl.constexpr, KIND: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < F
@@ -183,8 +184,8 @@ def _gate_up_kernel(
             if NORM:
                 hs = hs * inv * tl.load(nw_ptr + c, mask=c < D, other=0.0)
             live = fire[:, None] & (c < D)[None, :]
-            acc_g += tl.load(g_ptr + c[None, :], mask=live, other=0.0).to(tl.float32) * hs[None, :]
-            acc_u += tl.load(u_ptr + c[None, :], mask=live, other=0.0).to(tl.float32) * hs[None, :]
+            acc_g += _load_rows(g_ptr, c[None, :], live, QG) * hs[None, :]
+            acc_u += _load_rows(u_ptr, c[None, :], live, QU) * hs[None, :]
         g = tl.sum(acc_g, axis=1)
         u = tl.sum(acc_u, axis=1)
         if ACT == 0:
@@ -202,8 +203,9 @@ def _gate_up_kernel(
 
 @_jit
 def _down_axpy_kernel(
-    w_ptr, a_ptr, part_ptr, F, D, rows_per_split, stride_w, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr
-):
+    w_ptr, a_ptr, part_ptr, F, D, rows_per_split, stride_w,
+    QTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
     cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
     split = tl.program_id(1)
     k_begin = split * rows_per_split
@@ -214,11 +216,8 @@ def _down_axpy_kernel(
         coef = tl.load(a_ptr + rows, mask=rows < k_end, other=0.0)
         live = coef != 0.0
         if tl.max(live.to(tl.int32), axis=0) > 0:  # rows nobody needs are not read
-            w = tl.load(
-                w_ptr + rows[:, None].to(tl.int64) * stride_w + cols[None, :],
-                mask=live[:, None] & (cols < D)[None, :],
-                other=0.0,
-            ).to(tl.float32)
+            row_ptr = w_ptr + rows[:, None].to(tl.int64) * stride_w
+            w = _load_rows(row_ptr, cols[None, :], live[:, None] & (cols < D)[None, :], QTYPE)
             acc += coef[:, None] * w
     tl.store(part_ptr + split * D + cols, tl.sum(acc, axis=0), mask=cols < D)
 
@@ -307,24 +306,36 @@ def attention(q, k_cache, v_cache, pos, out, *, n_head: int, head_dim: int, wind
     )  # fmt: skip
 
 
-def gate_up(gate, up, h, mask, a_out, *, kind: str, activation: str, norm=None, eps=0.0) -> torch.Tensor:
+def _width(w: torch.Tensor, qtype: str | None) -> tuple[int, int]:
+    """(kernel type code, values a row) of float weights (qtype None) or ggml blocks ("q8_0", "q4_0")."""
+    if qtype is None:
+        return 0, w.shape[1]
+    block_bytes, block_values = QTYPES[qtype]
+    return _QCODE[qtype], w.shape[1] // block_bytes * block_values
+
+
+def gate_up(gate, up, h, mask, a_out, *, kind: str, activation: str, norm=None, eps=0.0,
+            qtypes: tuple[str | None, str | None] = (None, None)) -> torch.Tensor:  # fmt: skip
     """a_out [F] = act(gate . h) * up . h (gated_both: act(up . h)) where mask [F] (None: every row);
-    with `norm`, h is RMS-normed in the kernel first (a dense FFN, which has no predictor to do it)."""
-    f, d = up.shape
+    with `norm`, h is RMS-normed in the kernel first (a dense FFN, which has no predictor to do it).
+    qtypes: gate's and up's block types (None: float; "q8_0" / "q4_0": uint8 ggml blocks [F, row bytes])."""
+    qg, _ = _width(gate, qtypes[0])
+    qu, d = _width(up, qtypes[1])
+    f = up.shape[0]
     tile = _blocks(up)
     launch(
         _gate_up_kernel,
         (triton.cdiv(f, tile["BLOCK_R"]),),
         gate, up, h, norm if norm is not None else h, float(eps), mask if mask is not None else h, a_out, f, d,
-        gate.stride(0), up.stride(0), NORM=norm is not None, HAS_MASK=mask is not None, KIND=KIND_CODES[kind], ACT=ACTIVATION_CODES[activation],
+        gate.stride(0), up.stride(0), QG=qg, QU=qu, NORM=norm is not None, HAS_MASK=mask is not None, KIND=KIND_CODES[kind], ACT=ACTIVATION_CODES[activation],
         **tile,
     )  # fmt: skip
     return a_out
 
 
-def axpy_splits(down_t: torch.Tensor, device: torch.device) -> tuple[int, int]:
-    """(splits, rows per split) for down_axpy: enough programs to fill the GPU (~4 per SM)."""
-    f, d = down_t.shape
+def axpy_splits(f: int, d: int, device: torch.device) -> tuple[int, int]:
+    """(splits, rows per split) of down_axpy over f rows of d values: enough programs to fill the GPU
+    (~4 per SM)."""
     block_k, block_d = (16, 32) if _INTERPRETED or device.type != "cuda" else (16, 256)
     n_d = triton.cdiv(d, block_d)
     blocks = triton.cdiv(f, block_k)
@@ -333,16 +344,17 @@ def axpy_splits(down_t: torch.Tensor, device: torch.device) -> tuple[int, int]:
     return triton.cdiv(f, rows_per_split), rows_per_split
 
 
-def down_axpy(down_t, a, residual, partial, out) -> torch.Tensor:
+def down_axpy(down_t, a, residual, partial, out, *, qtype: str | None = None) -> torch.Tensor:
     """out [D] = residual + sum_k a[k] down_t[k] (rows with a[k] == 0 unread); partial [S, D] scratch
-    with S from axpy_splits. Two launches; the splits are added in order."""
-    f, d = down_t.shape
-    splits, rows_per_split = axpy_splits(down_t, down_t.device)
+    with S from axpy_splits. Two launches; the splits are added in order. qtype as in gate_up."""
+    code, d = _width(down_t, qtype)
+    f = down_t.shape[0]
+    splits, rows_per_split = axpy_splits(f, d, down_t.device)
     block_k, block_d = (16, 32) if _INTERPRETED or down_t.device.type != "cuda" else (16, 256)
     launch(
         _down_axpy_kernel,
         (triton.cdiv(d, block_d), splits),
-        down_t, a, partial, f, d, rows_per_split, down_t.stride(0), BLOCK_K=block_k, BLOCK_D=block_d,
+        down_t, a, partial, f, d, rows_per_split, down_t.stride(0), QTYPE=code, BLOCK_K=block_k, BLOCK_D=block_d,
     )  # fmt: skip
     launch(
         _reduce_residual_kernel,
@@ -408,7 +420,7 @@ def benchmark(device: str | torch.device = "cuda", *, reps: int = 50) -> dict:
                                fc2.numel() * 2)  # fmt: skip
     gate, up, down_t = rnd(F, D), rnd(F, D), rnd(F, D)
     a = torch.zeros(F, device=device)
-    splits, _ = axpy_splits(down_t, device)
+    splits, _ = axpy_splits(F, D, device)
     partial = torch.zeros(splits, D, device=device)
     for density in (0.1, 1.0):
         fire = torch.rand(F, generator=gen, device=device) < density
