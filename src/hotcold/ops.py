@@ -36,16 +36,32 @@ def uses_c_kernels(weight: Weight) -> bool:
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, D] float32 @ weight[F, D].T (+ bias) -> [T, F] float32, for float and block-quantized weights."""
     if isinstance(weight, torch.Tensor) and not uses_c_kernels(weight):  # float32 anywhere, or on a GPU
-        out = (
-            F.linear(x, weight)
-            if weight.dtype == torch.float32
-            else F.linear(x.to(weight.dtype), weight).float()
-        )
+        if weight.dtype == torch.float32:
+            out = F.linear(x, weight)
+        elif x.dim() == 2 and weight.device.type != "cpu":
+            out = _mm_float32_out(x.to(weight.dtype), weight)
+        else:
+            out = F.linear(x.to(weight.dtype), weight).float()
     else:
         out = cpu.matmul(weight, x)
     if bias is not None:
         out = out + bias
     return out
+
+
+_MM_OUT_DTYPE = [True]  # whether this torch's GPU mm takes out_dtype (found on first use)
+
+
+def _mm_float32_out(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T for fp16 / bf16 on a GPU with float32 outputs (the products accumulate in fp32 either
+    way; this keeps the result from being rounded to fp16, so a predictor's logits meet the threshold in
+    fp32 as on the CPU). Falls back to an fp16 result where torch lacks mm(out_dtype=)."""
+    if _MM_OUT_DTYPE[0]:
+        try:
+            return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_OUT_DTYPE[0] = False
+    return F.linear(x, weight).float()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
