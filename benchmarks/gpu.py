@@ -345,8 +345,11 @@ def ngl_for(dense_path: Path, budget_gib: float, ctx: int) -> int:
     return n + 1 if n == config.n_layer else n
 
 
-def decode_run(path: Path, *, n_gen: int, ctx: int, threads: int, device: str, **load_args) -> dict:
-    """hotcold.load + one decode measurement (bench.measure: n_gen tokens after a 4-token warm-up)."""
+def decode_run(
+    path: Path, *, n_gen: int, ctx: int, threads: int, device: str, warmup: int = 16, **load_args
+) -> dict:
+    """hotcold.load + one decode measurement (bench.measure: n_gen tokens after `warmup` tokens, which also
+    map in the pages of the rows that fire most, so the measurement pays few first-touch page faults)."""
     import hotcold
     from hotcold.cli.bench import measure, weight_bytes
 
@@ -359,7 +362,7 @@ def decode_run(path: Path, *, n_gen: int, ctx: int, threads: int, device: str, *
     llm = hotcold.load(path, ctx_size=ctx, threads=threads, device=device, **load_args)
     load_s = time.perf_counter() - start
     try:
-        measure(llm, "tg", 4)
+        measure(llm, "tg", warmup)
         seconds, rate = measure(llm, "tg", n_gen)
         sizes = weight_bytes(llm.loaded.file)
         sparse = not llm.loaded.dense
@@ -375,6 +378,7 @@ def decode_run(path: Path, *, n_gen: int, ctx: int, threads: int, device: str, *
             "bytes_per_token": per_token,
             "load_seconds": load_s,
             "n_gen": n_gen,
+            "warmup": warmup,
             "ctx_size": ctx,
             "notes": llm.loaded.notes,
         }
@@ -497,6 +501,7 @@ def in_child(b: Bench, name: str, spec: dict, limit_s: float) -> dict:
 def run_config(b: Bench, name: str, path: Path, args, **load_args) -> None:
     """One decode_run, in a child process when isolated, else in this process."""
     spec = dict(path=str(path), n_gen=args.n_gen, ctx=args.ctx, threads=args.threads, device=args.device)
+    spec["warmup"] = args.warmup
     if args.isolate == "all" or (
         args.isolate == "auto" and (args.device == "cuda" or name == "dense_all_gpu")
     ):
@@ -666,6 +671,9 @@ def main(argv=None) -> int:
         "--n-gen", type=int, default=None, help="tokens per decode measurement (default 64; 4 dry)"
     )
     ap.add_argument("--vocab", type=int, default=None, help="synth.py vocabulary (default 32000; 1024 dry)")
+    ap.add_argument(
+        "--warmup", type=int, default=None, help="tokens decoded before each measurement (16; 2 dry)"
+    )
     ap.add_argument("--ctx", type=int, default=2048, help="context size the KV cache is charged for")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--workdir", default=None, help="model files (default /dev/shm/hotcold-gpu or /tmp/...)")
@@ -691,6 +699,7 @@ def main(argv=None) -> int:
     args.shape = args.shape or ("tiny" if dry else "7b")
     args.layers = args.layers or (2 if dry else 8)
     args.n_gen = args.n_gen or (4 if dry else 64)
+    args.warmup = args.warmup if args.warmup is not None else (2 if dry else 16)
     args.vocab = args.vocab or (1024 if dry else None)  # a small vocabulary opens fast (the test's time)
     if args.workdir is None:  # /dev/shm when it holds both files with room to spare (not Docker's 64 MB)
         shm = Path("/dev/shm")
@@ -714,7 +723,7 @@ def run_all(b: Bench, args) -> int:
     b.set(
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         gpu=gpu,
-        dry_run=dry, shape=args.shape, layers=args.layers, n_gen=args.n_gen, ctx=args.ctx,
+        dry_run=dry, shape=args.shape, layers=args.layers, n_gen=args.n_gen, warmup=args.warmup, ctx=args.ctx,
         threads=args.threads, torch=torch.__version__, python=sys.version.split()[0],
     )  # fmt: skip
     if not dry and gpu is None:
