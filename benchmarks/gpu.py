@@ -640,13 +640,17 @@ def summary(r: dict) -> str:
         f"{f(r.get('sparse_over_dense_all_gpu'), '.2f')}x; hybrid / dense -ngl {f(r.get('hybrid_over_dense_ngl'), '.2f')}x "
         f"(PowerInfer: {f(r.get('pi_hybrid_over_pi_dense_ngl'), '.2f')}x); hybrid VRAM used {f(r.get('vram_used_gib'), '.2f')} GiB.",
     ]
-    kernels = r.get("kernels") or {}
+    kernels = dict(r.get("kernels") or {})
+    fused = (r.get("fused_kernels") or {}).get("result")
+    if isinstance(fused, dict):  # triton_decode.benchmark's rows: {name: {"us": ..., "gb_s": ...}, ...}
+        kernels |= {f"fused {k}": v for k, v in fused.items() if isinstance(v, dict) and "gb_s" in v}
     if kernels:
+        copy = r.get("copy_gb_s")
         lines += ["", "| kernel @ rows | us | GB/s | share of copy |", "| --- | --- | --- | --- |"]
-        lines += [
-            f"| {k} | {f(v['us'])} | {f(v['gb_s'], '.0f')} | {f(v['share_of_copy'], '.0%')} |"
-            for k, v in kernels.items()
-        ]
+        for k, v in kernels.items():
+            gb_s = v.get("gb_s")
+            share = gb_s / copy if isinstance(gb_s, (int, float)) and copy else None
+            lines.append(f"| {k} | {f(v.get('us'))} | {f(gb_s, '.0f')} | {f(share, '.0%')} |")
     tests = r.get("gpu_tests") or {}
     if tests:
         last = tests.get("tail", "").strip().splitlines()[-1:] or [""]
