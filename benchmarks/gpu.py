@@ -14,7 +14,7 @@ never loses the others; a part that cannot fit is skipped with the reason record
 5. hotcold at a VRAM budget holding about a third of the FFN (attention + KV at --ctx + predictors +
    output + scratch + FFN / 3): hybrid vs dense -ngl at the same VRAM, and sparse CPU-only;
 6. the Triton kernels (hot_gather_matvec, hot_axpy) on 7B FFN shapes at 10% / 100% rows, F16, against the
-   copy bandwidth; `hotcold.kernels.triton_decode.benchmark(device)` when that module exists;
+   copy bandwidth; `benchmarks/gpu_fused.benchmark(device)` (the fused decode kernels);
 7. `pytest -m gpu` on the test files that hold GPU tests.
 
 On a GPU each hotcold run and the fused-kernel benchmark run in a child process (a hang or a CUDA error
@@ -434,14 +434,13 @@ def kernel_bench(
 
 
 def fused_kernels(device: str) -> dict:
-    """hotcold.kernels.triton_decode.benchmark(device), when the module exists (written elsewhere)."""
-    if importlib.util.find_spec("hotcold.kernels.triton_decode") is None:
-        return {"absent": "no module hotcold.kernels.triton_decode"}
+    """benchmarks/gpu_fused.benchmark(device): the fused decode kernels (hotcold.kernels.triton_decode)."""
     if device != "cuda":
-        return {"skipped": "the module exists; its benchmark needs a CUDA GPU"}
-    from hotcold.kernels import triton_decode
+        return {"skipped": "the fused kernels' benchmark needs a CUDA GPU"}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from gpu_fused import benchmark
 
-    return {"result": triton_decode.benchmark(torch.device("cuda"))}
+    return {"result": benchmark(torch.device("cuda"))}
 
 
 # ---------------------------------------------------------------- the parts
@@ -687,7 +686,7 @@ def main(argv=None) -> int:
     ap.add_argument("--pi-limit-s", type=float, default=180.0)
     ap.add_argument("--tests-limit-s", type=float, default=120.0)
     ap.add_argument("--run-limit-s", type=float, default=120.0, help="each hotcold load + decode")
-    ap.add_argument("--fused-limit-s", type=float, default=120.0, help="triton_decode.benchmark")
+    ap.add_argument("--fused-limit-s", type=float, default=120.0, help="gpu_fused.benchmark")
     ap.add_argument(
         "--isolate",
         choices=("auto", "all", "none"),

@@ -391,3 +391,27 @@ def test_captured_step_equals_eager_step_on_gpu(tiny_sparse_gguf):
         logits, counts = graphed.step(a.seq.kv, x, len(PROMPT) + i)
         ref, ref_counts = eager.step(b.seq.kv, x, len(PROMPT) + i)
         assert torch.equal(logits, ref) and counts == ref_counts
+
+
+def test_fused_kernels_compile_for_sm90(tmp_path):
+    """The interpreter checks the arithmetic; only a compile shows what the GPU would run. Every variant the
+    7B step launches compiles for sm_90 (Triton's compiler and ptxas, no GPU needed), F16 rows are read in
+    16-byte loads, and nothing spills registers."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = tmp_path / "offline.json"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "triton_offline.py"), "--json", str(out)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert out.exists(), proc.stderr[-3000:]
+    kernels = json.loads(out.read_text())["kernels"]
+    assert all(k["compiles"] for k in kernels.values()), {n: k.get("error") for n, k in kernels.items()}
+    for name, k in kernels.items():
+        if "q8_0" not in name and "q4_0" not in name and name != "reduce_residual":
+            assert k["loads"].get("16B", 0) > 0, (name, k["loads"])
+        assert k["spill_bytes"] in (0, None), (name, k)

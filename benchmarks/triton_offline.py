@@ -1,0 +1,137 @@
+"""Compile the fused decode kernels (kernels/triton_decode.py) for an NVIDIA GPU without one: Triton's own
+compiler to PTX, its bundled ptxas to SASS. Per kernel variant: whether it compiles, its global loads by
+width (16-byte `v4` loads are what a memory-bound kernel needs) and, where ptxas reports them, registers
+and spilled bytes. The interpreter tests check the arithmetic; this checks what only a compile shows.
+
+    python benchmarks/triton_offline.py [--arch 90] [--json out.json]
+
+Arguments get the hints Triton's launcher gives real 7B-shaped calls: every pointer 16-byte aligned and
+sizes / strides divisible by 16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import warnings
+
+F16, U8, F32 = "*fp16", "*u8", "*fp32"
+
+
+def variants(tile_rows: int = 16, tile_cols: int = 256) -> list[tuple]:
+    """(name, kernel, signature, constexprs, args divisible by 16) as the 7B decode step launches them."""
+    from hotcold.kernels import triton_decode as td
+
+    out = []
+    gemv = {"w_ptr": F16, "x_ptr": F32, "nw_ptr": F32, "res_ptr": F32, "out_ptr": F32, "h_ptr": F32,
+            "count_ptr": F32, "thr": "fp32", "eps": "fp32", "R": "i32", "D": "i32", "stride_w": "i32"}  # fmt: skip
+    names = ("NORM", "RELU", "RESIDUAL", "THRESHOLD", "WRITE_NORMED")
+    for label, on in (("o+residual", {"RESIDUAL"}), ("head (norm)", {"NORM"}), ("fc1", {"RELU", "WRITE_NORMED"}),
+                      ("fc2 threshold", {"THRESHOLD"})):  # fmt: skip
+        sig = dict(gemv, **{n: "constexpr" for n in names}, BLOCK_R="constexpr", BLOCK_D="constexpr")
+        if "THRESHOLD" in on:
+            sig.update(out_ptr="*i8", count_ptr="*i32")
+        consts = {n: n in on for n in names} | {"BLOCK_R": tile_rows, "BLOCK_D": tile_cols}
+        out.append((f"gemv {label}", td._gemv_kernel, sig, consts, ("R", "D", "stride_w")))
+    qkv = {"w_ptr": F16, "x_ptr": F32, "nw_ptr": F32, "eps": "fp32", "pos_ptr": "*i64", "cos_ptr": F32,
+           "sin_ptr": F32, "q_ptr": F32, "kc_ptr": F16, "vc_ptr": F16, "D": "i32", "stride_w": "i32", "QD": "i32",
+           "KVD": "i32", "HALF": "constexpr", "BLOCK_P": "constexpr", "BLOCK_D": "constexpr"}  # fmt: skip
+    out.append(("qkv_rope", td._qkv_rope_kernel, qkv, {"HALF": 64, "BLOCK_P": tile_rows, "BLOCK_D": tile_cols},
+                ("D", "stride_w", "QD", "KVD")))  # fmt: skip
+    att = {"q_ptr": F32, "kc_ptr": F16, "vc_ptr": F16, "pos_ptr": "*i64", "out_ptr": F32, "scale": "fp32",
+           "window": "i32", "GROUP": "i32", "KVD": "i32", "DH": "constexpr", "BLOCK_N": "constexpr"}  # fmt: skip
+    out.append(("attention", td._attention_kernel, att, {"DH": 128, "BLOCK_N": 64}, ("KVD",)))
+    gu = {"gate_ptr": F16, "up_ptr": F16, "h_ptr": F32, "nw_ptr": F32, "eps": "fp32", "m_ptr": "*i8",
+          "a_ptr": F32, "F": "i32", "D": "i32", "stride_g": "i32", "stride_u": "i32"}  # fmt: skip
+    gu |= {n: "constexpr" for n in ("QG", "QU", "NORM", "HAS_MASK", "KIND", "ACT", "BLOCK_R", "BLOCK_D")}
+    for label, ptr, q, cols in (("f16", F16, 0, tile_cols), ("q8_0", U8, 1, tile_cols // 2),
+                                ("q4_0", U8, 2, tile_cols // 2)):  # fmt: skip
+        for norm, mask in ((False, True), (True, False)):
+            consts = dict(
+                QG=q, QU=q, NORM=norm, HAS_MASK=mask, KIND=0, ACT=0, BLOCK_R=tile_rows, BLOCK_D=cols
+            )
+            kind = "dense (norm)" if norm else "sparse (mask)"
+            out.append((f"gate_up {label} {kind}", td._gate_up_kernel, dict(gu, gate_ptr=ptr, up_ptr=ptr), consts,
+                        ("F", "D", "stride_g", "stride_u")))  # fmt: skip
+    ax = {"w_ptr": F16, "a_ptr": F32, "part_ptr": F32, "F": "i32", "D": "i32", "rows_per_split": "i32",
+          "stride_w": "i32", "QTYPE": "constexpr", "BLOCK_K": "constexpr", "BLOCK_D": "constexpr"}  # fmt: skip
+    for label, ptr, q in (("f16", F16, 0), ("q8_0", U8, 1), ("q4_0", U8, 2)):
+        out.append((f"down_axpy {label}", td._down_axpy_kernel, dict(ax, w_ptr=ptr),
+                    {"QTYPE": q, "BLOCK_K": 16, "BLOCK_D": 256}, ("F", "D", "rows_per_split", "stride_w")))  # fmt: skip
+    red = {"part_ptr": F32, "res_ptr": F32, "out_ptr": F32, "S": "i32", "D": "i32", "BLOCK_D": "constexpr"}
+    out.append(("reduce_residual", td._reduce_residual_kernel, red, {"BLOCK_D": 256}, ("D",)))
+    return out
+
+
+def compile_one(kernel, signature: dict, constexprs: dict, divisible: tuple, arch: int) -> dict:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    attrs = {
+        (kernel.arg_names.index(k),): [["tt.divisibility", 16]]
+        for k, t in signature.items()
+        if (t.startswith("*") or k in divisible) and k not in constexprs
+    }
+    try:
+        compiled = triton.compile(
+            ASTSource(kernel, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32)
+        )
+    except Exception as exc:  # noqa: BLE001 (a compile error is the result)
+        return {"compiles": False, "error": f"{type(exc).__name__}: {str(exc)[:800]}"}
+    ptx = compiled.asm["ptx"]
+    loads = collections.Counter(re.findall(r"ld\.global(?:\.nc)?(?:\.v(\d))?\.b(\d+)", ptx))
+    row = {"compiles": True, "loads": {f"{int(v or 1) * int(b) // 8}B": n for (v, b), n in loads.items()}}
+    row.update(_ptxas(ptx, arch))
+    return row
+
+
+def _ptxas(ptx: str, arch: int) -> dict:
+    """Registers and spills from the ptxas that came with Triton (whichever of its copies reads the PTX)."""
+    import triton
+
+    folder = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        for name in ("ptxas", "ptxas-blackwell"):
+            path = os.path.join(folder, name)
+            if not os.path.exists(path):
+                continue
+            run = subprocess.run([path, f"-arch=sm_{arch}a", "-v", src, "-o", os.path.join(tmp, "k.cubin")],
+                                 capture_output=True, text=True)  # fmt: skip
+            if run.returncode == 0:
+                regs = re.search(r"Used (\d+) registers", run.stderr)
+                spill = re.search(r"(\d+) bytes spill stores", run.stderr)
+                return {"registers": int(regs.group(1)) if regs else None,
+                        "spill_bytes": int(spill.group(1)) if spill else None}  # fmt: skip
+    return {"registers": None, "spill_bytes": None}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--arch", type=int, default=90, help="compute capability (90: H100 / H200)")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        print("unset TRITON_INTERPRET: the interpreter does not compile", file=sys.stderr)
+        return 2
+    warnings.filterwarnings("ignore")
+    results = {name: compile_one(k, sig, consts, div, args.arch) for name, k, sig, consts, div in variants()}
+    text = json.dumps({"arch": args.arch, "kernels": results}, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text)
+    print(text)
+    return 0 if all(r["compiles"] for r in results.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
