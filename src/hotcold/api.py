@@ -203,13 +203,16 @@ def load(
     disable_gpu_index: bool = False,
     n_gpu_layers: int | None = None,
     sparsity: float | None = None,
+    kv_sequences: int = 1,
 ) -> Model:
     """Load a GGUF / PowerInfer model (None: the bundled demo model).
 
     vram_budget: GiB of GPU memory to use (None: all free VRAM minus a margin; 0: CPU only).
     n_gpu_layers: for dense files, offload the last N layers as llama.cpp's -ngl does.
     sparsity: for a file written by `hotcold sparsify`, the share of FFN neurons skipped per token, in
-    [0, 1) (None: the file's own target; 0: dense)."""
+    [0, 1) (None: the file's own target; 0: dense).
+    kv_sequences: KV caches the program will hold at once (the Model's own, plus one per server slot or
+    thread engine), so a VRAM budget charges each of them."""
     start = time.perf_counter()
     loaded = load_model(
         path,
@@ -222,5 +225,6 @@ def load(
         disable_gpu_index=disable_gpu_index,
         n_gpu_layers=n_gpu_layers,
         sparsity=sparsity,
+        kv_sequences=kv_sequences,
     )
     return Model(loaded, time.perf_counter() - start)

@@ -112,6 +112,7 @@ def load_from_args(args):
         disable_gpu_index=args.disable_gpu_index,
         n_gpu_layers=args.n_gpu_layers,
         sparsity=getattr(args, "sparsity", None),
+        kv_sequences=getattr(args, "parallel", 0) + 1,  # serve: a KV cache per slot, plus the Model's own
     )
 
 

@@ -69,6 +69,7 @@ class HotcoldReplica:
             dense=c.dense,
             vram_budget=c.vram_budget,
             sparsity=c.sparsity,
+            kv_sequences=c.parallel + 1,  # a KV cache per slot, plus the Model's own
         )
         limits = Limits(max_body_bytes=c.max_body_kib * 1024, max_tokens=c.max_tokens, max_queue=c.max_queue)
         # Ray's proxy gives every request an id (the client's X-Request-Id if sent), passes it in the request
