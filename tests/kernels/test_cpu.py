@@ -190,6 +190,27 @@ def test_axpy_blocks_and_wide_rows(backend):
                 assert torch.equal(cpu.sparse_axpy(w, a[i], m[i], threads=n), y[1][i])
 
 
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("d", [229, 433, 704])
+def test_axpy_batch_every_chunk_remainder(backend, fmt, d):
+    """The float batch axpy passes over a column item's chunks AXPY_CHUNKS at a time (3 on AVX2, 4 on
+    AVX-512) and then the rest: these widths and thread counts give items of every length mod 3 and mod
+    4, with and without a column tail (AVX-512 once read and wrote a 4th chunk past an item of 3)."""
+    gen = torch.Generator().manual_seed(d)
+    w = torch.randn(300, d, generator=gen).to(FLOAT[fmt])
+    a = torch.relu(torch.randn(5, 300, generator=gen))
+    m = torch.rand(5, 300, generator=gen) < 0.6  # ~90 active rows a token: two 64-row blocks
+    ref = ref_axpy(w.double(), a, m)
+    bound = ref_axpy(w.double().abs(), a.abs(), m)
+    y = {n: cpu.sparse_axpy(w, a, m, threads=n) for n in (1, 2, 3)}
+    for n in (1, 2, 3):
+        assert_close(y[n], ref, bound)
+    if backend == "c":
+        assert torch.equal(y[1], y[2]) and torch.equal(y[1], y[3])
+        for i in range(5):
+            assert torch.equal(cpu.sparse_axpy(w, a[i], m[i], threads=2), y[1][i])
+
+
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_1", "q3_k", "q4_k", "q6_k"])
 @pytest.mark.parametrize(
     "t", [1, 50, 100, 200]
@@ -205,9 +226,20 @@ def test_matmul(backend, fmt, t):
 
 
 @pytest.mark.parametrize("fmt", ["f16", "bf16", "q4_0", "q8_0"])
-def test_matmul_past_gemm_min_tokens_keeps_each_rows_bits(fmt):
+def test_matmul_past_gemm_min_tokens_keeps_each_rows_bits(fmt, monkeypatch):
     """Packed weights (any T) and float tiles (below FLOAT_TILE_MAX_TOKENS) stay in the C kernels past
     GEMM_MIN_TOKENS: each token's row equals that token multiplied alone."""
+    # the C backend whichever `backend` parameter is active (its torch one sets HOTCOLD_NO_CEXT), and that
+    # one's library again afterwards (the reset runs before monkeypatch restores the variable)
+    monkeypatch.delenv("HOTCOLD_NO_CEXT", raising=False)
+    cpu._reset_for_tests()
+    try:
+        _matmul_past_gemm_min_tokens(fmt)
+    finally:
+        cpu._reset_for_tests()
+
+
+def _matmul_past_gemm_min_tokens(fmt):
     if cpu.backend() != "c":
         pytest.skip("the C kernels are not built")
     gen = torch.Generator().manual_seed(21)

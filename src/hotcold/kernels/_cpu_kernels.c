@@ -58,11 +58,9 @@
 #endif
 #ifndef HC_AXB
 #define HC_AXB 64 /* active rows per block of an axpy sum (part of the arithmetic: fixed, never tuned per call) */
-#ifndef HC_AXPY_PART_BYTES
+#endif
 #ifndef HC_AXPY_PART_BYTES
 #define HC_AXPY_PART_BYTES (256 * 1024) /* a batch axpy's partial sums per thread */
-#endif
-#endif
 #endif
 #if HC_G < 1 || HC_G > 4
 #error "HC_G must be 1..4"
@@ -174,7 +172,8 @@ typedef __m512 vf;
 #define vsub(a, b) _mm512_sub_ps(a, b)
 HC_INLINE vf vload_i8(const int8_t *p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))); }
 HC_INLINE float vhsum(vf v) {
-    __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+    /* the upper half through the AVX512F extract (extractf32x8 is AVX512DQ, which the guard does not ask for) */
+    __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
     __m128 q = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
     q = _mm_add_ps(q, _mm_movehl_ps(q, q));
     q = _mm_add_ss(q, _mm_movehdup_ps(q));
@@ -1437,6 +1436,9 @@ HC_INLINE void axpy_batch(const int wt, const hc_args *A, int64_t c0, int64_t c1
 #ifndef AXPY_CHUNKS
 #define AXPY_CHUNKS (VL == 16 ? 4 : 3) /* column chunks a token's rows pass over together */
 #endif
+#if AXPY_CHUNKS < 1 || AXPY_CHUNKS > 4
+#error "AXPY_CHUNKS must be 1..4 (axpy_batch_float has a case for each shorter remainder)"
+#endif
 
 /* One token's list rows rk[0..m) (coefficients ra) into NCH chunks of columns from c: the open block
  * sum (pc) in registers, added into oc when the list position fl closes the block. Each vector's fma
@@ -1492,10 +1494,18 @@ HC_INLINE void axpy_batch_float(const int wt, const hc_args *A, int64_t c0, int6
             float *pt = part + t * width, *ot = A->out + t * D + j0;
             for (int64_t c = c0; c < c1; c += AXPY_CHUNKS) {
                 float *pc = pt + (c - c0) * 32, *oc = ot + (c - c0) * 32;
-                switch (c1 - c < AXPY_CHUNKS ? c1 - c : AXPY_CHUNKS) { /* constant counts: registers */
+                /* Constant counts keep the accumulators in registers. Every remainder shorter than
+                 * AXPY_CHUNKS needs its own case: default reads and writes AXPY_CHUNKS whole chunks
+                 * (AVX-512's 4 with a remainder of 3 ran one chunk past the item's partial sums). */
+                switch (c1 - c < AXPY_CHUNKS ? c1 - c : AXPY_CHUNKS) {
+#if AXPY_CHUNKS > 1
                 case 1: axpy_rows_chunks(wt, 1, A, rk, ra, m, fl, c, pc, oc); break;
+#endif
 #if AXPY_CHUNKS > 2
                 case 2: axpy_rows_chunks(wt, 2, A, rk, ra, m, fl, c, pc, oc); break;
+#endif
+#if AXPY_CHUNKS > 3
+                case 3: axpy_rows_chunks(wt, 3, A, rk, ra, m, fl, c, pc, oc); break;
 #endif
                 default: axpy_rows_chunks(wt, AXPY_CHUNKS, A, rk, ra, m, fl, c, pc, oc); break;
                 }
