@@ -415,3 +415,21 @@ def test_fused_kernels_compile_for_sm90(tmp_path):
         if "q8_0" not in name and "q4_0" not in name and name != "reduce_residual":
             assert k["loads"].get("16B", 0) > 0, (name, k["loads"])
         assert k["spill_bytes"] in (0, None), (name, k)
+
+
+def test_engine_falls_back_when_the_first_step_fails(tiny_sparse_gguf):
+    """A fused kernel that cannot compile on this GPU must not end the generation: the first step's error
+    sends the model back to the eager step, and says why."""
+    import hotcold
+
+    loaded = load_model(tiny_sparse_gguf, device="cpu")
+    ref = hotcold.Model(loaded).generate("the quick brown fox", max_tokens=5, ignore_eos=True)
+    decoder, _ = decode_step.from_model(loaded.model, kernels="torch")
+
+    def broken(*args):
+        raise RuntimeError("PTX JIT compilation failed")
+
+    decoder.run = broken
+    loaded.model.static_step = decoder
+    assert hotcold.Model(loaded).generate("the quick brown fox", max_tokens=5, ignore_eos=True) == ref
+    assert loaded.model.static_step is None and "PTX JIT" in decoder.failure

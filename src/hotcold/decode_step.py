@@ -191,6 +191,8 @@ class StaticDecoder:
         self.n_ff = [layer.up.shape[0] for layer in layers]
         self.sparse = [layer.fc1 is not None for layer in layers]
         self._lock = threading.Lock()  # one set of buffers: one step at a time (server slots share a model)
+        self.steps = 0  # steps completed
+        self.failure: str | None = None  # why the engine stopped using this step (its first step raised)
         rows = max((self.kernels.partial_rows(la) for la in layers if la.down_t is not None), default=1)
         self.buf = _Buffers(layers, shape, head.shape[0], self.device, rows)
         self.capture = self.device.type == "cuda" if capture is None else capture
@@ -233,7 +235,9 @@ class StaticDecoder:
         """One token: its embedding row x [D] (on the host) at `pos` of the sequence whose cache is `kv`
         (state.KVCache on this device) -> (logits [V] float32 on the host, firing counts per layer)."""
         with self._lock:
-            return self._step(kv, x, pos)
+            out = self._step(kv, x, pos)
+            self.steps += 1
+            return out
 
     def _step(self, kv, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, list[int]]:
         if pos >= self.cos.shape[0] or pos >= kv.n_ctx:

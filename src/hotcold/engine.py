@@ -4,6 +4,7 @@ per-request logic lives in generation.Generation, which the batched scheduler dr
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Sequence
 
@@ -17,6 +18,8 @@ from hotcold.structured import Constraint
 from hotcold.tokenizer import Tokenizer
 
 __all__ = ["PREFILL_CHUNK", "Chunk", "Engine", "GenerationStats"]
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -40,7 +43,17 @@ class Engine:
         step = getattr(self.model, "static_step", None)  # a model all on the GPU: the CUDA-graph step
         seq = self.seq
         if step is not None and len(ids) == 1 and not (seq.dense or seq.observe or seq.keep_masks):
-            logits, fired = step.step(seq.kv, embed(self.model.token_embd, tokens)[0], pos)
+            try:
+                logits, fired = step.step(seq.kv, embed(self.model.token_embd, tokens)[0], pos)
+            except Exception as exc:
+                if step.steps:  # it has worked before: a real error, not a kernel that cannot run here
+                    raise
+                # the first step compiles the fused kernels and captures the graph; if this GPU or this
+                # Triton cannot, the model decodes through the eager step from now on, and says why
+                step.failure = f"{type(exc).__name__}: {exc}"
+                log.warning("the fixed-shape decode step failed, decoding eagerly: %s", step.failure)
+                self.model.static_step = None
+                return self._forward(ids, pos, last_only=last_only)
             for layer, (n, n_ff, sparse) in enumerate(zip(fired, step.n_ff, step.sparse, strict=True)):
                 computed = n if sparse else n_ff
                 seq.count(layer, computed, n_ff, computed if seq.hot_mask(layer, n_ff) is not None else 0)
