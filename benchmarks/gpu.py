@@ -345,6 +345,16 @@ def ngl_for(dense_path: Path, budget_gib: float, ctx: int) -> int:
     return n + 1 if n == config.n_layer else n
 
 
+def decode_step_used(llm, decoder) -> str:
+    """Which decode step the run measured: the fixed-shape one (CUDA graph) or the eager one, and why."""
+    if decoder is None:
+        return next((n for n in llm.loaded.notes if n.startswith("decode:")), "decode: the eager step")
+    if decoder.failure is not None:
+        return f"decode: the eager step (the fixed-shape step's first step failed: {decoder.failure})"
+    kernels = "fused Triton kernels" if decoder.fused else "torch kernels"
+    return f"decode: the fixed-shape step, {decoder.steps} steps ({kernels}, graph: {decoder.capture})"
+
+
 def decode_run(
     path: Path, *, n_gen: int, ctx: int, threads: int, device: str, warmup: int = 16, **load_args
 ) -> dict:
@@ -361,6 +371,7 @@ def decode_run(
     start = time.perf_counter()
     llm = hotcold.load(path, ctx_size=ctx, threads=threads, device=device, **load_args)
     load_s = time.perf_counter() - start
+    decoder = getattr(llm.loaded.model, "static_step", None)  # decode_step.StaticDecoder, when attached
     try:
         measure(llm, "tg", warmup)
         seconds, rate = measure(llm, "tg", n_gen)
@@ -381,6 +392,7 @@ def decode_run(
             "warmup": warmup,
             "ctx_size": ctx,
             "notes": llm.loaded.notes,
+            "decode_step": decode_step_used(llm, decoder),
         }
         if cuda:
             record["vram_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
@@ -497,14 +509,17 @@ def in_child(b: Bench, name: str, spec: dict, limit_s: float) -> dict:
     return json.loads(result_file.read_text())
 
 
-def run_config(b: Bench, name: str, path: Path, args, **load_args) -> None:
-    """One decode_run, in a child process when isolated, else in this process."""
+def run_config(b: Bench, name: str, path: Path, args, env: dict | None = None, **load_args) -> None:
+    """One decode_run, in a child process when isolated (with `env` added to its environment), else in
+    this process."""
     spec = dict(path=str(path), n_gen=args.n_gen, ctx=args.ctx, threads=args.threads, device=args.device)
     spec["warmup"] = args.warmup
-    if args.isolate == "all" or (
-        args.isolate == "auto" and (args.device == "cuda" or name == "dense_all_gpu")
+    if (
+        env
+        or args.isolate == "all"
+        or (args.isolate == "auto" and (args.device == "cuda" or name == "dense_all_gpu"))
     ):
-        spec = dict(kind="decode", workdir=args.workdir, load_args=load_args, **spec)
+        spec = dict(kind="decode", workdir=args.workdir, load_args=load_args, env=env or {}, **spec)
         record = in_child(b, name, spec, max(1.0, min(args.run_limit_s, b.left())))
         record["isolated"] = True
     else:
@@ -524,6 +539,7 @@ def one_run(spec_file: str) -> int:
     result = Path(spec.pop("result"))
     kind = spec.pop("kind")
     spec.pop("workdir", None)
+    os.environ.update(spec.pop("env", {}))
     if kind == "decode":
         load_args = spec.pop("load_args")
         record = decode_run(Path(spec.pop("path")), **spec, **load_args)
@@ -615,6 +631,8 @@ def summary(r: dict) -> str:
         (f"hybrid, {f(r.get('budget_gib'), '.2f')} GiB", "hybrid", "pi_hybrid_tps"),
         (f"dense -ngl {r.get('ngl')}, same VRAM", "dense_ngl", "pi_dense_ngl_tps"),
         ("sparse, CPU only", "sparse_cpu_only", "pi_sparse_cpu_only_tps"),
+        ("dense, all on the GPU, eager step", "dense_all_gpu_eager", None),
+        ("sparse, all on the GPU, eager step", "sparse_all_gpu_eager", None),
     ]
     lines = [
         f"### GPU run {r.get('date')} on {r.get('gpu')} ({r.get('shape')} x {r.get('layers')} layers, F16, "
@@ -628,7 +646,9 @@ def summary(r: dict) -> str:
     ]
     for label, run, pi in rows:
         rec = runs.get(run, {})
-        tps, pi_tps = rec.get("tps"), r.get(pi)
+        if not rec and pi is None:
+            continue
+        tps, pi_tps = rec.get("tps"), r.get(pi) if pi else None
         ratio = tps / pi_tps if tps and pi_tps else None
         lines.append(
             f"| {label} | {f(tps)} | {f(rec.get('ms_per_token'), '.2f')} | {f(rec.get('gb_s'))} | {f(pi_tps)} | {f(ratio, '.2f')} |"
@@ -638,6 +658,8 @@ def summary(r: dict) -> str:
         f"Dense all-GPU reads {f(r.get('dense_all_gpu_share_of_copy'), '.0%')} of copy bandwidth; sparse / dense all-GPU "
         f"{f(r.get('sparse_over_dense_all_gpu'), '.2f')}x; hybrid / dense -ngl {f(r.get('hybrid_over_dense_ngl'), '.2f')}x "
         f"(PowerInfer: {f(r.get('pi_hybrid_over_pi_dense_ngl'), '.2f')}x); hybrid VRAM used {f(r.get('vram_used_gib'), '.2f')} GiB.",
+        "",
+        *(f"- {run}: {rec.get('decode_step')}" for run, rec in runs.items() if rec.get("decode_step")),
     ]
     kernels = dict(r.get("kernels") or {})
     fused = (r.get("fused_kernels") or {}).get("result")
@@ -799,6 +821,20 @@ def run_all(b: Bench, args) -> int:
             b.set(fused_kernels=fused_kernels(args.device))
 
     b.part("fused_kernels", fused, need_s=20, limit_s=args.fused_limit_s + 10)
+    if cuda:  # what the fixed-shape step (CUDA graph, fused kernels) gives over the eager step, same files
+        eager = {"HOTCOLD_STATIC_STEP": "0"}
+        b.part(
+            "sparse_all_gpu_eager",
+            lambda: run_config(b, "sparse_all_gpu_eager", sparse, args, env=eager, reset_gpu_index=True),
+            **run,
+        )
+        b.part(
+            "dense_all_gpu_eager",
+            lambda: run_config(b, "dense_all_gpu_eager", dense, args, env=eager, dense=True),
+            **run,
+        )
+    else:
+        b.note("skipped", "eager_step_runs", "no CUDA GPU")
     if dry:
         b.note("skipped", "gpu_tests", "dry run")
     else:
