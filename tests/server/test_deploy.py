@@ -131,4 +131,5 @@ def test_replica_loads_with_the_serve_flags(monkeypatch):
         "dense": False,
         "vram_budget": None,
         "sparsity": 0.4,
+        "kv_sequences": 2,  # the default one slot's KV cache plus the Model's own
     }
