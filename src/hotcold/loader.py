@@ -181,7 +181,7 @@ def load_model(
         )
     model = module.build(src, make_ffn)
     if fast is not None and fast.type == "cuda" and os.environ.get("HOTCOLD_STATIC_STEP", "1") != "0":
-        _attach_static_step(model, notes)
+        _attach_static_step(model, notes, ctx)
     mode = "dense" if dense and thresholded is None else "sparse"
     where = "cpu" if fast is None else f"cpu + {fast}"
     notes.insert(
@@ -232,12 +232,12 @@ def hot_rows_bytes(plan: BudgetPlan, hot: list[np.ndarray] | None) -> int:
     return sum(len(h) * int(b) for h, b in zip(hot, plan.bytes_per_neuron, strict=True))
 
 
-def _attach_static_step(model, notes: list[str]) -> None:
+def _attach_static_step(model, notes: list[str], ctx_size: int) -> None:
     """A model entirely on the GPU decodes through the fixed-shape, CUDA-graph step (decode_step.py);
     HOTCOLD_STATIC_STEP=0 keeps the eager step (to compare the two)."""
     from hotcold import decode_step
 
-    decoder, why = decode_step.from_model(model)
+    decoder, why = decode_step.from_model(model, ctx_size=ctx_size)
     if decoder is None:
         notes.append(f"decode: the eager step ({why})")
         return
