@@ -433,3 +433,14 @@ def test_engine_falls_back_when_the_first_step_fails(tiny_sparse_gguf):
     loaded.model.static_step = decoder
     assert hotcold.Model(loaded).generate("the quick brown fox", max_tokens=5, ignore_eos=True) == ref
     assert loaded.model.static_step is None and "PTX JIT" in decoder.failure
+
+
+def test_from_model_ignores_a_missing_device_index(tiny_sparse_gguf):
+    """On a GPU the plan says "cuda" and the tensors say "cuda:0" (torch.device("cuda") != "cuda:0"): the
+    CPU analogue, a plan device with an explicit index, must still take the step."""
+    from dataclasses import replace
+
+    model = load_model(tiny_sparse_gguf, device="cpu").model
+    model.layers = [replace(layer, device=torch.device("cpu", 0)) for layer in model.layers]
+    decoder, why = decode_step.from_model(model, kernels="torch")
+    assert decoder is not None, why

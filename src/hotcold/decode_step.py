@@ -199,6 +199,10 @@ class StaticDecoder:
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KV cache -> CUDA graph
         self._host = torch.zeros(self.buf.result.shape, dtype=torch.float32, pin_memory=self.capture)
 
+    def covers(self, kv, pos: int) -> bool:
+        """Whether a step at `pos` of this cache is inside the RoPE tables and the cache."""
+        return pos < self.cos.shape[0] and pos < kv.n_ctx
+
     def run(self, k_caches, v_caches) -> None:
         """One step on the buffers: x (the embedding row) and pos in, result (logits, counts) out."""
         b, s, k = self.buf, self.shape, self.kernels
@@ -240,7 +244,7 @@ class StaticDecoder:
             return out
 
     def _step(self, kv, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, list[int]]:
-        if pos >= self.cos.shape[0] or pos >= kv.n_ctx:
+        if not self.covers(kv, pos):
             raise ValueError(
                 f"position {pos} is past the context ({min(kv.n_ctx, self.cos.shape[0])} tokens)"
             )
@@ -272,7 +276,9 @@ class StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.stream(stream):
             self.run(kv.k, kv.v)
-            with torch.cuda.graph(graph, stream=stream):
+            # thread_local: another thread's eager work on the GPU (a server slot's prefill) does not
+            # invalidate this capture
+            with torch.cuda.graph(graph, stream=stream, capture_error_mode="thread_local"):
                 self.run(kv.k, kv.v)
         current.wait_stream(stream)
         return graph
@@ -281,6 +287,18 @@ class StaticDecoder:
 # ------------------------------------------------------------------------------------------------
 # From a loaded model
 # ------------------------------------------------------------------------------------------------
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """a and b are one device, a missing index meaning the current one: the loader's plan says "cuda",
+    a tensor on it says "cuda:0", and torch.device("cuda") != torch.device("cuda", 0)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" else 0
+        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
+    return a.index == b.index
 
 
 class _NoStep(Exception):
@@ -296,10 +314,12 @@ def _matrix(t, device: torch.device, what: str) -> torch.Tensor:
     the loader's placement gives a GPU (as fp16) for everything but hot FFN rows."""
     from hotcold.quants import QuantTensor
 
-    if isinstance(t, QuantTensor) and t.device == device and device.type == "cpu":
+    if isinstance(t, QuantTensor) and _same_device(t.device, device) and device.type == "cpu":
         return t.dequantize()
-    if not isinstance(t, torch.Tensor) or t.device != device or t.dtype not in _FLOATS:
+    if not isinstance(t, torch.Tensor) or not _same_device(t.device, device) or t.dtype not in _FLOATS:
         raise _NoStep(f"{what} is not a float matrix on {device}")
+    if t.dim() != 2 or t.stride(-1) != 1:  # the fused kernels read rows with unit column stride
+        raise _NoStep(f"{what} is not a row-major matrix")
     return t
 
 
@@ -307,7 +327,12 @@ def _ffn_matrix(t, device: torch.device, what: str, fused: bool) -> tuple[torch.
     """(matrix, block type): Q8_0 / Q4_0 blocks stay blocks for the fused kernels; else a float matrix."""
     from hotcold.quants import QuantTensor
 
-    if fused and isinstance(t, QuantTensor) and t.device == device and t.qtype.name.lower() in _BLOCK_TYPES:
+    if (
+        fused
+        and isinstance(t, QuantTensor)
+        and _same_device(t.device, device)
+        and t.qtype.name.lower() in _BLOCK_TYPES
+    ):
         return t.data, t.qtype.name.lower()
     return _matrix(t, device, what), None
 
@@ -317,7 +342,12 @@ def _ffn_parts(ffn, device: torch.device):
     from hotcold.sparse.ffn import DenseFFN, SparseFFN
     from hotcold.sparse.hybrid import HybridFFN
 
-    if isinstance(ffn, HybridFFN) and ffn.all_hot and ffn.device == device and ffn.norm is not None:
+    if (
+        isinstance(ffn, HybridFFN)
+        and ffn.all_hot
+        and _same_device(ffn.device, device)
+        and ffn.norm is not None
+    ):
         return ffn.hot_weights, ffn.predictor, ffn.norm
     if isinstance(ffn, SparseFFN) and ffn.expert is None and ffn.norm is not None:  # the CPU stand-in
         return ffn.weights, ffn.predictor, ffn.norm
@@ -365,7 +395,7 @@ def from_model(
 
 def _step_layer(i: int, layer, device: torch.device, fused: bool):
     """(FFN weights, StepLayer) of model layer i, or _NoStep."""
-    if layer.device != device:
+    if not _same_device(layer.device, device):
         raise _NoStep(f"layer {i}'s attention is on {layer.device}, the head on {device}")
     try:
         w, predictor, norm = _ffn_parts(layer.ffn, device)
@@ -382,6 +412,8 @@ def _step_layer(i: int, layer, device: torch.device, fused: bool):
         and all(m is t for m, t in zip(mats, (wq, wk, wv)))
     ):
         # the eager path (prefill) multiplies by views of the fused matrix, so the GPU holds q/k/v once
+        # (layer by layer, so loading never holds two copies of every layer's; if a later layer keeps the
+        # model off the step, these views are the same values)
         layer.qkv.weights[:] = list(torch.split(wqkv, [m.shape[0] for m in mats]))
     gate, gate_q = _ffn_matrix(w.gate, device, f"layer {i}'s ffn_gate", fused)
     up, up_q = _ffn_matrix(w.up, device, f"layer {i}'s ffn_up", fused)

@@ -42,7 +42,12 @@ class Engine:
         tokens = torch.tensor(ids, dtype=torch.long)
         step = getattr(self.model, "static_step", None)  # a model all on the GPU: the CUDA-graph step
         seq = self.seq
-        if step is not None and len(ids) == 1 and not (seq.dense or seq.observe or seq.keep_masks):
+        if (
+            step is not None
+            and len(ids) == 1
+            and not (seq.dense or seq.observe or seq.keep_masks)
+            and step.covers(seq.kv, pos)
+        ):
             try:
                 logits, fired = step.step(seq.kv, embed(self.model.token_embd, tokens)[0], pos)
             except Exception as exc:

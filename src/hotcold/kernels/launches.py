@@ -122,7 +122,6 @@ class LaunchCounter(TorchDispatchMode):
                         dtype = kwargs.get("dtype") or src.dtype
                         return torch.zeros(src.shape, dtype=dtype, device="cpu")
                     return args[0]
-                self.note_launch(name)
                 return func(*args, **kwargs)
             if src.device.type == "cpu" and dst_device.type == self.device_type:
                 self.h2d += 1

@@ -18,7 +18,7 @@ Weights are F16, BF16 or F32 `[rows, D]` row-major; activations and accumulation
 predictor's logits meet the threshold in fp32, as on the CPU.
 
 Every kernel is launched through `launches.launch`, so `LaunchCounter` counts it (and on the `meta`
-device skips it). Tested under TRITON_INTERPRET=1 against torch in float64 (tests/kernels/test_triton_decode.py).
+device skips it). Tested under TRITON_INTERPRET=1 against torch in float64 (tests/test_decode_step.py).
 """
 
 from __future__ import annotations

@@ -122,22 +122,26 @@ class HybridFFN(FFN):
 
 
 def to_host(tensors: list[torch.Tensor], *, wait: bool = True):
-    """Device tensors copied to the host without blocking (pinned memory on CUDA), then one wait for all of
-    them: the list of host copies, or with wait=False (copies, event) for the caller's `host_wait(event)`."""
-    if all(t.device.type == "cpu" for t in tensors):
+    """Tensors copied to the host without blocking (CUDA ones through pinned memory; host ones as they
+    are), then one wait for all of them: the list of host copies, or with wait=False (copies, event) for
+    the caller's `host_wait(event)`."""
+    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    meta = any(t.device.type == "meta" for t in tensors)
+    if cuda is None and not meta:
         return tensors if wait else (tensors, None)
-    pinned = tensors[0].device.type == "cuda"
     copies = []
     for t in tensors:
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned) if pinned else None
-        copies.append(host.copy_(t, non_blocking=True) if pinned else t.to(CPU, non_blocking=True))
-    event = None
-    if pinned:
+        if t.device.type == "cuda":
+            copies.append(torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True))
+        else:  # the host already (a CPU predictor's mask), or meta (counting: no data to wait for)
+            copies.append(t.to(CPU, non_blocking=True))
+    event = "meta"
+    if cuda is not None:  # behind every copy above, on the stream that ran them
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(tensors[0].device))
+        event.record(torch.cuda.current_stream(cuda))
     if not wait:
-        return copies, event if event is not None else "meta"
-    host_wait(event if event is not None else "meta")
+        return copies, event
+    host_wait(event)
     return copies
 
 
