@@ -355,6 +355,34 @@ def decode_step_used(llm, decoder) -> str:
     return f"decode: the fixed-shape step, {decoder.steps} steps ({kernels}, graph: {decoder.capture})"
 
 
+def step_check(llm, decoder, n: int = 4) -> dict:
+    """The fixed-shape step against the eager step at this model's size: the same prompt through two
+    engines, n greedy tokens, one through the step (a fresh cache: a new capture), one eagerly; the worst
+    logit difference relative to the logit scale, and whether every argmax agrees."""
+    from hotcold.engine import Engine
+
+    model = llm.loaded.model
+    ids = llm.tokenize("Once upon a time, in a small village by the sea,")
+    graphed, eager = Engine(model, llm.tokenizer, 128), Engine(model, llm.tokenizer, 128)
+    try:
+        with torch.inference_mode():
+            a, b = graphed.prefill(ids), eager.prefill(ids)
+            worst, same = 0.0, True
+            for i in range(n):
+                token, pos = int(b.argmax()), len(ids) + i
+                a = graphed._forward([token], pos, last_only=True)[-1]
+                model.static_step = None
+                try:
+                    b = eager._forward([token], pos, last_only=True)[-1]
+                finally:
+                    model.static_step = decoder
+                worst = max(worst, float((a - b).abs().max() / b.abs().max()))
+                same = same and int(a.argmax()) == int(b.argmax())
+    except Exception as exc:  # the check must not cost the run's figures
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    return {"tokens": n, "max_rel_err": worst, "same_argmax": same, "steps": decoder.steps}
+
+
 def decode_run(
     path: Path, *, n_gen: int, ctx: int, threads: int, device: str, warmup: int = 16, **load_args
 ) -> dict:
@@ -394,6 +422,8 @@ def decode_run(
             "notes": llm.loaded.notes,
             "decode_step": decode_step_used(llm, decoder),
         }
+        if decoder is not None and decoder.failure is None:
+            record["step_check"] = step_check(llm, decoder)
         if cuda:
             record["vram_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
             record["vram_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -660,6 +690,11 @@ def summary(r: dict) -> str:
         f"(PowerInfer: {f(r.get('pi_hybrid_over_pi_dense_ngl'), '.2f')}x); hybrid VRAM used {f(r.get('vram_used_gib'), '.2f')} GiB.",
         "",
         *(f"- {run}: {rec.get('decode_step')}" for run, rec in runs.items() if rec.get("decode_step")),
+        *(
+            f"- {run}: fixed-shape step against the eager step: {rec['step_check']}"
+            for run, rec in runs.items()
+            if rec.get("step_check")
+        ),  # fmt: skip
     ]
     kernels = dict(r.get("kernels") or {})
     fused = (r.get("fused_kernels") or {}).get("result")
