@@ -444,3 +444,19 @@ def test_from_model_ignores_a_missing_device_index(tiny_sparse_gguf):
     model.layers = [replace(layer, device=torch.device("cpu", 0)) for layer in model.layers]
     decoder, why = decode_step.from_model(model, kernels="torch")
     assert decoder is not None, why
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_step_on_gpu_launches_8_a_layer_and_never_syncs(tiny_sparse_gguf):
+    loaded = load_model(tiny_sparse_gguf, device="cuda", vram_budget=64)
+    decoder, why = decode_step.from_model(loaded.model, kernels="triton", capture=False)
+    assert decoder is not None, why
+    engine = Engine(loaded.model, loaded.tokenizer, 64)
+    engine.prefill(PROMPT)
+    decoder.step(engine.seq.kv, embed_row(loaded.model, 5), len(PROMPT))  # compile first
+    with LaunchCounter("cuda") as count:
+        decoder.run(engine.seq.kv.k, engine.seq.kv.v)
+    n_layer = len(loaded.model.layers)
+    assert count.syncs == 0, count.sync_ops
+    assert count.launches <= 8 * n_layer + 2, dict(count.by_op)

@@ -219,3 +219,23 @@ def test_hybrid_layer_waits_for_the_host_once():
     assert split["d2h"] == 2 and split["h2d"] == 1, split  # mask + x out, the cold result in
     assert all_hot["sync_ops"] == {"event_wait": 1} and all_hot["d2h"] == 1 and all_hot["h2d"] == 0, all_hot
     assert split["ops"]["triton:_matvec_kernel"] == 2 and split["ops"]["triton:_axpy_kernel"] == 1, split
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_hybrid_on_gpu_equals_cpu_sparse_and_waits_once_a_layer(model_with_stats):
+    """On a real GPU: a budget that holds part of the FFN gives the CPU-only logits (the KV cache and the
+    attention run in fp16 there, hence the tolerance) and a decode token waits for the host once a layer."""
+    from hotcold.engine import Engine
+    from hotcold.kernels.launches import LaunchCounter
+
+    ref = hotcold.load(model_with_stats, device="cpu").logits(IDS)
+    loaded = load_model(model_with_stats, device="cuda", vram_budget=budget_gib(model_with_stats, 800_000))
+    assert loaded.hot is not None and 0 < sum(len(h) for h in loaded.hot) < 2 * 1280
+    got = hotcold.Model(loaded).logits(IDS)
+    assert torch.allclose(got, ref, atol=2e-3 * ref.abs().max(), rtol=0)
+    engine = Engine(loaded.model, loaded.tokenizer, 64)
+    logits = engine.prefill(IDS[:10])
+    with LaunchCounter("cuda") as count, torch.inference_mode():
+        engine._forward([int(logits.argmax())], 10, last_only=True)
+    assert count.sync_ops.get("event_wait", 0) == sum(1 for h in loaded.hot if len(h)), count.sync_ops
