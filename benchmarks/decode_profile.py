@@ -49,13 +49,20 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"this profile follows the llama forward; {type(model).__name__} is not one")
     timers = Timers()
     # model objects are immutable: time the steps through the classes and module functions they call
+    ffn_class = type(model.layers[0].ffn)
     patches = [
-        (llama, "rope_attention", "rope + attention"),
-        (llama, "linear", "attention output projection"),
-        (LinearGroup, "__call__", "q, k, v (attention norm folded in)"),
+        # a CPU decode token: q/k/v + RoPE + attention in one C call, then o + residual + FFN + residual in one
+        (llama, "decode_attention", "q, k, v + rope + attention (one C call)"),
+        (ffn_class, "decode_tail", "o projection + ffn (one C call)"),
+        # the op-by-op path, where a layer takes it (prefill, or FFNs without a fused tail)
+        (llama, "rope_attention_segments", "rope + attention (op by op)"),
+        (llama, "linear", "attention output projection (op by op)"),
+        (LinearGroup, "__call__", "q, k, v (op by op)"),
+        (ffn_class, "__call__", "ffn (op by op)"),
         (Head, "__call__", "output norm + head"),
+        (llama, "embed", "embedding"),
     ]
-    patches += [(type(layer.ffn), "__call__", "ffn (norm, predictor and FFN)") for layer in model.layers[:1]]
+    patches = [p for p in patches if hasattr(p[0], p[1])]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
     for owner, name, label in patches:
         setattr(owner, name, timers.wrap(label, getattr(owner, name)))
