@@ -25,6 +25,39 @@ PROMPT = list(range(3, 20))
 STEPS = 6
 
 
+@pytest.fixture()
+def sparse_with_stats(tmp_path, tiny_sparse_gguf):
+    """The tiny sparse file with activation statistics beside it, so a large budget puts every neuron on the
+    fast device (the step needs every layer all hot)."""
+    import shutil
+
+    path = tmp_path / "m.powerinfer.gguf"
+    shutil.copy(tiny_sparse_gguf, path)
+    (tmp_path / "activation").mkdir()
+    for i in range(2):
+        torch.save(torch.arange(1280, 0, -1), tmp_path / "activation" / f"activation_{i}.pt")
+    return path
+
+
+def test_all_hot_cpu_stand_in_takes_the_step(sparse_with_stats):
+    """What the gpu tests load, with a CPU placement standing in for the GPU: every neuron hot, every layer
+    a HybridFFN, and the step attaches and equals the eager one."""
+    from hotcold.sparse.hybrid import HybridFFN
+
+    loaded = load_model(sparse_with_stats, device="cpu", fast_device="cpu", vram_budget=64)
+    assert all(isinstance(layer.ffn, HybridFFN) and layer.ffn.all_hot for layer in loaded.model.layers)
+    decoder, why = decode_step.from_model(loaded.model, kernels="torch")
+    assert decoder is not None, why
+    a, b = Engine(loaded.model, loaded.tokenizer, 64), Engine(loaded.model, loaded.tokenizer, 64)
+    logits = a.prefill(PROMPT)
+    b.prefill(PROMPT)
+    x = embed_row(loaded.model, int(logits.argmax()))
+    got, _ = decoder.step(a.seq.kv, x, len(PROMPT))
+    with torch.inference_mode():
+        ref = b._forward([int(logits.argmax())], len(PROMPT), last_only=True)[-1]
+    torch.testing.assert_close(got, ref, rtol=0, atol=2e-5 * ref.abs().max().item())
+
+
 def embed_row(model, token: int) -> torch.Tensor:
     return embed(model.token_embd, torch.tensor([token]))[0]
 
@@ -377,9 +410,9 @@ def test_fused_step_launches_and_syncs(interpreted):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_captured_step_equals_eager_step_on_gpu(tiny_sparse_gguf):
+def test_captured_step_equals_eager_step_on_gpu(sparse_with_stats):
     """On a GPU: the CUDA graph's replays give the eager step's bits, token after token."""
-    loaded = load_model(tiny_sparse_gguf, device="cuda", vram_budget=64)
+    loaded = load_model(sparse_with_stats, device="cuda", vram_budget=64)
     eager, _ = decode_step.from_model(loaded.model, capture=False)
     graphed, why = decode_step.from_model(loaded.model, capture=True)
     assert graphed is not None, why
@@ -448,8 +481,8 @@ def test_from_model_ignores_a_missing_device_index(tiny_sparse_gguf):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_step_on_gpu_launches_8_a_layer_and_never_syncs(tiny_sparse_gguf):
-    loaded = load_model(tiny_sparse_gguf, device="cuda", vram_budget=64)
+def test_fused_step_on_gpu_launches_8_a_layer_and_never_syncs(sparse_with_stats):
+    loaded = load_model(sparse_with_stats, device="cuda", vram_budget=64)
     decoder, why = decode_step.from_model(loaded.model, kernels="triton", capture=False)
     assert decoder is not None, why
     engine = Engine(loaded.model, loaded.tokenizer, 64)
