@@ -48,15 +48,17 @@ def variants(tile_rows: int = 16, tile_cols: int = 256) -> list[tuple]:
            "window": "i32", "GROUP": "i32", "KVD": "i32", "DH": "constexpr", "BLOCK_N": "constexpr"}  # fmt: skip
     out.append(("attention", td._attention_kernel, att, {"DH": 128, "BLOCK_N": 64}, ("KVD",)))
     gu = {"gate_ptr": F16, "up_ptr": F16, "h_ptr": F32, "nw_ptr": F32, "eps": "fp32", "m_ptr": "*i8",
-          "a_ptr": F32, "F": "i32", "D": "i32", "stride_g": "i32", "stride_u": "i32"}  # fmt: skip
-    gu |= {n: "constexpr" for n in ("QG", "QU", "NORM", "HAS_MASK", "KIND", "ACT", "BLOCK_R", "BLOCK_D")}
+          "idx_ptr": "*i64", "a_ptr": F32, "F": "i32", "D": "i32", "stride_g": "i32", "stride_u": "i32"}  # fmt: skip
+    gu |= {
+        n: "constexpr"
+        for n in ("QG", "QU", "NORM", "HAS_MASK", "HAS_IDX", "KIND", "ACT", "BLOCK_R", "BLOCK_D")
+    }
     for label, ptr, q, cols in (("f16", F16, 0, tile_cols), ("q8_0", U8, 1, tile_cols // 2),
                                 ("q4_0", U8, 2, tile_cols // 2)):  # fmt: skip
-        for norm, mask in ((False, True), (True, False)):
-            consts = dict(
-                QG=q, QU=q, NORM=norm, HAS_MASK=mask, KIND=0, ACT=0, BLOCK_R=tile_rows, BLOCK_D=cols
-            )
-            kind = "dense (norm)" if norm else "sparse (mask)"
+        for norm, mask, idx in ((False, True, False), (True, False, False), (False, True, True)):
+            consts = dict(QG=q, QU=q, NORM=norm, HAS_MASK=mask, HAS_IDX=idx, KIND=0, ACT=0, BLOCK_R=tile_rows,
+                          BLOCK_D=cols)  # fmt: skip
+            kind = "dense (norm)" if norm else "hybrid hot rows (mask, rows)" if idx else "sparse (mask)"
             out.append((f"gate_up {label} {kind}", td._gate_up_kernel, dict(gu, gate_ptr=ptr, up_ptr=ptr), consts,
                         ("F", "D", "stride_g", "stride_u")))  # fmt: skip
     ax = {"w_ptr": F16, "a_ptr": F32, "part_ptr": F32, "F": "i32", "D": "i32", "rows_per_split": "i32",

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hotcold.device import same_device
 from hotcold.kernels.torch_decode import TorchKernels
 
 log = logging.getLogger(__name__)
@@ -214,18 +215,6 @@ class StaticDecoder:
 # ------------------------------------------------------------------------------------------------
 
 
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """a and b are one device, a missing index meaning the current one: the loader's plan says "cuda",
-    a tensor on it says "cuda:0", and torch.device("cuda") != torch.device("cuda", 0)."""
-    a, b = torch.device(a), torch.device(b)
-    if a.type != b.type:
-        return False
-    if a.index is None or b.index is None:
-        current = torch.cuda.current_device() if a.type == "cuda" else 0
-        return (a.index if a.index is not None else current) == (b.index if b.index is not None else current)
-    return a.index == b.index
-
-
 class _NoStep(Exception):
     """Why a model cannot take the fused step (from_model returns it as text)."""
 
@@ -239,9 +228,9 @@ def _matrix(t, device: torch.device, what: str) -> torch.Tensor:
     the loader's placement gives a GPU (as fp16) for everything but hot FFN rows."""
     from hotcold.quants import QuantTensor
 
-    if isinstance(t, QuantTensor) and _same_device(t.device, device) and device.type == "cpu":
+    if isinstance(t, QuantTensor) and same_device(t.device, device) and device.type == "cpu":
         return t.dequantize()
-    if not isinstance(t, torch.Tensor) or not _same_device(t.device, device) or t.dtype not in _FLOATS:
+    if not isinstance(t, torch.Tensor) or not same_device(t.device, device) or t.dtype not in _FLOATS:
         raise _NoStep(f"{what} is not a float matrix on {device}")
     if t.dim() != 2 or t.stride(-1) != 1:  # the fused kernels read rows with unit column stride
         raise _NoStep(f"{what} is not a row-major matrix")
@@ -255,7 +244,7 @@ def _ffn_matrix(t, device: torch.device, what: str, fused: bool) -> tuple[torch.
     if (
         fused
         and isinstance(t, QuantTensor)
-        and _same_device(t.device, device)
+        and same_device(t.device, device)
         and t.qtype.name.lower() in _BLOCK_TYPES
     ):
         return t.data, t.qtype.name.lower()
@@ -270,7 +259,7 @@ def _ffn_parts(ffn, device: torch.device):
     if (
         isinstance(ffn, HybridFFN)
         and ffn.all_hot
-        and _same_device(ffn.device, device)
+        and same_device(ffn.device, device)
         and ffn.norm is not None
     ):
         return ffn.hot_weights, ffn.predictor, ffn.norm
@@ -320,7 +309,7 @@ def from_model(
 
 def _step_layer(i: int, layer, device: torch.device, fused: bool):
     """(FFN weights, StepLayer) of model layer i, or _NoStep."""
-    if not _same_device(layer.device, device):
+    if not same_device(layer.device, device):
         raise _NoStep(f"layer {i}'s attention is on {layer.device}, the head on {device}")
     try:
         w, predictor, norm = _ffn_parts(layer.ffn, device)

@@ -33,6 +33,18 @@ CPU = torch.device("cpu")
 FLOAT_TYPE_NAMES = ("F32", "F16", "BF16")
 
 
+def same_device(a: torch.device | str, b: torch.device | str) -> bool:
+    """a and b are one device, a missing index meaning the current one: a plan says "cuda", a tensor on it
+    says "cuda:0", and torch.device("cuda") != torch.device("cuda", 0)."""
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    if a.index is None or b.index is None:
+        current = torch.cuda.current_device() if a.type == "cuda" else 0
+        return (current if a.index is None else a.index) == (current if b.index is None else b.index)
+    return a.index == b.index
+
+
 def place(weight, device: torch.device):
     """`weight` (a tensor or QuantTensor, or None) as it lives on `device`."""
     if weight is None:

@@ -239,3 +239,75 @@ def test_hybrid_on_gpu_equals_cpu_sparse_and_waits_once_a_layer(model_with_stats
     with LaunchCounter("cuda") as count, torch.inference_mode():
         engine._forward([int(logits.argmax())], 10, last_only=True)
     assert count.sync_ops.get("event_wait", 0) == sum(1 for h in loaded.hot if len(h)), count.sync_ops
+
+
+# ---------------------------------------------------------------- one decode token through the fused kernels
+
+ONE_TOKEN = textwrap.dedent(
+    """
+    import json, sys, torch
+    sys.path.insert(0, {root!r})
+    from gguf import GGMLQuantizationType as Q
+    from hotcold.kernels.launches import LaunchCounter
+    from hotcold.quants import QuantTensor
+    from hotcold.sparse.ffn import SparseFFN
+    from hotcold.sparse.hybrid import HybridFFN
+    from hotcold.sparse.predictor import Predictor
+    from tests.fixtures import ffn_state, ffn_weights
+
+    F, D, R = 1280, 64, 32
+    g = torch.Generator().manual_seed(5)
+    fc1, fc2 = torch.randn(R, D, generator=g) / 4, torch.randn(F, R, generator=g) / 4
+    out = {{}}
+    for name, kind, act, qtype, hot_share in (("f32 relu 0.3", "gated", "relu", None, 0.3),
+                                             ("f16 silu both 1.0", "gated_both", "silu", torch.float16, 1.0),
+                                             ("q4_0 relu 0.5", "gated", "relu", Q.Q4_0, 0.5)):
+        w = ffn_weights(F, D, kind, torch.float32 if qtype is None or qtype == Q.Q4_0 else qtype, seed=3, scale=8)
+        w.activation = act
+        if qtype == Q.Q4_0:
+            w.up, w.gate, w.down_t = (QuantTensor.from_float(t, Q.Q4_0) for t in (w.up, w.gate, w.down_t))
+        pred = Predictor(fc1, fc2, 0.3)
+        hot = torch.randperm(F, generator=g)[: int(F * hot_share)]
+        x, p = torch.randn(1, D, generator=g), torch.randn(1, D, generator=g)
+        ref_state, got_state = ffn_state(), ffn_state()
+        ref = SparseFFN(w, pred, layer=0, threads=1).apply(x, p, ref_state)
+        ffn = HybridFFN(w, pred, hot, "cpu", layer=0, threads=1, one_token=True)
+        assert ffn.one_token is not None
+        got = ffn.apply(x, p, got_state)
+        c_ref, c_got = ref_state.seqs[0].counts[0], got_state.seqs[0].counts[0]
+        out[name] = dict(err=((got - ref).abs().max() / ref.abs().max()).item(),
+                         counts=[c_ref.computed, c_got.computed, c_ref.total, c_got.total])
+    w = ffn_weights(F, 256, "gated", torch.float16, seed=3)
+    pred = Predictor(torch.empty(R, 256, device="meta"), torch.empty(F, R, device="meta"), 0.0)
+    ffn = HybridFFN(w, pred, torch.arange(512), "meta", layer=0, threads=1, one_token=True)
+    with LaunchCounter("meta") as count:
+        ffn.apply(torch.empty(1, 256, device="meta"), torch.empty(1, 256, device="meta"), ffn_state())
+    out["meta"] = dict(launches=count.launches, syncs=count.syncs, ops=dict(count.by_op))
+    print(json.dumps(out))
+    """
+)
+
+
+def test_one_token_fused_path_equals_cpu_sparse():
+    """A decode token of a hybrid layer through the fused kernels (run by the Triton interpreter on a CPU
+    placement): the CPU-only sparse FFN's output and neuron counts, for float and Q4_0 rows, gated and
+    gated_both, part or all of the neurons hot; on meta, one host wait and about ten launches."""
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", ONE_TOKEN.format(root=root)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    meta = got.pop("meta")
+    for name, row in got.items():
+        # block rows: the CPU kernels multiply them with 8-bit activations (as llama.cpp does), the GPU
+        # kernels with float ones, so the two differ by the activations' rounding
+        assert row["err"] < (1e-2 if name.startswith("q4_0") else 1e-5), (name, row)
+        assert row["counts"][0] == row["counts"][1] > 0 and row["counts"][2] == row["counts"][3], (name, row)
+    assert meta["syncs"] == 1 and meta["launches"] <= 12, meta

@@ -159,14 +159,18 @@ def _attention_kernel(
 
 @_jit
 def _gate_up_kernel(
-    gate_ptr, up_ptr, h_ptr, nw_ptr, eps, m_ptr, a_ptr, F, D, stride_g, stride_u,
-    QG: tl.constexpr, QU: tl.constexpr, NORM: tl.constexpr, HAS_MASK: tl.constexpr, KIND: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    gate_ptr, up_ptr, h_ptr, nw_ptr, eps, m_ptr, idx_ptr, a_ptr, F, D, stride_g, stride_u,
+    QG: tl.constexpr, QU: tl.constexpr, NORM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_IDX: tl.constexpr, KIND: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < F
     fire = ok
     if HAS_MASK:
-        fire = (tl.load(m_ptr + rows, mask=ok, other=0) != 0) & ok
+        if HAS_IDX:  # row k of the weights is neuron idx[k] of the mask (a hybrid layer's hot rows)
+            neuron = tl.load(idx_ptr + rows, mask=ok, other=0)
+            fire = (tl.load(m_ptr + neuron, mask=ok, other=0) != 0) & ok
+        else:
+            fire = (tl.load(m_ptr + rows, mask=ok, other=0) != 0) & ok
     a = tl.zeros([BLOCK_R], dtype=tl.float32)
     if tl.max(fire.to(tl.int32), axis=0) > 0:  # a block nobody fires reads no weights
         inv = 1.0
@@ -317,10 +321,12 @@ def _width(w: torch.Tensor, qtype: str | None) -> tuple[int, int]:
 
 
 def gate_up(gate, up, h, mask, a_out, *, kind: str, activation: str, norm=None, eps=0.0,
-            qtypes: tuple[str | None, str | None] = (None, None)) -> torch.Tensor:  # fmt: skip
+            qtypes: tuple[str | None, str | None] = (None, None), mask_rows=None) -> torch.Tensor:  # fmt: skip
     """a_out [F] = act(gate . h) * up . h (gated_both: act(up . h)) where mask [F] (None: every row);
     with `norm`, h is RMS-normed in the kernel first (a dense FFN, which has no predictor to do it).
-    qtypes: gate's and up's block types (None: float; "q8_0" / "q4_0": uint8 ggml blocks [F, row bytes])."""
+    qtypes: gate's and up's block types (None: float; "q8_0" / "q4_0": uint8 ggml blocks [F, row bytes]).
+    mask_rows: int64 [F] where weight row k is neuron mask_rows[k] of a longer mask (a hybrid layer's
+    hot rows against the whole layer's mask)."""
     qg, _ = _width(gate, qtypes[0])
     qu, d = _width(up, qtypes[1])
     f = up.shape[0]
@@ -328,8 +334,9 @@ def gate_up(gate, up, h, mask, a_out, *, kind: str, activation: str, norm=None, 
     launch(
         _gate_up_kernel,
         (triton.cdiv(f, tile["BLOCK_R"]),),
-        gate, up, h, norm if norm is not None else h, float(eps), mask if mask is not None else h, a_out, f, d,
-        gate.stride(0), up.stride(0), QG=qg, QU=qu, NORM=norm is not None, HAS_MASK=mask is not None, KIND=KIND_CODES[kind], ACT=ACTIVATION_CODES[activation],
+        gate, up, h, norm if norm is not None else h, float(eps), mask if mask is not None else h,
+        mask_rows if mask_rows is not None else h, a_out, f, d, gate.stride(0), up.stride(0), QG=qg, QU=qu,
+        NORM=norm is not None, HAS_MASK=mask is not None, HAS_IDX=mask_rows is not None, KIND=KIND_CODES[kind], ACT=ACTIVATION_CODES[activation],
         **tile,
     )  # fmt: skip
     return a_out
@@ -338,7 +345,7 @@ def gate_up(gate, up, h, mask, a_out, *, kind: str, activation: str, norm=None, 
 def axpy_splits(f: int, d: int, device: torch.device) -> tuple[int, int]:
     """(splits, rows per split) of down_axpy over f rows of d values: enough programs to fill the GPU
     (~4 per SM)."""
-    block_k, block_d = (16, 32) if _INTERPRETED or device.type != "cuda" else (16, 256)
+    block_k, block_d = _axpy_blocks(device)
     n_d = triton.cdiv(d, block_d)
     blocks = triton.cdiv(f, block_k)
     splits = max(1, min(blocks, triton.cdiv(4 * _sm_count(device), n_d)))
@@ -349,15 +356,28 @@ def axpy_splits(f: int, d: int, device: torch.device) -> tuple[int, int]:
 def down_axpy(down_t, a, residual, partial, out, *, qtype: str | None = None) -> torch.Tensor:
     """out [D] = residual + sum_k a[k] down_t[k] (rows with a[k] == 0 unread); partial [S, D] scratch
     with S from axpy_splits. Two launches; the splits are added in order. qtype as in gate_up."""
+    down_axpy_partial(down_t, a, partial, qtype=qtype)
+    return reduce_residual(partial, residual, out)
+
+
+def down_axpy_partial(down_t, a, partial, *, qtype: str | None = None) -> torch.Tensor:
+    """down_axpy's first launch: partial [S, D] = each row split's sum of a[k] down_t[k]."""
     code, d = _width(down_t, qtype)
     f = down_t.shape[0]
     splits, rows_per_split = axpy_splits(f, d, down_t.device)
-    block_k, block_d = (16, 32) if _INTERPRETED or down_t.device.type != "cuda" else (16, 256)
+    block_k, block_d = _axpy_blocks(down_t.device)
     launch(
         _down_axpy_kernel,
         (triton.cdiv(d, block_d), splits),
         down_t, a, partial, f, d, rows_per_split, down_t.stride(0), QTYPE=code, BLOCK_K=block_k, BLOCK_D=block_d,
     )  # fmt: skip
+    return partial
+
+
+def reduce_residual(partial, residual, out) -> torch.Tensor:
+    """down_axpy's second launch: out [D] = residual + the splits of partial [S, D], added in order."""
+    splits, d = partial.shape
+    block_d = _axpy_blocks(partial.device)[1]
     launch(
         _reduce_residual_kernel,
         (triton.cdiv(d, block_d),),
@@ -369,3 +389,7 @@ def down_axpy(down_t, a, residual, partial, out, *, qtype: str | None = None) ->
         BLOCK_D=block_d,
     )
     return out
+
+
+def _axpy_blocks(device: torch.device) -> tuple[int, int]:
+    return (16, 32) if _INTERPRETED or device.type != "cuda" else (16, 256)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from hotcold.device import same_device
 from hotcold.kernels.launches import host_wait
 from hotcold.kernels.triton_args import QTYPES
 from hotcold.ops import Norm
@@ -49,7 +50,10 @@ class HybridFFN(FFN):
         norm: Norm | None = None,
         threads: int | None = None,
         expert: int | None = None,
+        one_token: bool | None = None,
     ):
+        """one_token: decode tokens through the fused kernels (OneToken); None: where they apply on a GPU.
+        Tests force it on a CPU placement under the Triton interpreter."""
         if weights.down_t is None:
             raise ValueError("hybrid FFN needs the PowerInfer layout (ffn_down_t)")
         self.weights, self.predictor, self.norm = weights, predictor, norm
@@ -77,11 +81,22 @@ class HybridFFN(FFN):
         self._down_bias: dict[
             torch.device, torch.Tensor
         ] = {}  # the down bias where the output goes, moved once
+        if one_token is None:
+            one_token = self.device.type == "cuda"
+        self.one_token = OneToken.build(self) if one_token else None
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         out_device = h.device
         if ctx.dense:
             return self.reference.apply(h.to(CPU), p.to(CPU), ctx).to(out_device)
+        one = self.one_token
+        if (
+            one is not None
+            and h.shape[0] == 1
+            and same_device(h.device, one.device)
+            and same_device(p.device, one.device)
+        ):
+            return self._add_down_bias(one(self, h, p, ctx))
         mask = self.predictor(p)  # [T, F] bool, on the predictor's device
         # all hot: only the mask crosses (for the counts); else the FFN input too, for the cold rows
         copies, ready = to_host([mask] if self.all_hot else [mask, h], wait=False)
@@ -119,6 +134,84 @@ class HybridFFN(FFN):
         gate = gpu_matvec(gpu, w.gate, h, mask_hot) if w.gate is not None else None
         a = torch.where(mask_hot, w.combine(up, gate), 0.0)
         return gpu_axpy(gpu, w.down_t, a, mask_hot)
+
+
+class OneToken:
+    """A hybrid layer's decode token through the fused kernels (kernels/triton_decode.py), about ten
+    launches a layer where the general path takes ~16 kernels and their Python:
+    predictor fc1 + ReLU, fc2 + threshold -> int8 mask [F] (logits in fp32); the mask and the FFN input to
+    pinned memory with an event behind them; gate/up of the hot rows that fire (row k reads neuron
+    hot_idx[k] of the mask) and the down_t axpy's split sums, queued; one host wait; the cold firing rows on
+    the CPU while the GPU works; the cold result back without blocking and added to the hot splits in one
+    last kernel. Built at load where it applies: float predictor on the hot rows' device, gated FFN,
+    ReLU or SiLU, no up bias (else None: the general path)."""
+
+    def __init__(self, ffn: HybridFFN, td, parts: dict):
+        self.td, self.device = td, ffn.device
+        self.__dict__.update(parts)
+        self.n_hot = len(ffn.hot_idx)
+        self.splits = td.axpy_splits(self.n_hot, self.width, self.device)[0]
+        self.count_sink = torch.zeros(1, dtype=torch.int32, device=self.device)  # counts come from the mask
+
+    @classmethod
+    def build(cls, ffn: HybridFFN) -> OneToken | None:
+        from hotcold.kernels import triton as gpu
+
+        w, pred = ffn.hot_weights, ffn.predictor
+        if not gpu.available() or ffn.expert is not None or len(ffn.hot_idx) == 0:
+            return None
+        if (
+            w.kind not in ("gated", "gated_both")
+            or w.activation not in ("relu", "silu")
+            or w.up_bias is not None
+        ):
+            return None
+        fc = [getattr(pred, "fc1", None), getattr(pred, "fc2", None)]
+        if not all(
+            isinstance(t, torch.Tensor) and same_device(t.device, ffn.device) and t.stride(-1) == 1
+            for t in fc
+        ):
+            return None
+        from hotcold.kernels import triton_decode as td
+
+        def rows(t):  # (tensor, block type) as the fused kernels take them
+            if isinstance(t, QuantTensor):
+                return t.data, t.qtype.name.lower()
+            return t, None
+
+        (gate, gq), (up, uq), (down, dq) = rows(w.gate), rows(w.up), rows(w.down_t)
+        if not {gq, uq, dq} <= {None, *QTYPES}:  # a CPU stand-in keeps every block type; the kernels read two
+            return None
+        width = ffn.weights.down_t.shape[1]  # D, in values
+        parts = dict(fc1=fc[0], fc2=fc[1], threshold=float(pred.threshold), gate=gate, up=up, down=down,
+                     qtypes=(gq, uq), down_qtype=dq, width=width, hot_idx=ffn.hot_idx_fast)  # fmt: skip
+        return cls(ffn, td, parts)
+
+    def __call__(self, ffn: HybridFFN, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
+        """h, p [1, D] on the hot rows' device -> the FFN output [1, D] there (the down bias not added)."""
+        td, dev, w = self.td, self.device, ffn.hot_weights
+        r = torch.empty(self.fc1.shape[0], dtype=torch.float32, device=dev)
+        td.gemv(self.fc1, p[0], out=r, relu=True)
+        mask = torch.empty(self.fc2.shape[0], dtype=torch.int8, device=dev)
+        td.gemv(self.fc2, r, out=r, threshold=self.threshold, mask_out=mask, count=self.count_sink)
+        copies, ready = to_host([mask] if ffn.all_hot else [mask, h], wait=False)
+        a = torch.empty(self.n_hot, dtype=torch.float32, device=dev)
+        td.gate_up(self.gate, self.up, h[0], mask, a, kind=w.kind, activation=w.activation, qtypes=self.qtypes,
+                   mask_rows=self.hot_idx)  # fmt: skip
+        partial = torch.empty(self.splits, self.width, dtype=torch.float32, device=dev)
+        td.down_axpy_partial(self.down, a, partial, qtype=self.down_qtype)
+        host_wait(ready)  # the predictor and the copies; the hot kernels run on
+        fired = copies[0].view(1, -1) != 0  # [1, F] bool
+        if ffn.all_hot:
+            cold = torch.zeros(self.width, dtype=torch.float32, device=dev)
+        else:
+            cold_out = sparse_step(ffn.weights, copies[1], fired & ffn.cold, ffn.cold_plan, ffn.threads)
+            cold = to_device(cold_out[0], dev)
+        out = td.reduce_residual(partial, cold, torch.empty(self.width, dtype=torch.float32, device=dev))
+        ctx.count(ffn.layer, fired)
+        if ctx.keep_masks:
+            ctx.keep(ffn.layer, p, fired)
+        return out.view(1, -1)
 
 
 def to_host(tensors: list[torch.Tensor], *, wait: bool = True):
