@@ -201,6 +201,35 @@ def meta_caches(*, n_layer: int, n_ctx=2048, Hkv=32, Dh=128):
 # ---------------------------------------------------------------- the fused kernels, interpreted
 
 
+def fused_attention_error(path) -> float:
+    """models.base.fused_decode_attention (what a GPU layer's decode token takes, here under the
+    interpreter) against the op-by-op path on a copy of the same cache, over a few positions: the worst
+    error relative to the output's scale."""
+    from hotcold.models.base import fused_decode_attention, rope_attention_segments
+    from hotcold.state import Batch
+
+    model = load_model(path, device="cpu").model
+    c, layer = model.config, model.layers[0]
+    layer.qkv.fused = torch.cat(layer.qkv.weights)  # what the group holds on a GPU
+    heads = (c.n_head, c.n_head_kv, c.head_dim)
+    a, b = model.new_sequence(32), model.new_sequence(32)
+    gen = torch.Generator().manual_seed(2)
+    worst = 0.0
+    for pos in range(5):
+        x = torch.randn(1, c.n_embd, generator=gen)
+        got = fused_decode_attention(
+            Batch.single(a, pos, 1), 0, layer.qkv, layer.attn_norm, x, model.rope, torch.device("cpu"),
+            heads=heads, neox=False,
+        )  # fmt: skip
+        q, k, v = layer.qkv(x, layer.attn_norm)
+        ref = rope_attention_segments(
+            Batch.single(b, pos, 1), 0, q.view(1, c.n_head, c.head_dim), k.view(1, c.n_head_kv, c.head_dim),
+            v.view(1, c.n_head_kv, c.head_dim), model.rope, torch.device("cpu"), neox=False,
+        )  # fmt: skip
+        worst = max(worst, ((got - ref).abs().max() / ref.abs().max()).item())
+    return worst
+
+
 def fused_kernel_errors() -> dict[str, float]:
     """Each fused kernel against torch in float64 on tiny shapes (several row and column blocks), as
     max |error| / max |reference|. Runs where kernels.triton_decode can run (interpreter or GPU)."""
@@ -325,7 +354,9 @@ INTERPRETED = textwrap.dedent(
     from hotcold.loader import load_model
     from tests.test_decode_step import PROMPT, embed_row, fused_kernel_errors, meta_caches, meta_decoder
 
-    out = {{"kernels": fused_kernel_errors()}}
+    from tests.test_decode_step import fused_attention_error
+
+    out = {{"kernels": fused_kernel_errors(), "fused_attention": fused_attention_error({sparse!r})}}
     for name, path, args in (("sparse", {sparse!r}, {{}}), ("dense", {dense!r}, {{}}), ("blocks", {blocks!r}, {{}})):
         loaded = load_model(path, device="cpu", **args)
         fused, why = decode_step.from_model(loaded.model, kernels="triton")
@@ -397,6 +428,11 @@ def test_fused_kernels_equal_torch_step(interpreted, name):
     there: its block kernels quantize the activations to 8 bits, as llama.cpp does.)"""
     got = interpreted[name]
     assert got["worst"] < 1e-5 and got["same_tokens"] and got["same_counts"], got
+
+
+def test_fused_decode_attention_equals_the_op_by_op_path(interpreted):
+    """A GPU layer's decode attention in two fused launches gives the ~25-op path's output."""
+    assert interpreted["fused_attention"] < 1e-5, interpreted["fused_attention"]
 
 
 def test_fused_step_launches_and_syncs(interpreted):

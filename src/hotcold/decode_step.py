@@ -298,7 +298,7 @@ def from_model(
     if len(kinds) != 1:
         return None, f"layers mix FFN kinds {sorted(kinds)}"
     kind, activation = kinds.pop()
-    cos, sin = model.rope._covering(max(c.n_ctx_train, ctx_size or 0), device)
+    cos, sin = model.rope.tables(max(c.n_ctx_train, ctx_size or 0), device)
     shape = StepShape(c.n_head, c.n_head_kv, c.head_dim, model.layers[0].attn_norm.eps, kind, activation,
                       window=c.sliding_window or 0)  # fmt: skip
     step_layers = [step for _, step in layers]
@@ -319,16 +319,8 @@ def _step_layer(i: int, layer, device: torch.device, fused: bool):
         raise _NoStep(f"layer {i}'s FFN ({w.kind}, {w.activation}, bias) has no fused step")
     wq, wk, wv = layer.qkv.weights
     mats = [_matrix(t, device, f"layer {i}'s attention") for t in (wq, wk, wv)]
-    wqkv = torch.cat(mats)
-    if (
-        device.type == "cuda"
-        and layer.qkv.c_group is None
-        and all(m is t for m, t in zip(mats, (wq, wk, wv)))
-    ):
-        # the eager path (prefill) multiplies by views of the fused matrix, so the GPU holds q/k/v once
-        # (layer by layer, so loading never holds two copies of every layer's; if a later layer keeps the
-        # model off the step, these views are the same values)
-        layer.qkv.weights[:] = list(torch.split(wqkv, [m.shape[0] for m in mats]))
+    # on a GPU the group already holds q/k/v as one matrix (ops.LinearGroup.fused); the CPU stand-in stacks
+    wqkv = layer.qkv.fused if layer.qkv.fused is not None else torch.cat(mats)
     gate, gate_q = _ffn_matrix(w.gate, device, f"layer {i}'s ffn_gate", fused)
     up, up_q = _ffn_matrix(w.up, device, f"layer {i}'s ffn_up", fused)
     if w.down_t is not None:

@@ -107,14 +107,27 @@ class LinearGroup:
     their rows stream in one pass of the threads, and for a few tokens the RMS norm runs inside it. The
     C plan is built here, at load, never on first use from a request thread."""
 
-    def __init__(self, weights: list[Weight]):
+    def __init__(self, weights: list[Weight], *, stack_on_gpu: bool = False):
+        """stack_on_gpu: float matrices on a GPU are held as one stacked matrix (`fused`), for the fused
+        decode kernels; only where nothing else holds the originals (a layer's q, k, v), or they would be
+        held twice."""
         self.weights = list(weights)
         self._group = None
+        self.fused: torch.Tensor | None = None  # on a GPU: the matrices stacked, self.weights views of it
         if all(uses_c_kernels(w) for w in weights) and cpu.backend() == "c":
             try:
                 self._group = cpu.MatvecGroup(self.weights)
             except ValueError:  # different widths or types without a kernel: one call each
                 pass
+        elif (
+            stack_on_gpu
+            and all(isinstance(w, torch.Tensor) and w.device.type == "cuda" and w.dim() == 2 for w in weights)
+            and len({(w.dtype, w.shape[1], w.device) for w in weights}) == 1
+        ):
+            # one matrix for the fused decode kernels (q/k/v + RoPE in one launch), held once: the group's
+            # own products use views of it
+            self.fused = torch.cat(self.weights)
+            self.weights = list(torch.split(self.fused, [w.shape[0] for w in weights]))
 
     @property
     def c_group(self) -> cpu.MatvecGroup | None:
@@ -173,6 +186,10 @@ class RopeTables:
             tables = self._build(max(end, self.config.n_ctx_train), device)
             self._tables[device] = tables
         return tables
+
+    def tables(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The device's whole cos/sin tables [n, R/2], n >= end (kernels that index them by position)."""
+        return self._covering(end, device)
 
     def __call__(self, pos: int, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         cos, sin = self._covering(pos + T, device)

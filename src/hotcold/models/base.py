@@ -102,8 +102,13 @@ def rope_attention_segments(
 def decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm, x: torch.Tensor, rope: RopeTables,
                      device: torch.device, *, heads: tuple[int, int, int], neox: bool,
                      sliding_window=None) -> torch.Tensor | None:  # fmt: skip
-    """q, k, v of norm(x) and RoPE attention for one decode token of one sequence on the CPU, as one C call
-    (the bits of LinearGroup then rope_attention_segments); None where it does not apply."""
+    """q, k, v of norm(x) and RoPE attention for one decode token of one sequence: on the CPU one C call
+    (the bits of LinearGroup then rope_attention_segments), on a GPU two fused launches
+    (fused_decode_attention); None where neither applies."""
+    if device.type == "cuda":
+        return fused_decode_attention(
+            ctx, layer, qkv, norm, x, rope, device, heads=heads, neox=neox, sliding_window=sliding_window
+        )
     group = qkv.c_group
     if (
         group is None
@@ -121,6 +126,46 @@ def decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm, x: to
     return group.attend(
         x, norm.c_args, k_cache, v_cache, pos, cos, sin, heads=heads, neox=neox, window=window
     )
+
+
+def fused_decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm, x: torch.Tensor,
+                           rope: RopeTables, device: torch.device, *, heads: tuple[int, int, int], neox: bool,
+                           sliding_window=None) -> torch.Tensor | None:  # fmt: skip
+    """One decode token of one sequence in two launches of the fused decode kernels (kernels/triton_decode):
+    RMS norm + q/k/v + RoPE + the cache write at pos, then attention over the cache in its dtype; where the
+    group holds q/k/v as one matrix, RoPE rotates adjacent pairs over whole heads and Triton can run (a GPU,
+    or the interpreter in tests), else None. The eager path is ~25 launches (norm, three products, RoPE,
+    cache writes, the attention's casts and SDPA)."""
+    h, hkv, dh = heads
+    if (
+        qkv.fused is None
+        or neox
+        or len(ctx.seqs) != 1
+        or ctx.rows != 1
+        or not norm.rms
+        or dh & (dh - 1)
+        or rope.config.rope_dim != dh
+    ):
+        return None
+    from hotcold.kernels import triton as gpu
+
+    if not gpu.available():
+        return None
+    from hotcold.kernels import triton_decode as td
+
+    seq, pos = ctx.seqs[0], ctx.starts[0]
+    k_cache, v_cache = seq.kv.k[layer], seq.kv.v[layer]
+    check_context(pos + 1, k_cache.shape[0])
+    cos, sin = (t.float().contiguous() for t in rope.tables(pos + 1, device))
+    at = torch.full((1,), pos, dtype=torch.long, device=device)  # a fill, not a host sync
+    q = torch.empty(h * dh, dtype=torch.float32, device=device)
+    out = torch.empty(h * dh, dtype=torch.float32, device=device)
+    td.qkv_rope(
+        qkv.fused, x[0], norm.weight, norm.eps, at, cos, sin, q, k_cache, v_cache, n_q=h * dh, n_kv=hkv * dh
+    )
+    window = sliding_window if sliding_window and sliding_window > 0 else 0
+    td.attention(q, k_cache, v_cache, at, out, n_head=h, head_dim=dh, window=window)
+    return out.view(1, -1)
 
 
 def per_sequence(ctx: Batch, attend) -> torch.Tensor:

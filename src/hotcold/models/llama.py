@@ -89,7 +89,7 @@ def attention_block(src: TensorSource, i: int) -> dict:
     )
     return dict(
         attn_norm=src.norm(names.ATTN_NORM, i, rms=True),
-        qkv=LinearGroup([wq, wk, wv]),
+        qkv=LinearGroup([wq, wk, wv], stack_on_gpu=True),  # one matrix for the fused decode kernels
         wo=src.attention(names.ATTN_OUT, i, (D, qd)),
         device=src.layer_device(i),
     )
