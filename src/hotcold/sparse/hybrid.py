@@ -85,6 +85,19 @@ class HybridFFN(FFN):
             one_token = self.device.type == "cuda"
         self.one_token = OneToken.build(self) if one_token else None
 
+    def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
+        one, norm = self.one_token, self.norm
+        if (
+            one is not None
+            and x.shape[0] == 1
+            and norm is not None
+            and norm.rms
+            and not ctx.dense
+            and same_device(x.device, one.device)
+        ):  # a decode token: the RMS norm runs inside the predictor's first kernel
+            return self._add_down_bias(one(self, x, x, ctx, norm=norm))
+        return super().__call__(x, ctx)
+
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         out_device = h.device
         if ctx.dense:
@@ -187,11 +200,20 @@ class OneToken:
                      qtypes=(gq, uq), down_qtype=dq, width=width, hot_idx=ffn.hot_idx_fast)  # fmt: skip
         return cls(ffn, td, parts)
 
-    def __call__(self, ffn: HybridFFN, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
-        """h, p [1, D] on the hot rows' device -> the FFN output [1, D] there (the down bias not added)."""
+    def __call__(
+        self, ffn: HybridFFN, h: torch.Tensor, p: torch.Tensor, ctx: Batch, *, norm=None
+    ) -> torch.Tensor:
+        """h, p [1, D] on the hot rows' device -> the FFN output [1, D] there (the down bias not added).
+        With `norm` (an RMS Norm), h is the layer's un-normed input: the predictor's first kernel writes
+        norm(h) on the side, so the norm costs no launch of its own."""
         td, dev, w = self.td, self.device, ffn.hot_weights
         r = torch.empty(self.fc1.shape[0], dtype=torch.float32, device=dev)
-        td.gemv(self.fc1, p[0], out=r, relu=True)
+        if norm is not None:
+            normed = torch.empty(self.width, dtype=torch.float32, device=dev)
+            td.gemv(self.fc1, p[0], out=r, relu=True, norm=norm.weight, eps=norm.eps, normed_out=normed)
+            h = normed.view(1, -1)
+        else:
+            td.gemv(self.fc1, p[0], out=r, relu=True)
         mask = torch.empty(self.fc2.shape[0], dtype=torch.int8, device=dev)
         td.gemv(self.fc2, r, out=r, threshold=self.threshold, mask_out=mask, count=self.count_sink)
         copies, ready = to_host([mask] if ffn.all_hot else [mask, h], wait=False)
