@@ -150,8 +150,8 @@ class HybridFFN(FFN):
 
 
 class OneToken:
-    """A hybrid layer's decode token through the fused kernels (kernels/triton_decode.py), about ten
-    launches a layer where the general path takes ~16 kernels and their Python:
+    """A hybrid layer's decode token through the fused kernels (kernels/triton_decode.py), eight launches
+    a layer where the general path takes ~16 kernels (and the norm's 6) and their Python:
     predictor fc1 + ReLU, fc2 + threshold -> int8 mask [F] (logits in fp32); the mask and the FFN input to
     pinned memory with an event behind them; gate/up of the hot rows that fire (row k reads neuron
     hot_idx[k] of the mask) and the down_t axpy's split sums, queued; one host wait; the cold firing rows on
@@ -159,9 +159,13 @@ class OneToken:
     last kernel. Built at load where it applies: float predictor on the hot rows' device, gated FFN,
     ReLU or SiLU, no up bias (else None: the general path)."""
 
-    def __init__(self, ffn: HybridFFN, td, parts: dict):
+    def __init__(self, ffn: HybridFFN, td, *, fc1, fc2, threshold: float, gate, up, down, qtypes, down_qtype,
+                 width: int, hot_idx: torch.Tensor):  # fmt: skip
         self.td, self.device = td, ffn.device
-        self.__dict__.update(parts)
+        self.fc1, self.fc2, self.threshold = fc1, fc2, threshold  # the predictor [R, D], [F, R]
+        self.gate, self.up, self.down = gate, up, down  # the hot rows [K, D] (float, or uint8 ggml blocks)
+        self.qtypes, self.down_qtype = qtypes, down_qtype  # their block types (None: float)
+        self.width, self.hot_idx = width, hot_idx  # D; the hot rows' neuron ids on the device
         self.n_hot = len(ffn.hot_idx)
         self.splits = td.axpy_splits(self.n_hot, self.width, self.device)[0]
         self.count_sink = torch.zeros(1, dtype=torch.int32, device=self.device)  # counts come from the mask
@@ -198,7 +202,7 @@ class OneToken:
         width = ffn.weights.down_t.shape[1]  # D, in values
         parts = dict(fc1=fc[0], fc2=fc[1], threshold=float(pred.threshold), gate=gate, up=up, down=down,
                      qtypes=(gq, uq), down_qtype=dq, width=width, hot_idx=ffn.hot_idx_fast)  # fmt: skip
-        return cls(ffn, td, parts)
+        return cls(ffn, td, **parts)
 
     def __call__(
         self, ffn: HybridFFN, h: torch.Tensor, p: torch.Tensor, ctx: Batch, *, norm=None
