@@ -357,10 +357,13 @@ def decode_step_used(llm, decoder) -> str:
 
 def step_check(llm, decoder, n: int = 4) -> dict:
     """The fixed-shape step against the eager step at this model's size: the same prompt through two
-    engines, n greedy tokens, one through the step (a fresh cache: a new capture), one eagerly; the worst
-    logit difference relative to the logit scale, and whether every argmax agrees."""
+    engines, n greedy tokens, one through the step (a fresh cache: a new capture), one eagerly with the
+    fused kernels off (torch ops only); the worst logit difference relative to the logit scale, and whether
+    every argmax agrees."""
     from hotcold.engine import Engine
+    from hotcold.kernels.triton_decode import FusedPaths as switch
 
+    was_on = switch.enabled
     model = llm.loaded.model
     ids = llm.tokenize("Once upon a time, in a small village by the sea,")
     graphed, eager = Engine(model, llm.tokenizer, 128), Engine(model, llm.tokenizer, 128)
@@ -372,10 +375,11 @@ def step_check(llm, decoder, n: int = 4) -> dict:
                 token, pos = int(b.argmax()), len(ids) + i
                 a = graphed._forward([token], pos, last_only=True)[-1]
                 model.static_step = None
+                switch.enabled = False  # the reference: torch ops only, no fused kernel on either path
                 try:
                     b = eager._forward([token], pos, last_only=True)[-1]
                 finally:
-                    model.static_step = decoder
+                    model.static_step, switch.enabled = decoder, was_on
                 worst = max(worst, float((a - b).abs().max() / b.abs().max()))
                 same = same and int(a.argmax()) == int(b.argmax())
     except Exception as exc:  # the check must not cost the run's figures
@@ -424,6 +428,12 @@ def decode_run(
         }
         if decoder is not None and decoder.failure is None:
             record["step_check"] = step_check(llm, decoder)
+        if cuda:  # the fused eager paths (a GPU layer's attention, a hybrid layer's token): on, or why not
+            from hotcold.kernels.triton_decode import FusedPaths
+
+            record["fused_paths"] = (
+                "on" if FusedPaths.enabled else f"off: {FusedPaths.failure or 'HOTCOLD_FUSED_EAGER=0'}"
+            )
         if cuda:
             record["vram_peak_reserved_gib"] = torch.cuda.max_memory_reserved() / GIB
             record["vram_peak_allocated_gib"] = torch.cuda.max_memory_allocated() / GIB
@@ -690,6 +700,11 @@ def summary(r: dict) -> str:
         f"(PowerInfer: {f(r.get('pi_hybrid_over_pi_dense_ngl'), '.2f')}x); hybrid VRAM used {f(r.get('vram_used_gib'), '.2f')} GiB.",
         "",
         *(f"- {run}: {rec.get('decode_step')}" for run, rec in runs.items() if rec.get("decode_step")),
+        *(
+            f"- {run}: fused eager paths {rec['fused_paths']}"
+            for run, rec in runs.items()
+            if rec.get("fused_paths")
+        ),
         *(
             f"- {run}: fixed-shape step against the eager step: {rec['step_check']}"
             for run, rec in runs.items()

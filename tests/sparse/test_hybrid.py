@@ -236,12 +236,54 @@ def test_hybrid_on_gpu_equals_cpu_sparse_and_waits_once_a_layer(model_with_stats
     assert torch.allclose(got, ref, atol=2e-3 * ref.abs().max(), rtol=0)
     engine = Engine(loaded.model, loaded.tokenizer, 64)
     logits = engine.prefill(IDS[:10])
+    token = int(logits.argmax())
     with LaunchCounter("cuda") as count, torch.inference_mode():
-        engine._forward([int(logits.argmax())], 10, last_only=True)
+        decoded = engine._forward([token], 10, last_only=True)[-1]  # the fused decode paths
     assert count.sync_ops.get("event_wait", 0) == sum(1 for h in loaded.hot if len(h)), count.sync_ops
+    cpu = load_model(model_with_stats, device="cpu")
+    reference = Engine(cpu.model, cpu.tokenizer, 64)
+    reference.prefill(IDS[:10])
+    with torch.inference_mode():
+        expected = reference._forward([token], 10, last_only=True)[-1]
+    assert torch.allclose(decoded, expected, atol=2e-3 * expected.abs().max(), rtol=0)
 
 
 # ---------------------------------------------------------------- one decode token through the fused kernels
+
+
+def test_a_failing_fused_token_falls_back_and_switches_off():
+    """A hybrid layer whose fused decode token raises (a GPU or Triton that cannot compile the kernels)
+    gives the general path's output, and the fused paths go off for the process, saying why."""
+    import types
+
+    class Switch:
+        enabled, failure = True, None
+
+        @classmethod
+        def fail(cls, exc):
+            cls.enabled, cls.failure = False, str(exc)
+
+    class Broken:
+        device = torch.device("cpu")
+        td = types.SimpleNamespace(FusedPaths=Switch)
+
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("PTX JIT compilation failed")
+
+    from hotcold.ops import Norm
+    from hotcold.sparse.predictor import Predictor
+
+    g = torch.Generator().manual_seed(1)
+    w = make_weights("gated")
+    pred = Predictor(torch.randn(32, D, generator=g), torch.randn(F, 32, generator=g), 0.5)
+    norm = Norm(torch.rand(D, generator=g) + 0.5, 1e-5)
+    x = torch.randn(1, D, generator=g)
+    ffn = HybridFFN(w, pred, torch.arange(300), "cpu", layer=0, norm=norm, threads=1)
+    ref = ffn(x, ffn_state())
+    ffn.one_token = Broken()
+    got = ffn(x, ffn_state())
+    assert torch.equal(got, ref) and not Switch.enabled and "PTX" in Switch.failure
+
 
 ONE_TOKEN = textwrap.dedent(
     """

@@ -23,6 +23,9 @@ device skips it). Tested under TRITON_INTERPRET=1 against torch in float64 (test
 
 from __future__ import annotations
 
+import logging
+import os
+
 import torch
 
 from hotcold.kernels.launches import launch
@@ -30,6 +33,24 @@ from hotcold.kernels.triton import _INTERPRETED, _QCODE, _load_rows, _sm_count, 
 from hotcold.kernels.triton_args import QTYPES
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
+log = logging.getLogger(__name__)
+
+
+class FusedPaths:
+    """Whether the eager GPU paths use these kernels for a decode token (a GPU layer's attention:
+    models/base.fused_decode_attention; a hybrid layer's FFN: sparse/hybrid.OneToken). On unless
+    HOTCOLD_FUSED_EAGER=0; switched off for the process, with the reason, the first time a launch raises
+    (a GPU or a Triton that cannot compile them), so decoding goes on through the torch ops."""
+
+    enabled = os.environ.get("HOTCOLD_FUSED_EAGER", "1") != "0"
+    failure: str | None = None
+
+    @classmethod
+    def fail(cls, exc: BaseException) -> None:
+        cls.enabled = False
+        cls.failure = f"{type(exc).__name__}: {exc}"
+        log.warning("fused decode kernels off for this process, decoding through torch ops: %s", cls.failure)
+
 
 ACTIVATION_CODES = {"relu": 0, "silu": 1}
 KIND_CODES = {"gated": 0, "gated_both": 1}

@@ -153,6 +153,8 @@ def fused_decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm,
         return None
     from hotcold.kernels import triton_decode as td
 
+    if not td.FusedPaths.enabled:
+        return None
     seq, pos = ctx.seqs[0], ctx.starts[0]
     k_cache, v_cache = seq.kv.k[layer], seq.kv.v[layer]
     check_context(pos + 1, k_cache.shape[0])
@@ -160,11 +162,26 @@ def fused_decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm,
     at = torch.full((1,), pos, dtype=torch.long, device=device)  # a fill, not a host sync
     q = torch.empty(h * dh, dtype=torch.float32, device=device)
     out = torch.empty(h * dh, dtype=torch.float32, device=device)
-    td.qkv_rope(
-        qkv.fused, x[0], norm.weight, norm.eps, at, cos, sin, q, k_cache, v_cache, n_q=h * dh, n_kv=hkv * dh
-    )
     window = sliding_window if sliding_window and sliding_window > 0 else 0
-    td.attention(q, k_cache, v_cache, at, out, n_head=h, head_dim=dh, window=window)
+    try:
+        td.qkv_rope(
+            qkv.fused,
+            x[0],
+            norm.weight,
+            norm.eps,
+            at,
+            cos,
+            sin,
+            q,
+            k_cache,
+            v_cache,
+            n_q=h * dh,
+            n_kv=hkv * dh,
+        )
+        td.attention(q, k_cache, v_cache, at, out, n_head=h, head_dim=dh, window=window)
+    except Exception as exc:  # the eager path then rewrites the cache at pos
+        td.FusedPaths.fail(exc)
+        return None
     return out.view(1, -1)
 
 

@@ -94,8 +94,12 @@ class HybridFFN(FFN):
             and norm.rms
             and not ctx.dense
             and same_device(x.device, one.device)
+            and one.td.FusedPaths.enabled
         ):  # a decode token: the RMS norm runs inside the predictor's first kernel
-            return self._add_down_bias(one(self, x, x, ctx, norm=norm))
+            try:
+                return self._add_down_bias(one(self, x, x, ctx, norm=norm))
+            except Exception as exc:  # nothing is counted or kept before the last kernel: go on eagerly
+                one.td.FusedPaths.fail(exc)
         return super().__call__(x, ctx)
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
@@ -108,8 +112,12 @@ class HybridFFN(FFN):
             and h.shape[0] == 1
             and same_device(h.device, one.device)
             and same_device(p.device, one.device)
+            and one.td.FusedPaths.enabled
         ):
-            return self._add_down_bias(one(self, h, p, ctx))
+            try:
+                return self._add_down_bias(one(self, h, p, ctx))
+            except Exception as exc:  # nothing is counted or kept before the last kernel: go on eagerly
+                one.td.FusedPaths.fail(exc)
         mask = self.predictor(p)  # [T, F] bool, on the predictor's device
         # all hot: only the mask crosses (for the counts); else the FFN input too, for the cold rows
         copies, ready = to_host([mask] if self.all_hot else [mask, h], wait=False)
