@@ -131,6 +131,15 @@ class Batch:
         first = self.seqs[0]
         self.dense, self.observe = first.dense, first.observe
         self.keep_masks = any(s.keep_masks for s in self.seqs)
+        self._start_on: dict[torch.device, torch.Tensor] = {}
+
+    def start_on(self, device: torch.device) -> torch.Tensor:
+        """The first segment's start as int64 [1] on `device`, made once per forward (not per layer) for
+        kernels that read the position on the device."""
+        at = self._start_on.get(device)
+        if at is None:
+            at = self._start_on[device] = torch.full((1,), self.starts[0], dtype=torch.long, device=device)
+        return at
 
     @classmethod
     def single(cls, seq: SequenceState, pos: int, n: int) -> Batch:

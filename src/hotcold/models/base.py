@@ -159,7 +159,7 @@ def fused_decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm,
     k_cache, v_cache = seq.kv.k[layer], seq.kv.v[layer]
     check_context(pos + 1, k_cache.shape[0])
     cos, sin = (t.float().contiguous() for t in rope.tables(pos + 1, device))
-    at = torch.full((1,), pos, dtype=torch.long, device=device)  # a fill, not a host sync
+    at = ctx.start_on(device)  # one fill a token (not a host sync), shared by the layers on that device
     q = torch.empty(h * dh, dtype=torch.float32, device=device)
     out = torch.empty(h * dh, dtype=torch.float32, device=device)
     window = sliding_window if sliding_window and sliding_window > 0 else 0
