@@ -177,6 +177,7 @@ class OneToken:
         self.n_hot = len(ffn.hot_idx)
         self.splits = td.axpy_splits(self.n_hot, self.width, self.device)[0]
         self.count_sink = torch.zeros(1, dtype=torch.int32, device=self.device)  # counts come from the mask
+        self.no_cold = torch.zeros(width, dtype=torch.float32, device=self.device)  # all hot: nothing to add
 
     @classmethod
     def build(cls, ffn: HybridFFN) -> OneToken | None:
@@ -237,7 +238,7 @@ class OneToken:
         host_wait(ready)  # the predictor and the copies; the hot kernels run on
         fired = copies[0].view(1, -1) != 0  # [1, F] bool
         if ffn.all_hot:
-            cold = torch.zeros(self.width, dtype=torch.float32, device=dev)
+            cold = self.no_cold  # only read
         else:
             cold_out = sparse_step(ffn.weights, copies[1], fired & ffn.cold, ffn.cold_plan, ffn.threads)
             cold = to_device(cold_out[0], dev)
