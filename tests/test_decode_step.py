@@ -459,7 +459,7 @@ def test_fused_kernels_equal_torch_step(interpreted, name):
 
 
 def test_fused_decode_attention_equals_the_op_by_op_path(interpreted):
-    """A GPU layer's decode attention in two fused launches gives the ~25-op path's output; a launch that
+    """A GPU layer's decode attention in two fused launches gives the op-by-op path's output; a launch that
     raises hands the token back to that path and switches the fused paths off, saying why."""
     got = interpreted["fused_attention"]
     assert got["err"] < 1e-5, got

@@ -111,6 +111,9 @@ def load_model(
     tokenizer = Tokenizer.from_metadata(model_file.metadata, source=str(path))
     notes: list[str] = []
     fast = torch.device(fast_device) if fast_device else (torch.device("cuda") if device == "cuda" else None)
+    if fast is not None and fast.type == "cuda" and fast.index is None:
+        # the plan names the device as its tensors will ("cuda:0"): torch.device("cuda") != "cuda:0"
+        fast = torch.device("cuda", torch.cuda.current_device())
     if fast is None and vram_budget:
         notes.append(
             f"--vram-budget {vram_budget:g} GiB ignored: no CUDA GPU in use, everything runs on the CPU"

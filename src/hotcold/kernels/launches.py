@@ -167,6 +167,9 @@ def _on_zeros(func, args, kwargs):
 def launch(kernel, grid, *args, **kwargs) -> None:
     """kernel[grid](*args, **kwargs), counted by every active LaunchCounter; on `meta` tensors the
     kernel is counted and not run (there is nothing to run it on)."""
+    if not _ACTIVE:  # the decode loop's case: nothing counts, and meta tensors only come with a counter
+        kernel[grid](*args, **kwargs)
+        return
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     name = getattr(getattr(kernel, "fn", kernel), "__name__", "triton")
     for counter in _ACTIVE:

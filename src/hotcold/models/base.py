@@ -134,7 +134,7 @@ def fused_decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm,
     """One decode token of one sequence in two launches of the fused decode kernels (kernels/triton_decode):
     RMS norm + q/k/v + RoPE + the cache write at pos, then attention over the cache in its dtype; where the
     group holds q/k/v as one matrix, RoPE rotates adjacent pairs over whole heads and Triton can run (a GPU,
-    or the interpreter in tests), else None. The eager path is ~25 launches (norm, three products, RoPE,
+    or the interpreter in tests), else None. The eager path is 44 launches on meta (norm, three products, RoPE,
     cache writes, the attention's casts and SDPA)."""
     h, hkv, dh = heads
     if (

@@ -86,38 +86,39 @@ class HybridFFN(FFN):
         self.one_token = OneToken.build(self) if one_token else None
 
     def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
-        one, norm = self.one_token, self.norm
-        if (
-            one is not None
-            and x.shape[0] == 1
-            and norm is not None
-            and norm.rms
-            and not ctx.dense
-            and same_device(x.device, one.device)
-            and one.td.FusedPaths.enabled
-        ):  # a decode token: the RMS norm runs inside the predictor's first kernel
-            try:
-                return self._add_down_bias(one(self, x, x, ctx, norm=norm))
-            except Exception as exc:  # nothing is counted or kept before the last kernel: go on eagerly
-                one.td.FusedPaths.fail(exc)
+        norm = self.norm
+        if norm is not None and norm.rms and not ctx.dense:
+            # a decode token: the RMS norm runs inside the predictor's first kernel
+            out = self._fused_token(x, x, ctx, norm=norm)
+            if out is not None:
+                return out
         return super().__call__(x, ctx)
+
+    def _fused_token(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, *, norm=None) -> torch.Tensor | None:
+        """OneToken's output for one token where it applies, else None; also None after a launch raised,
+        which switches the fused paths off (nothing is counted or kept before its last kernel)."""
+        one = self.one_token
+        if (
+            one is None
+            or h.shape[0] != 1
+            or not one.td.FusedPaths.enabled
+            or not same_device(h.device, one.device)
+            or not same_device(p.device, one.device)
+        ):
+            return None
+        try:
+            return self._add_down_bias(one(self, h, p, ctx, norm=norm))
+        except Exception as exc:
+            one.td.FusedPaths.fail(exc)
+            return None
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         out_device = h.device
         if ctx.dense:
             return self.reference.apply(h.to(CPU), p.to(CPU), ctx).to(out_device)
-        one = self.one_token
-        if (
-            one is not None
-            and h.shape[0] == 1
-            and same_device(h.device, one.device)
-            and same_device(p.device, one.device)
-            and one.td.FusedPaths.enabled
-        ):
-            try:
-                return self._add_down_bias(one(self, h, p, ctx))
-            except Exception as exc:  # nothing is counted or kept before the last kernel: go on eagerly
-                one.td.FusedPaths.fail(exc)
+        out = self._fused_token(h, p, ctx)
+        if out is not None:
+            return out
         mask = self.predictor(p)  # [T, F] bool, on the predictor's device
         # all hot: only the mask crosses (for the counts); else the FFN input too, for the cold rows
         copies, ready = to_host([mask] if self.all_hot else [mask, h], wait=False)
