@@ -693,3 +693,80 @@ def test_prefetch_pages_reads_a_mapped_weight_in_ahead(tmp_path):
     while resident() < 0.99 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert resident() >= 0.99
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return {w for line in f if line.startswith("flags") for w in line.split()}
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(
+    not {"avx512_vnni", "avx_vnni"} & _cpu_flags(),
+    reason="this CPU has no VNNI: the native build and a build without VNNI are the same code",
+)
+def test_vnni_kernels_give_the_bits_of_the_kernels_without_vnni(tmp_path):
+    """The integer-dot kernels use dpbusd where the CPU has VNNI (AVX512-VNNI, AVX-VNNI) and maddubs +
+    madd elsewhere; Q4_0's one-token rows take a 512-bit kernel. The integer sums are exact either way,
+    so a build with VNNI compiled out must give the same bits: row gathers (one token and a batch, with
+    and without a mask, odd chunk counts) and packed GEMVs, for every block type."""
+    lib = build.get_lib()
+    if lib is None or build.simd() == "generic":
+        pytest.skip("no native C build")
+    cc = os.environ.get("CC") or "cc"
+    out = tmp_path / "novnni.so"
+    if not build._compile(cc, ["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni", "-fopenmp"], out):
+        pytest.skip("the compiler does not take -mno-avx512vnni / -mno-avxvnni")
+    plain = ctypes.CDLL(str(out))
+    build._bind(plain)
+    rng = np.random.default_rng(5)
+    packable = {Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K}
+    for fmt in [f for f in FORMATS if f not in FLOAT]:
+        qtype = QTYPE[fmt]
+        block = gguf.GGML_QUANT_SIZES[qtype][0]
+        for d in (block, 3 * block, 5 * block, 2048):  # odd chunk counts: the 512-bit kernel's last chunk
+            f = 37
+            raw = random_blocks(qtype, f * (d // block), rng).reshape(f, -1)
+            wt, stride = build.WT[qtype], raw.shape[1]
+            for t in (1, 3):
+                x = rng.standard_normal((t, d)).astype(np.float32)
+                mask = (rng.random((t, f)) < 0.5).astype(np.uint8)
+                for m in (None, mask):
+                    outs = []
+                    for k in (lib, plain):
+                        o = np.full((t, f), 7.0, np.float32)
+                        mp = None if m is None else m.ctypes.data
+                        assert (
+                            k.hc_gather_matvec(
+                                wt, raw.ctypes.data, stride, f, d, x.ctypes.data, t, mp, o.ctypes.data, 2
+                            )
+                            == 0
+                        )
+                        outs.append(o)
+                    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (
+                        fmt,
+                        d,
+                        t,
+                        m is None,
+                    )
+                if qtype in packable and lib.hc_packed_nbytes(wt, f, d) > 0:
+                    outs = []
+                    for k in (lib, plain):
+                        packed = np.zeros(k.hc_packed_nbytes(wt, f, d), np.uint8)
+                        assert k.hc_pack(wt, raw.ctypes.data, stride, f, d, packed.ctypes.data) == 0
+                        o = np.full((t, f), 7.0, np.float32)
+                        assert (
+                            k.hc_packed_matvec(
+                                wt, packed.ctypes.data, f, d, x.ctypes.data, t, o.ctypes.data, 2
+                            )
+                            == 0
+                        )
+                        outs.append(o)
+                    assert np.array_equal(outs[0].view(np.uint32), outs[1].view(np.uint32)), (
+                        "packed",
+                        fmt,
+                        d,
+                        t,
+                    )
