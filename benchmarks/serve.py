@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -80,6 +81,17 @@ class Server:
         self.sock.close()
 
 
+# Every load sends prompts the server has never seen: a server with a prefix cache (both hotcold and
+# llama-server reuse a slot's cached tokens) would otherwise serve a repeated prompt without prefilling it,
+# and the runs would not be comparable (a 1-client run after the warm-up's identical prompt measured
+# decode alone, while the 8-client run prefilled seven new prompts).
+_LOAD = itertools.count(1)
+
+
+def fresh_prompt(client: int, load: int) -> str:
+    return f"Load {load}, client {client}: once upon a time"
+
+
 def one_client(url: str, prompt: str, max_tokens: int, start: threading.Barrier, out: dict) -> None:
     body = {
         "prompt": prompt,
@@ -92,7 +104,7 @@ def one_client(url: str, prompt: str, max_tokens: int, start: threading.Barrier,
     start.wait()
     t0 = time.perf_counter()
     first = None
-    tokens = chunks = 0
+    tokens = chunks = prompt_tokens = 0
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -104,17 +116,17 @@ def one_client(url: str, prompt: str, max_tokens: int, start: threading.Barrier,
                 chunks += 1
             if obj.get("usage"):
                 tokens = obj["usage"]["completion_tokens"]
+                prompt_tokens = obj["usage"].get("prompt_tokens", 0)
     end = time.perf_counter()
-    out.update(start=t0, first=first or end, end=end, tokens=tokens or chunks)
+    out.update(start=t0, first=first or end, end=end, tokens=tokens or chunks, prompt_tokens=prompt_tokens)
 
 
 def run_clients(url: str, n: int, max_tokens: int) -> dict:
     start = threading.Barrier(n)
     results = [{} for _ in range(n)]
+    load = next(_LOAD)
     threads = [
-        threading.Thread(
-            target=one_client, args=(url, f"Client {i}: once upon a time", max_tokens, start, results[i])
-        )
+        threading.Thread(target=one_client, args=(url, fresh_prompt(i, load), max_tokens, start, results[i]))
         for i in range(n)
     ]
     for t in threads:
@@ -128,6 +140,7 @@ def run_clients(url: str, n: int, max_tokens: int) -> dict:
     return {
         "clients": n,
         "tokens": tokens,
+        "prompt_tokens": sum(r["prompt_tokens"] for r in results),
         "wall_s": round(wall, 3),
         "aggregate_tokens_per_s": round(tokens / wall, 2),
         "per_client_tokens_per_s_mean": round(
@@ -142,13 +155,12 @@ def late_arrival(url: str, busy: int, max_tokens: int) -> dict:
     """Time to first token of one request that arrives while `busy` others are decoding (they run 4x as
     long), against the same request alone: the issue's "under 2x its time alone"."""
     alone: dict = {}  # its own prompt, not the late one's: a server's prefix cache would serve that
-    one_client(url, "Alpha 9: once upon a time", max_tokens, threading.Barrier(1), alone)
+    one_client(url, fresh_prompt(0, next(_LOAD)), max_tokens, threading.Barrier(1), alone)
     start = threading.Barrier(busy)
     results = [{} for _ in range(busy)]
+    load = next(_LOAD)
     threads = [
-        threading.Thread(
-            target=one_client, args=(url, f"Client {i}: once upon a time", 4 * max_tokens, start, r)
-        )
+        threading.Thread(target=one_client, args=(url, fresh_prompt(i, load), 4 * max_tokens, start, r))
         for i, r in enumerate(results)
     ]
     for t in threads:
@@ -160,7 +172,7 @@ def late_arrival(url: str, busy: int, max_tokens: int) -> dict:
             break
     time.sleep(1.0)  # every busy client past its prefill
     late: dict = {}
-    one_client(url, "Omega 9: once upon a time", max_tokens, threading.Barrier(1), late)
+    one_client(url, fresh_prompt(busy, next(_LOAD)), max_tokens, threading.Barrier(1), late)
     for t in threads:
         t.join()
     ttft_alone, ttft_late = alone["first"] - alone["start"], late["first"] - late["start"]
@@ -183,16 +195,18 @@ def results_section(res: dict, cmd: str, label: str) -> str:
         f"Model: {label}",
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
         f"load average before {m['loadavg_before']}, after {m['loadavg_after']}.",
-        f"Each client streams {res['max_tokens']} tokens (temperature 0, ignore_eos) from its own prompt; "
-        f"--parallel {res['parallel']}.",
+        f"Each client streams {res['max_tokens']} tokens (temperature 0, ignore_eos) from its own prompt, new to"
+        f" the server (every run prefills every prompt: no prefix-cache hits); --parallel {res['parallel']}.",
         "",
-        "| server | clients | aggregate tokens/s | per-client tokens/s | mean / max time to first token | wall |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| server | clients | prompt tokens | aggregate tokens/s | per-client tokens/s | mean / max time to first"
+        " token | wall |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for name, runs in res["servers"].items():
         for r in runs:
             lines.append(
-                f"| {name} | {r['clients']} | {r['aggregate_tokens_per_s']} | {r['per_client_tokens_per_s_mean']} "
+                f"| {name} | {r['clients']} | {r.get('prompt_tokens', '?')} | {r['aggregate_tokens_per_s']} "
+                f"| {r['per_client_tokens_per_s_mean']} "
                 f"| {r['ttft_s_mean']} s / {r['ttft_s_max']} s | {r['wall_s']} s |"
             )
     if res.get("ray"):
