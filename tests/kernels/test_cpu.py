@@ -417,6 +417,34 @@ def test_attention_decode(backend, neox, rope_dim, window, n_kv, cache_dtype):
         assert torch.equal(vc[pos], v[0].to(cache_dtype))
 
 
+@pytest.mark.parametrize("dh", [32, 64, 80, 128])
+def test_attention_decode_long_context(backend, dh):
+    """Contexts past the vector width (the C kernel scores, exponentiates and sums VL positions at a time, with
+    scalar tails): positions 15-120, odd and even counts, a window, against float64; GQA with 12 query heads a
+    kv head (the kernel takes them 8 and 4 at a time); head sizes that are and are not a multiple of the vector
+    width (80 takes the scalar path on AVX-512)."""
+    gen = torch.Generator().manual_seed(dh)
+    h, n_kv, n_ctx = 24, 2, 128
+    cos_t, sin_t = torch.rand(n_ctx, dh // 2, generator=gen), torch.rand(n_ctx, dh // 2, generator=gen)
+    kc, vc = torch.randn(n_ctx, n_kv, dh, generator=gen), 3 * torch.randn(n_ctx, n_kv, dh, generator=gen)
+    for pos, window in [(15, None), (16, None), (47, None), (120, None), (120, 37)]:
+        q = 2 * torch.randn(1, h, dh, generator=gen)
+        k, v = torch.randn(1, n_kv, dh, generator=gen), torch.randn(1, n_kv, dh, generator=gen)
+        cos, sin = cos_t[pos : pos + 1], sin_t[pos : pos + 1]
+        q_rot = ref_rope(q[0], cos[0].double(), sin[0].double(), False)
+        k_rot = ref_rope(k[0], cos[0].double(), sin[0].double(), False)
+        keys, values = kc.double().clone(), vc.double().clone()
+        keys[pos], values[pos] = k_rot, v[0].double()
+        lo = max(0, pos - window + 1) if window else 0
+        kv_head = torch.arange(h) // (h // n_kv)
+        kk, vv = keys[lo : pos + 1][:, kv_head], values[lo : pos + 1][:, kv_head]
+        scores = torch.einsum("hd,shd->hs", q_rot, kk) / dh**0.5
+        ref = torch.einsum("hs,shd->hd", scores.softmax(-1), vv).reshape(1, h * dh)
+        got = cpu.attention_decode(q.clone(), k.clone(), v, kc, vc, pos, cos, sin, neox=False,
+                                   sliding_window=window, threads=2)  # fmt: skip
+        torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
 def test_attention_decode_bad_inputs(backend):
     q, k = torch.randn(1, 4, 16), torch.randn(1, 2, 16)
     kc, vc = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)

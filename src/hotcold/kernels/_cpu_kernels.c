@@ -232,6 +232,41 @@ HC_INLINE void load_q6_k(const uint8_t *b, int j, vf *w) {
 }
 HC_INLINE void vprefetch(const void *p) { _mm_prefetch((const char *)p, HC_PF_HINT); }
 HC_INLINE void vprefetch_l2(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
+/* Attention helpers (attn_head's vector path). vmaxv: lane max that keeps a NaN of b. vexp: e^x to
+ * about 2 ulp for x in [-87.3, 0] (the softmax's x - max; below, the normal minimum, negligible
+ * beside the maximum's 1), NaN stays NaN: x = n ln2 + r, a degree-6 polynomial in r, scaled by 2^n.
+ * vsum_rows: out[p] = the sum of acc[p]'s lanes for VL vectors, in a tree of shuffles and adds. */
+#define HC_ATTN_VEC 1
+HC_INLINE vf vmaxv(vf a, vf b) { return _mm512_max_ps(a, b); }
+HC_INLINE vf vexp(vf x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
+    const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
+    vf p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+HC_INLINE float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
+HC_INLINE vf vsum_rows(const vf *acc) {
+    __m512 t[8], u[4], w[2];
+    for (int i = 0; i < 8; i++) /* 256-bit halves: t[i] = (acc[2i] | acc[2i+1]), 8 partials each */
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0x44),
+                             _mm512_shuffle_f32x4(acc[2 * i], acc[2 * i + 1], 0xEE));
+    for (int i = 0; i < 4; i++) /* 128-bit lanes: 4 positions of 4 partials */
+        u[i] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0x44), _mm512_shuffle_ps(u[2 * i], u[2 * i + 1], 0xEE));
+    const __m512 z = _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xDD));
+    static const int order[16] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15}; /* z holds a 4 x 4 transpose */
+    return _mm512_permutexvar_ps(_mm512_loadu_si512((const void *)order), z);
+}
 
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define HC_SIMD "avx2"
@@ -301,6 +336,36 @@ HC_INLINE void load_q6_k(const uint8_t *b, int j, vf *w) {
 }
 HC_INLINE void vprefetch(const void *p) { _mm_prefetch((const char *)p, HC_PF_HINT); }
 HC_INLINE void vprefetch_l2(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
+/* Attention helpers: see the AVX-512 section. */
+#define HC_ATTN_VEC 1
+HC_INLINE vf vmaxv(vf a, vf b) { return _mm256_max_ps(a, b); }
+HC_INLINE vf vexp(vf x) {
+    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
+    const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
+    vf p = _mm256_set1_ps(1.0f / 720.0f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    /* 2^n through the exponent bits: n >= -126 here; a NaN's n converts to INT_MIN, and NaN * anything stays NaN */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+HC_INLINE float vhmax(vf v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+HC_INLINE vf vsum_rows(const vf *acc) {
+    const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
 
 #else /* portable: GCC vector extensions (any architecture) */
 #define HC_SIMD "generic"
@@ -372,6 +437,7 @@ HC_INLINE void load_q6_k(const uint8_t *b, int j, vf *w) {
 }
 HC_INLINE void vprefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
 HC_INLINE void vprefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
+#define HC_ATTN_VEC 0
 #endif
 
 #define NV (32 / VL) /* vectors per 32-element chunk */
@@ -2559,6 +2625,101 @@ HC_INLINE void rope_head(float *h, int64_t R, const float *cos, const float *sin
 
 /* Query head qh (rotated here) of one token over cache rows lo..lo+S-1 of its kv head: out oh [Dh] =
  * softmax(q k^T / sqrt(Dh)) v; s: S floats of scratch. */
+#define ATTN_MAXV 8 /* head sizes up to 8 vectors (128 floats with AVX-512, 64 with AVX2) take the vector path */
+#define ATTN_GROUP 8 /* query heads sharing a pass over their kv head's cache */
+#define ATTN_VBLOCK 32 /* v rows a block (even) */
+#if HC_ATTN_VEC
+HC_INLINE float attn_dot(const int nv, const vf *q, const float *kr) {
+    vf a = vmul(q[0], vloadu(kr));
+    for (int i = 1; i < nv; i++) a = vfma(q[i], vloadu(kr + i * VL), a);
+    return vhsum(a);
+}
+
+/* G query heads (G <= ATTN_GROUP) that read the same kv head, for Dh = nv * VL: each head's scores VL
+ * positions at a time (each position's dot in vector lanes, VL dots summed across lanes together by
+ * vsum_rows), its exponentials VL at a time (vexp), its weighted sum of v rows in two sets of vector
+ * accumulators (even and odd positions). The heads share each block of k and v rows while it is in L1,
+ * so the cache is read once for the group, not once a query head (GQA: 4-8 query heads a kv head).
+ * Each head's arithmetic is its own: the same for any G. s: G * S floats, acc: G * 2 * Dh floats. */
+HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const float *kc, const float *vc,
+                              int64_t lo, int64_t S, int64_t Hkv, int64_t kvh, int64_t Dh, float scale, float *s,
+                              float *acc, float *const *ohs) {
+    const int64_t ks = Hkv * Dh;
+    const float *k0 = kc + (lo * Hkv + kvh) * Dh, *v0 = vc + (lo * Hkv + kvh) * Dh;
+    vf vmx[ATTN_GROUP];
+    float inv[ATTN_GROUP];
+    for (int g = 0; g < G; g++) vmx[g] = vset1(-INFINITY);
+    int64_t j = 0;
+    for (; j + VL <= S; j += VL)
+        for (int g = 0; g < G; g++) {
+            vf q[ATTN_MAXV], a[VL];
+            for (int i = 0; i < nv; i++) q[i] = vloadu(qs[g] + i * VL);
+            for (int p = 0; p < VL; p++) {
+                const float *kr = k0 + (j + p) * ks;
+                vf d = vmul(q[0], vloadu(kr));
+                for (int i = 1; i < nv; i++) d = vfma(q[i], vloadu(kr + i * VL), d);
+                a[p] = d;
+            }
+            const vf sc = vmul(vsum_rows(a), vset1(scale));
+            vstoreu(s + g * S + j, sc);
+            vmx[g] = vmaxv(sc, vmx[g]); /* a NaN score stays out of the max, as in the scalar comparisons */
+        }
+    for (int g = 0; g < G; g++) {
+        float *sg = s + g * S;
+        vf q[ATTN_MAXV];
+        for (int i = 0; i < nv; i++) q[i] = vloadu(qs[g] + i * VL);
+        float mx = vhmax(vmx[g]);
+        for (int64_t t = j; t < S; t++) {
+            sg[t] = attn_dot(nv, q, k0 + t * ks) * scale;
+            mx = sg[t] > mx ? sg[t] : mx;
+        }
+        const vf vm = vset1(mx);
+        vf vs = vzero();
+        int64_t t = 0;
+        for (; t + VL <= S; t += VL) {
+            const vf e = vexp(vsub(vloadu(sg + t), vm));
+            vstoreu(sg + t, e);
+            vs = vadd(vs, e);
+        }
+        float sum = vhsum(vs);
+        for (; t < S; t++) {
+            sg[t] = expf(sg[t] - mx);
+            sum += sg[t];
+        }
+        inv[g] = 1.0f / sum;
+    }
+    for (int64_t i = 0; i < G * 2 * Dh; i++) acc[i] = 0.0f;
+    for (int64_t b = 0; b < S; b += ATTN_VBLOCK) { /* a block of v rows, in L1 for every head of the group */
+        const int64_t e = b + ATTN_VBLOCK < S ? b + ATTN_VBLOCK : S;
+        for (int g = 0; g < G; g++) {
+            const float *sg = s + g * S;
+            float *a0 = acc + g * 2 * Dh, *a1 = a0 + Dh;
+            vf o0[ATTN_MAXV], o1[ATTN_MAXV];
+            for (int i = 0; i < nv; i++) o0[i] = vloadu(a0 + i * VL), o1[i] = vloadu(a1 + i * VL);
+            int64_t t = b;
+            for (; t + 2 <= e; t += 2) {
+                const vf p0 = vset1(sg[t]), p1 = vset1(sg[t + 1]);
+                const float *va = v0 + t * ks, *vb = va + ks;
+                for (int i = 0; i < nv; i++) {
+                    o0[i] = vfma(p0, vloadu(va + i * VL), o0[i]);
+                    o1[i] = vfma(p1, vloadu(vb + i * VL), o1[i]);
+                }
+            }
+            if (t < e) { /* only in the last block: ATTN_VBLOCK is even */
+                const vf p0 = vset1(sg[t]);
+                for (int i = 0; i < nv; i++) o0[i] = vfma(p0, vloadu(v0 + t * ks + i * VL), o0[i]);
+            }
+            for (int i = 0; i < nv; i++) vstoreu(a0 + i * VL, o0[i]), vstoreu(a1 + i * VL, o1[i]);
+        }
+    }
+    for (int g = 0; g < G; g++) {
+        const vf iv = vset1(inv[g]);
+        const float *a0 = acc + g * 2 * Dh, *a1 = a0 + Dh;
+        for (int i = 0; i < nv; i++) vstoreu(ohs[g] + i * VL, vmul(vadd(vloadu(a0 + i * VL), vloadu(a1 + i * VL)), iv));
+    }
+}
+#endif
+
 HC_INLINE void attn_head(float *qh, const float *kc, const float *vc, int64_t lo, int64_t S, int64_t Hkv, int64_t kvh,
                          int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, float *s, float *oh) {
     const float scale = 1.0f / sqrtf((float)Dh);
@@ -2603,24 +2764,56 @@ int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *co
         work += H * S * Dh;
     }
     const int64_t group = H / Hkv;
-    nth = clamp_threads(nth, N * H);
+#if HC_ATTN_VEC
+    /* work items: a token's query heads that share a kv head, ATTN_GROUP at most (the vector path), or
+     * one query head (the scalar path); a head's result is the same in any item */
+    const int vec = Dh % VL == 0 && Dh / VL <= ATTN_MAXV;
+#else
+    const int vec = 0;
+#endif
+    const int64_t per = vec ? (group < ATTN_GROUP ? group : ATTN_GROUP) : 1; /* heads an item */
+    const int64_t subs = (group + per - 1) / per, items = N * Hkv * subs;
+    nth = clamp_threads(nth, items);
     if (work < (1 << 15)) nth = 1; /* not worth waking a thread */
     int failed = 0;
 #ifdef _OPENMP
 #pragma omp parallel num_threads(nth) reduction(| : failed)
 #endif
     {
-        float *s = (float *)malloc(sizeof(float) * (size_t)smax);
+        float *s = (float *)malloc(sizeof(float) * (size_t)(smax * per + 2 * per * Dh));
         failed = s == NULL;
 #ifdef _OPENMP
 #pragma omp for schedule(static)
 #endif
-        for (int64_t nh = 0; nh < N * H; nh++) {
+        for (int64_t it = 0; it < items; it++) {
             if (failed) continue;
-            const int64_t n = nh / H, h = nh % H;
+            const int64_t n = it / (Hkv * subs), kvh = it / subs % Hkv, h0 = kvh * group + it % subs * per;
+            const int64_t G = h0 + per <= (kvh + 1) * group ? per : (kvh + 1) * group - h0;
             const int64_t lo = (window > 0 && pos[n] - window + 1 > 0) ? pos[n] - window + 1 : 0, S = pos[n] + 1 - lo;
-            attn_head(q + nh * Dh, kcs[n], vcs[n], lo, S, Hkv, h / group, Dh, R, cos + n * (R / 2), sin + n * (R / 2),
-                      neox, s, out + nh * Dh);
+            const float *cs = cos + n * (R / 2), *sn = sin + n * (R / 2);
+            if (!vec) { /* one head: G == 1 */
+                (void)G;
+                attn_head(q + (n * H + h0) * Dh, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, R, cs, sn, neox, s,
+                          out + (n * H + h0) * Dh);
+                continue;
+            }
+#if HC_ATTN_VEC
+            float *qs[ATTN_GROUP], *ohs[ATTN_GROUP];
+            for (int64_t g = 0; g < G; g++) {
+                qs[g] = q + (n * H + h0 + g) * Dh;
+                ohs[g] = out + (n * H + h0 + g) * Dh;
+                rope_head(qs[g], R, cs, sn, neox);
+            }
+            const float scale = 1.0f / sqrtf((float)Dh);
+            float *acc = s + smax * per;
+            switch (Dh / VL) { /* a constant vector count: q and the accumulators stay in registers */
+            case 1: attn_group_vec(1, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs); break;
+            case 2: attn_group_vec(2, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs); break;
+            case 4: attn_group_vec(4, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs); break;
+            case 8: attn_group_vec(8, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs); break;
+            default: attn_group_vec((int)(Dh / VL), (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs);
+            }
+#endif
         }
         free(s);
     }
