@@ -21,3 +21,25 @@ def test_bad_numbers(tiny_dense_gguf, capsys):
     for argv, message in [(["-p=-1"], "-p/--n-prompt must be"), (["-r", "0"], "-r/--repetitions must be")]:
         assert main(["bench", "-m", str(tiny_dense_gguf), *argv]) == 1
         assert message in capsys.readouterr().err
+
+
+def test_depth_times_decode_after_that_many_cached_tokens(tiny_dense_gguf, capsys, monkeypatch):
+    """-d as llama-bench's: the timed tg tokens decode at positions depth + 1 onwards (the context's prefill is
+    not timed), one row per depth, labelled as llama-bench labels it."""
+    from hotcold.engine import Engine
+
+    positions = []
+    forward = Engine._forward
+
+    def spy(self, ids, pos, **kwargs):
+        positions.append(pos)
+        return forward(self, ids, pos, **kwargs)
+
+    monkeypatch.setattr(Engine, "_forward", spy)
+    argv = ["bench", "-m", str(tiny_dense_gguf), "-p", "0", "-n", "4", "-d", "0,16", "-r", "1", "--json"]
+    assert main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["test"], r["depth"]) for r in rows] == [("tg4", 0), ("tg4 @ d16", 16)]
+    assert positions[-4:] == [17, 18, 19, 20]  # the last run: 16 context tokens after BOS, then 4 timed
+    assert main(["bench", "-m", str(tiny_dense_gguf), "-d", "8,x"]) == 1
+    assert "-d/--n-depth must be comma-separated depths >= 0" in capsys.readouterr().err

@@ -20,6 +20,13 @@ def add_args(p) -> None:
     p.add_argument("-m", "--model", default=None, help="model file; omitted: the bundled demo model")
     p.add_argument("-p", "--n-prompt", type=int, default=512, help="prompt tokens for the pp test (0: skip)")
     p.add_argument("-n", "--n-gen", type=int, default=128, help="generated tokens for the tg test (0: skip)")
+    p.add_argument(
+        "-d",
+        "--n-depth",
+        default="0",
+        help="comma-separated context depths for tg (e.g. 0,512,2048): tokens already in the KV cache when the "
+        "timed decode starts, as llama-bench -d (attention reads them every token)",
+    )
     p.add_argument("-r", "--repetitions", type=int, default=3)
     p.add_argument(
         "-t",
@@ -81,11 +88,14 @@ def _firing(llm) -> tuple[int, int]:
     return llm.engine.seq.neuron_totals()
 
 
-def measure(llm, test: str, n: int) -> tuple[float, float]:
-    """Seconds for one run of the test, and the firing rate seen during it."""
+def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float]:
+    """Seconds for one run of the test, and the firing rate seen during it. tg after `depth` tokens of
+    context: their prefill is not timed."""
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
-    ids = [llm.tokenizer.bos_id or 1] + torch.randint(3, llm.config.n_vocab, (n,), generator=gen).tolist()
+    ids = [llm.tokenizer.bos_id or 1] + torch.randint(
+        3, llm.config.n_vocab, (n + depth,), generator=gen
+    ).tolist()
     c0, t0 = _firing(llm)
     with torch.inference_mode():
         if test == "pp":
@@ -95,11 +105,11 @@ def measure(llm, test: str, n: int) -> tuple[float, float]:
             seconds = time.perf_counter() - start
         else:
             engine.cached_ids = []
-            logits = engine.prefill(ids[:1])
+            logits = engine.prefill(ids[: depth + 1])
             c0, t0 = _firing(llm)
             start = time.perf_counter()
             token = int(torch.argmax(logits))
-            for pos in range(1, n + 1):
+            for pos in range(depth + 1, depth + n + 1):
                 token = int(torch.argmax(engine._forward([token], pos, last_only=True)[-1]))
             seconds = time.perf_counter() - start
     c1, t1 = _firing(llm)
@@ -158,6 +168,7 @@ def run_bench(
     mode="both",
     batches=(1,),
     sparsity=None,
+    depths=(0,),
 ):
     """Rows of results. On the CPU the modes are interleaved run by run (weights are mapped once, so both
     models cost nothing extra); on a GPU each mode is loaded, measured and freed in turn, with the same
@@ -169,7 +180,7 @@ def run_bench(
     on_gpu = resolve_device(device) == "cuda"
     if on_gpu and vram_budget is None:
         vram_budget = default_budget_bytes() / GIB  # one figure for both modes
-    ctx = max(n_prompt, n_gen) + 2
+    ctx = max(n_prompt, max(depths) + n_gen) + 2
 
     def load(m):
         return hotcold.load(
@@ -183,7 +194,7 @@ def run_bench(
         )
 
     first = load("sparse")
-    if (longest := max(n_prompt, n_gen) + 1) > first.config.n_ctx_train:
+    if (longest := max(n_prompt, max(depths) + n_gen) + 1) > first.config.n_ctx_train:
         print(f"hotcold: warning: {context_warning(longest, first.config.n_ctx_train)}", file=sys.stderr)
     modes = (
         ["dense"]
@@ -195,7 +206,7 @@ def run_bench(
     file_size = mf.path.stat().st_size
     n_params = sum(math.prod(e.shape) for e in mf.tensors.values())
     tests = [("pp", n_prompt)] if n_prompt > 0 else []
-    tests += [("tg", n_gen)] if n_gen > 0 and 1 in batches else []
+    tests += [("tg" if d == 0 else f"tg@{d}", n_gen) for d in depths] if n_gen > 0 and 1 in batches else []
     tests += [(f"tgx{b}", n_gen) for b in batches if b > 1 and n_gen > 0]
     samples = {(m, t): [] for m in modes for t, _ in tests}
     rates = {(m, t): [] for m in modes for t, _ in tests}
@@ -206,7 +217,8 @@ def run_bench(
             b = int(test[3:])
             seconds, rate, union = measure_batch(llm, n, b)
             return b * n / seconds, rate, union
-        seconds, rate = measure(llm, test, n)
+        test, _, depth = test.partition("@")
+        seconds, rate = measure(llm, test, n, int(depth or 0))
         return n / seconds, rate, rate
 
     groups = [[m] for m in modes] if on_gpu else [modes]
@@ -234,6 +246,7 @@ def run_bench(
             rate = statistics.mean(rates[m, test]) if m == "sparse" else 1.0
             union = statistics.mean(unions[m, test]) if m == "sparse" else 1.0
             batch = int(test[3:]) if test.startswith("tgx") else 1
+            depth = int(test.partition("@")[2] or 0)
             # a decode step reads every needed weight once, for the whole batch (the union of fired rows)
             bytes_per_step = (
                 sizes["other"] + sizes["ffn"] * union + (sizes["predictor"] if m == "sparse" else 0)
@@ -244,14 +257,16 @@ def run_bench(
                     "size_bytes": file_size,
                     "params": n_params,
                     "mode": m,
-                    "test": f"tg{n}x{batch}" if batch > 1 else f"{test}{n}",
+                    "test": f"tg{n}x{batch}" if batch > 1 else f"tg{n} @ d{depth}" if depth else f"{test}{n}",
                     "batch": batch,
+                    "depth": depth,  # context tokens before the timed decode (tg)
                     "tokens_per_s": tps,  # aggregate over the batch
                     "tokens_per_s_per_sequence": tps / batch,
                     "tokens_per_s_all": samples[m, test],
                     "firing_rate": rate,
                     "union_firing_rate": union,
                     # decode reads every needed weight once per step; prefill reuses them across the prompt
+                    # (the KV cache a deep context adds is not counted: these are the weights' bytes)
                     "effective_gb_s": tps / batch * bytes_per_step / 1e9 if test.startswith("tg") else None,
                     "threads": threads or torch.get_num_threads(),
                     "device": device_name,
@@ -296,6 +311,12 @@ def run(args) -> int:
     except ValueError:
         raise ValueError(f"-b/--batch must be comma-separated sizes >= 1, got {args.batch!r}") from None
     counts = thread_counts(args.thread_counts)
+    try:
+        depths = [int(d) for d in args.n_depth.split(",")]
+        if min(depths) < 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"-d/--n-depth must be comma-separated depths >= 0, got {args.n_depth!r}") from None
     if args.plot is not None:  # a missing extra or a bad name fails before the measurements
         from hotcold import plots
 
@@ -314,6 +335,7 @@ def run(args) -> int:
             mode=args.mode,
             batches=[int(b) for b in args.batch.split(",")],
             sparsity=args.sparsity,
+            depths=depths,
         )
     if args.plot is not None:
         from hotcold import plots
@@ -325,13 +347,13 @@ def run(args) -> int:
         json.dump(rows, sys.stdout, indent=2)
         print()
         return 0
-    header = f"| {'model':30s} | {'size':>9s} | {'params':>8s} | {'mode':6s} | {'test':8s} | {'t/s':>9s} | {'GB/s':>6s} | {'firing':>6s} | {'union':>6s} |"
+    header = f"| {'model':30s} | {'size':>9s} | {'params':>8s} | {'mode':6s} | {'test':12s} | {'t/s':>9s} | {'GB/s':>6s} | {'firing':>6s} | {'union':>6s} |"
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r in rows:
         gbs = f"{r['effective_gb_s']:.1f}" if r["effective_gb_s"] is not None else "-"
         print(
-            f"| {r['model'][:30]:30s} | {r['size_bytes'] / 2**30:7.2f} G | {r['params'] / 1e6:7.1f}M | {r['mode']:6s} | {r['test']:8s}"
+            f"| {r['model'][:30]:30s} | {r['size_bytes'] / 2**30:7.2f} G | {r['params'] / 1e6:7.1f}M | {r['mode']:6s} | {r['test']:12s}"
             f" | {r['tokens_per_s']:9.2f} | {gbs:>6s} | {100 * r['firing_rate']:5.1f}% | {100 * r['union_firing_rate']:5.1f}% |"
         )
     return 0
