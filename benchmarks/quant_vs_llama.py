@@ -6,7 +6,10 @@ sparse Q4_0 at least 2x llama.cpp dense Q4_0. Effective GB/s = the file's weight
 (every tensor except the embedding) x tokens/s, against the machine's copy bandwidth (read + write).
 
     python benchmarks/quant_vs_llama.py --llama-bench BIN --dense NAME=FILE [NAME=FILE ...] \
-        [--sparse NAME=FILE ...] [--before-src OLD/src] [--threads 2] [--rounds 3] [--n-gen 32] [--out J]
+        [--sparse NAME=FILE ...] [--before-src OLD/src] [--threads 2] [--rounds 3] [--n-gen 32] [--depth 0] [--out J]
+
+--depth D times the decode after D tokens of context (llama-bench -d, hotcold bench -d): attention then
+reads the KV cache of D positions every token, on top of the weights (effective GB/s counts the weights only).
 
 Files: dense GGUFs made by `llama-quantize` from `benchmarks/synth.py --dense`; sparse: PowerInfer files
 made by `hotcold quantize` from the same synthetic model's PowerInfer file.
@@ -50,20 +53,21 @@ def weight_bytes(path: str) -> int:
     return sum(e.n_bytes for name, e in mf.tensors.items() if name != "token_embd.weight" or tied)
 
 
-def hotcold_tg(path: str, mode: str, threads: int, n_gen: int, src: str | None) -> float:
+def hotcold_tg(path: str, mode: str, threads: int, n_gen: int, src: str | None, depth: int = 0) -> float:
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = src
         env["HOTCOLD_CACHE_DIR"] = str(Path(src).parent / ".kcache")  # its own kernels build
     cmd = [sys.executable, "-m", "hotcold", "bench", "-m", path, "-p", "0", "-n", str(n_gen), "-r", "1"]
-    cmd += ["-t", str(threads), "--mode", mode, "--json"]
+    cmd += ["-t", str(threads), "--mode", mode, "--json"] + (["-d", str(depth)] if depth else [])
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True, cwd="/tmp").stdout
     tg = [r for r in json.loads(out) if r["test"].startswith("tg") and r["mode"] == mode]
     return float(tg[0]["tokens_per_s"])
 
 
-def llama_tg(binary: str, path: str, threads: int, n_gen: int) -> float:
+def llama_tg(binary: str, path: str, threads: int, n_gen: int, depth: int = 0) -> float:
     cmd = [binary, "-m", path, "-p", "0", "-n", str(n_gen), "-r", "1", "-t", str(threads), "-o", "json"]
+    cmd += ["-d", str(depth)] if depth else []
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
 
@@ -89,6 +93,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-gen", type=int, default=32)
+    ap.add_argument("--depth", type=int, default=0, help="context tokens before the timed decode (-d)")
     ap.add_argument("--out", help="JSON file to write (default: print only)")
     args = ap.parse_args()
     dense, sparse = pairs(args.dense), pairs(args.sparse)
@@ -105,25 +110,30 @@ def main() -> None:
         for name, path in dense.items():
             record(
                 f"llama.cpp dense {name}",
-                lambda p=path: llama_tg(args.llama_bench, p, args.threads, args.n_gen),
+                lambda p=path: llama_tg(args.llama_bench, p, args.threads, args.n_gen, args.depth),
             )
             record(
-                f"hotcold dense {name}", lambda p=path: hotcold_tg(p, "dense", args.threads, args.n_gen, None)
+                f"hotcold dense {name}",
+                lambda p=path: hotcold_tg(p, "dense", args.threads, args.n_gen, None, args.depth),
             )
             if args.before_src:
                 record(
                     f"before dense {name}",
-                    lambda p=path: hotcold_tg(p, "dense", args.threads, args.n_gen, args.before_src),
+                    lambda p=path: hotcold_tg(
+                        p, "dense", args.threads, args.n_gen, args.before_src, args.depth
+                    ),
                 )
         for name, path in sparse.items():
             record(
                 f"hotcold sparse {name}",
-                lambda p=path: hotcold_tg(p, "sparse", args.threads, args.n_gen, None),
+                lambda p=path: hotcold_tg(p, "sparse", args.threads, args.n_gen, None, args.depth),
             )
             if args.before_src:
                 record(
                     f"before sparse {name}",
-                    lambda p=path: hotcold_tg(p, "sparse", args.threads, args.n_gen, args.before_src),
+                    lambda p=path: hotcold_tg(
+                        p, "sparse", args.threads, args.n_gen, args.before_src, args.depth
+                    ),
                 )
         print(
             f"round {r + 1}/{args.rounds}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in runs.items() if v),
@@ -138,6 +148,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "threads": args.threads,
         "n_gen": args.n_gen,
+        "depth": args.depth,
         "rounds": args.rounds,
         "copy_gbps": round(bw, 1),
         "tokens_per_s": {k: round(v, 2) for k, v in med.items()},
