@@ -1789,97 +1789,6 @@ static void gather_parallel(int nmat, const int *wts, const hc_args *A, int nth)
     }
 }
 
-/* One token's gate and up rows in one pass (hc_sparse_ffn's gated kinds, T == 1, gate and up of one
- * type): each group of HC_G rows of the index list takes its gate dots, then the up dots of its rows
- * where relu(gate) != 0. While the gate dots run, the group's up rows are prefetched; while the up dots
- * run, the next group's gate rows. The same row kernels as the two gathers, so g, u and live are what
- * those gathers and the live loop give, bit for bit, in one parallel region instead of two, with the up
- * rows already in flight. Index list entries [k0, k1); this item zeroes the outputs it owns. */
-HC_INLINE void gate_up_part(const int wt, const hc_args *Ga, const hc_args *Ua, uint8_t *live, int64_t k0, int64_t k1,
-                            int64_t kn) {
-    const int64_t F = Ga->F, D = Ga->D, n = Ga->n, nb = chunk_off(wt, (D + 31) / 32);
-    const int32_t *idx = Ga->idx;
-    const int64_t lo = k0 == 0 ? 0 : idx[k0], hi = k1 == n ? F : idx[k1];
-    memset(Ga->out + lo, 0, sizeof(float) * (size_t)(hi - lo));
-    memset(Ua->out + lo, 0, sizeof(float) * (size_t)(hi - lo));
-    memset(live + lo, 0, (size_t)(hi - lo));
-    const int pf_l2 = HC_G * nb > HC_PF_L1_BYTES;
-    for (int64_t k = k0; k < k1; k += HC_G) {
-        const int nr = k1 - k < HC_G ? (int)(k1 - k) : HC_G;
-        const uint8_t *grows[4], *urows[4], *pf[4] = {NULL, NULL, NULL, NULL}, *none[4] = {NULL, NULL, NULL, NULL};
-        float g[4], u[4];
-        for (int r = 0; r < nr; r++) {
-            grows[r] = Ga->W + (int64_t)idx[k + r] * Ga->stride;
-            urows[r] = Ua->W + (int64_t)idx[k + r] * Ua->stride;
-            const int64_t q = next_pos(k + HC_G + r, k1, kn, n);
-            if (q >= 0) pf[r] = Ga->W + (int64_t)idx[q] * Ga->stride;
-        }
-#if HC_PF
-        for (int r = 0; r < nr; r++) /* this group's up rows, read right after its gate rows */
-            for (int64_t o = 0; o < nb; o += 64) vprefetch_l2(urows[r] + o);
-#endif
-        if (nr == HC_G) rows_dot1(wt, HC_G, grows, Ga, g, none, pf_l2);
-        else
-            for (int r = 0; r < nr; r++) rows_dot1(wt, 1, grows + r, Ga, g + r, NULL, 0);
-        int nl = 0;
-        const uint8_t *lrows[4];
-        int at[4];
-        for (int r = 0; r < nr; r++) {
-            const int64_t i = idx[k + r];
-            Ga->out[i] = g[r];
-            live[i] = !(g[r] <= 0.0f); /* relu(g) != 0: NaN stays alive, as the live loop has it */
-            if (live[i]) lrows[nl] = urows[r], at[nl++] = r;
-        }
-        if (nl == HC_G) rows_dot1(wt, HC_G, lrows, Ua, u, pf, pf_l2);
-        else {
-            for (int j = 0; j < nl; j++) rows_dot1(wt, 1, lrows + j, Ua, u + j, NULL, 0);
-#if HC_PF
-            for (int r = 0; r < HC_G; r++) /* the next group's gate rows, as rows_dot1 would have */
-                if (pf[r])
-                    for (int64_t o = 0; o < nb; o += 64) pf_l2 ? vprefetch_l2(pf[r] + o) : vprefetch(pf[r] + o);
-#endif
-        }
-        for (int j = 0; j < nl; j++) Ua->out[idx[k + at[j]]] = u[j];
-    }
-}
-
-static void gate_up_range(int wt, const hc_args *Ga, const hc_args *Ua, uint8_t *live, int64_t k0, int64_t k1,
-                          int64_t kn) {
-#define CALL(W) gate_up_part(W, Ga, Ua, live, k0, k1, kn)
-    HC_DISPATCH(wt, CALL)
-#undef CALL
-}
-
-/* gate_up_part over the whole index list with nth threads, items as gather_parallel cuts them. */
-static void gate_up_parallel(int wt, const hc_args *Ga, const hc_args *Ua, uint8_t *live, int nth) {
-    const int64_t n = Ga->n;
-    nth = clamp_threads(nth, n);
-    if (nth == 1 || n == 0) {
-        if (n == 0) {
-            memset(Ga->out, 0, sizeof(float) * (size_t)Ga->F);
-            memset(Ua->out, 0, sizeof(float) * (size_t)Ga->F);
-            memset(live, 0, (size_t)Ga->F);
-        } else gate_up_range(wt, Ga, Ua, live, 0, n, -1);
-        return;
-    }
-    int64_t ch = (n / (16 * (int64_t)nth)) & ~(int64_t)(HC_G - 1);
-    ch = ch < 8 ? 8 : ch > HC_ITEM_ROWS ? HC_ITEM_ROWS : ch;
-    const int64_t items = (n + ch - 1) / ch;
-    int64_t next = 0;
-#ifdef _OPENMP
-#pragma omp parallel num_threads(nth)
-#endif
-    {
-        int64_t it = claim(&next);
-        while (it < items) {
-            const int64_t nx = claim(&next);
-            const int64_t k0 = it * ch, k1 = k0 + ch < n ? k0 + ch : n;
-            gate_up_range(wt, Ga, Ua, live, k0, k1, nx < items ? nx * ch : -1);
-            it = nx;
-        }
-    }
-}
-
 int hc_abi_version(void) { return HC_ABI_VERSION; }
 
 const char *hc_simd(void) { return HC_SIMD; }
@@ -2603,24 +2512,13 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
     int rc = 0;
     hc_xq_set xq = {NULL, NULL}; /* block gate / up: x quantized once for both */
     if ((wt_is_block(up->wt) || (gate && wt_is_block(gate->wt))) && xq_make(x, T, D, &xq) != 0) rc = -1;
-    int fused = 0; /* one token, gate and up of one type: both in one pass (gate_up_parallel) */
-    if (gate && rc == 0 && T == 1 && gate->wt == up->wt) {
-        live = (uint8_t *)malloc((size_t)(F > 0 ? F : 1));
-        int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
-        if (live && idx) {
-            hc_args Ga = {gate->data, gate->stride, F, D, 1, x, mask, g, idx, NULL, mask_to_idx(mask, F, idx), xq.tok};
-            hc_args Ua = {up->data, up->stride, F, D, 1, x, NULL, u, idx, NULL, Ga.n, xq.tok};
-            gate_up_parallel(gate->wt, &Ga, &Ua, live, nth);
-            fused = 1;
-        } else rc = -1;
-        free(idx);
-    } else if (gate && rc == 0) {
+    if (gate && rc == 0) {
         live = (uint8_t *)malloc((size_t)(T * F > 0 ? T * F : 1));
         rc = live ? gather_matvec_xq(gate->wt, gate->data, gate->stride, F, D, x, T, mask, g, nth, xq.tok) : -1;
         if (rc == 0)
             for (int64_t j = 0; j < T * F; j++) live[j] = mask[j] && relu1(g[j]) != 0.0f; /* NaN stays alive */
     }
-    if (rc == 0 && !fused) rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, live, u, nth, xq.tok);
+    if (rc == 0) rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, live, u, nth, xq.tok);
     xq_free(&xq);
     if (rc == 0) {
         for (int64_t t = 0; t < T; t++)
