@@ -104,7 +104,9 @@ def make_weights(fmt: str, f: int, d: int, layers: int) -> tuple[list, int]:
 
         block, size = gguf.GGML_QUANT_SIZES[kind]
         raw = np.random.default_rng(0).integers(0, 256, size=(f * d // block, size), dtype=np.uint8)
-        raw[:, :2] = np.float16(0.001).view(np.uint8)  # most types keep a scale there; others' is moot
+        raw[:, :2] = np.array([0.001], dtype=np.float16).view(
+            np.uint8
+        )  # most types keep a scale there; others' is moot
         qt = QuantTensor(torch.from_numpy(raw.reshape(f, -1)), kind, (f, d))
     return [QuantTensor(qt.data.clone(), kind, qt.shape) for _ in range(layers)], row_bytes(kind, d)
 
