@@ -1295,6 +1295,58 @@ HC_INLINE void q4_0_rows1_vnni(const int NR, const uint8_t *const *rows, const h
         }
     for (int r = 0; r < NR; r++) res[r] = qdot_finish(WT_Q4_0, acc[r], 0.0f);
 }
+
+/* qdot_rows1 for Q4_K rows on AVX512-VNNI machines: a super-block's d, dmin and 8 scale/min pairs
+ * decoded once a row (qchunk decodes them for every chunk), and the two chunks that share 32 bytes of
+ * nibbles (low: chunk 2k, high: chunk 2k + 1) unpacked and multiplied in one 512-bit step. Each chunk
+ * keeps qdot_chunk's integer lane sums, scale float(d) * sc * dx and min term fmaf(dmin * mn, hc, macc),
+ * in chunk order: the same bits. */
+HC_INLINE void q4_k_rows1_vnni(const int NR, const uint8_t *const *rows, const hc_xq *x, int64_t D, float *res,
+                               const uint8_t *const *pf, int pf_l2) {
+    const int64_t nsb = D / 256;
+    const __m512i m15 = _mm512_set1_epi8(15), shifts = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    __m256 acc[4];
+    float macc[4];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps(), macc[r] = 0.0f;
+    int64_t pfo = 0;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        for (int r = 0; r < NR; r++) {
+            const uint8_t *b = rows[r] + sb * 144;
+            const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
+            for (int k = 0; k < 4; k++) {
+                const int64_t c = sb * 8 + 2 * k;
+                int sc0, mn0, sc1, mn1;
+                scale_min_k4(b + 4, 2 * k, &sc0, &mn0);
+                scale_min_k4(b + 4, 2 * k + 1, &sc1, &mn1);
+                const __m256i q = ld256(b + 16 + k * 32);
+                const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(q), q, 1);
+                const __m512i u = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), m15);
+                const __m512 p = _mm512_cvtepi32_ps(
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), u, _mm512_loadu_si512((const void *)(x->q + 32 * c))));
+                const float s0 = d * (float)sc0, s1 = d * (float)sc1; /* qchunk's s */
+                acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(p), _mm256_set1_ps(s0 * x->d[c]), acc[r]);
+                macc[r] = fmaf(dmin * (float)mn0, x->hc[c], macc[r]);
+                acc[r] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)),
+                                         _mm256_set1_ps(s1 * x->d[c + 1]), acc[r]);
+                macc[r] = fmaf(dmin * (float)mn1, x->hc[c + 1], macc[r]);
+            }
+        }
+#if HC_PF
+        if (pf) {
+            const int64_t end = (sb + 1) * 144;
+            for (; pfo < end; pfo += 64)
+                for (int r = 0; r < 4; r++)
+                    if (pf[r]) {
+                        if (pf_l2) vprefetch_l2(pf[r] + pfo);
+                        else vprefetch(pf[r] + pfo);
+                    }
+        }
+#else
+        (void)pf, (void)pfo, (void)pf_l2;
+#endif
+    }
+    for (int r = 0; r < NR; r++) res[r] = qdot_finish(WT_Q4_K, acc[r], macc[r]);
+}
 #else
 #define HC_Q4_0_VNNI 0
 #endif
@@ -1305,6 +1357,10 @@ HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows
 #if HC_Q4_0_VNNI
     if (wt == WT_Q4_0) {
         q4_0_rows1_vnni(NR, rows, x, D, res, pf, pf_l2);
+        return;
+    }
+    if (wt == WT_Q4_K) {
+        q4_k_rows1_vnni(NR, rows, x, D, res, pf, pf_l2);
         return;
     }
 #endif
