@@ -1347,6 +1347,76 @@ HC_INLINE void q4_k_rows1_vnni(const int NR, const uint8_t *const *rows, const h
     }
     for (int r = 0; r < NR; r++) res[r] = qdot_finish(WT_Q4_K, acc[r], macc[r]);
 }
+
+/* qdot_rows1 for Q6_K rows on AVX512-VNNI machines: chunks j and j + 2 of a half super-block share 32
+ * bytes of low bits (low and high nibbles) and 32 of high bits (2-bit fields), so they are unpacked
+ * and multiplied in one 512-bit step; the four chunks of a half are then added to the row's accumulator
+ * in chunk order, each with qdot_chunk's lane sums (minus 32 times the x sums), half scales and fma:
+ * the same bits. */
+HC_INLINE void q6_k_rows1_vnni(const int NR, const uint8_t *const *rows, const hc_xq *x, int64_t D, float *res,
+                               const uint8_t *const *pf, int pf_l2) {
+    const int64_t nsb = D / 256;
+    const __m512i m15 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3);
+    const __m512i nib = _mm512_setr_epi64(0, 0, 0, 0, 4, 4, 4, 4);
+    __m256 acc[4];
+    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+    int64_t pfo = 0;
+    for (int64_t sb = 0; sb < nsb; sb++) {
+        for (int h = 0; h < 2; h++) {
+            const int64_t c0 = sb * 8 + h * 4; /* chunks c0 .. c0 + 3 */
+            __m512i xv[2], off[2];
+            for (int qq = 0; qq < 2; qq++) { /* x and offsets of chunks c0 + qq and c0 + qq + 2 */
+                xv[qq] = _mm512_inserti64x4(_mm512_castsi256_si512(ld256((const uint8_t *)(x->q + 32 * (c0 + qq)))),
+                                            ld256((const uint8_t *)(x->q + 32 * (c0 + qq + 2))), 1);
+                const __m512i ls = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(x->ls + 8 * (c0 + qq)))),
+                    _mm256_loadu_si256((const __m256i *)(x->ls + 8 * (c0 + qq + 2))), 1);
+                off[qq] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(ls, 5));
+            }
+            const float dx[4] = {x->d[c0], x->d[c0 + 1], x->d[c0 + 2], x->d[c0 + 3]};
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *b = rows[r] + sb * 210;
+                const float d = h2f(rd16(b + 208));
+                const int8_t *sc = (const int8_t *)(b + 192) + h * 8;
+                const __m256i qh = ld256(b + 128 + h * 32);
+                const __m512i zh = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+                __m512 pf2[2];
+                for (int qq = 0; qq < 2; qq++) {
+                    const __m256i ql = ld256(b + h * 64 + qq * 32);
+                    const __m512i lo = _mm512_and_si512(
+                        _mm512_srlv_epi64(_mm512_inserti64x4(_mm512_castsi256_si512(ql), ql, 1), nib), m15);
+                    const __m512i hshift = _mm512_setr_epi64(2 * qq, 2 * qq, 2 * qq, 2 * qq, 2 * qq + 4, 2 * qq + 4,
+                                                             2 * qq + 4, 2 * qq + 4);
+                    const __m512i hb = _mm512_and_si512(_mm512_srlv_epi64(zh, hshift), m3);
+                    const __m512i u = _mm512_or_si512(lo, _mm512_slli_epi64(hb, 4)); /* q + 32 */
+                    pf2[qq] = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off[qq], u, xv[qq]));
+                }
+                for (int j = 0; j < 4; j++) { /* chunk c0 + j: lane half j >> 1 of pf2[j & 1] */
+                    const __m512 p = pf2[j & 1];
+                    const __m256 pj = (j >> 1) ? _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1))
+                                               : _mm512_castps512_ps256(p);
+                    const float s0 = d * (float)sc[2 * j], s1 = d * (float)sc[2 * j + 1];
+                    const __m256 sv = _mm256_set_m128(_mm_set1_ps(s1 * dx[j]), _mm_set1_ps(s0 * dx[j]));
+                    acc[r] = _mm256_fmadd_ps(pj, sv, acc[r]);
+                }
+            }
+        }
+#if HC_PF
+        if (pf) {
+            const int64_t end = (sb + 1) * 210;
+            for (; pfo < end; pfo += 64)
+                for (int r = 0; r < 4; r++)
+                    if (pf[r]) {
+                        if (pf_l2) vprefetch_l2(pf[r] + pfo);
+                        else vprefetch(pf[r] + pfo);
+                    }
+        }
+#else
+        (void)pf, (void)pfo, (void)pf_l2;
+#endif
+    }
+    for (int r = 0; r < NR; r++) res[r] = qdot_finish(WT_Q6_K, acc[r], 0.0f);
+}
 #else
 #define HC_Q4_0_VNNI 0
 #endif
@@ -1361,6 +1431,10 @@ HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows
     }
     if (wt == WT_Q4_K) {
         q4_k_rows1_vnni(NR, rows, x, D, res, pf, pf_l2);
+        return;
+    }
+    if (wt == WT_Q6_K) {
+        q6_k_rows1_vnni(NR, rows, x, D, res, pf, pf_l2);
         return;
     }
 #endif
