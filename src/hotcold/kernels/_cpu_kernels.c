@@ -1623,6 +1623,34 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
 #undef ROW_OF
 }
 
+#if HC_QSIMD
+/* Q4_K chunks c (even) and c + 1 as floats, w[0, NV) and w[NV, 2 NV): they share 32 bytes of nibbles
+ * (low: chunk c, high: c + 1) and a super-block header, unpacked once; each value is load32's (qchunk's
+ * s and m, then s * q - m, two roundings). */
+HC_INLINE void load_q4_k_pair(const uint8_t *row, int64_t c, vf *w) {
+    const uint8_t *b = row + (c >> 3) * 144;
+    const int j = (int)(c & 7);
+    const float d = h2f(rd16(b)), dmin = h2f(rd16(b + 2));
+    const __m256i q = ld256(b + 16 + (j >> 1) * 32), m15 = _mm256_set1_epi8(15);
+    for (int half = 0; half < 2; half++) {
+        int sc, mn;
+        scale_min_k4(b + 4, j + half, &sc, &mn);
+        const vf s = vset1(d * (float)sc), m = vset1(dmin * (float)mn);
+        const __m256i u = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, m15);
+        const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
+        for (int v = 0; v < NV; v++) {
+#if VL == 16
+            const vf qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v == 0 ? lo : hi));
+#else
+            const __m128i part = (v & 1) ? _mm_srli_si128(v < 2 ? lo : hi, 8) : (v < 2 ? lo : hi);
+            const vf qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
+#endif
+            w[half * NV + v] = vsub(vmul(s, qf), m);
+        }
+    }
+}
+#endif
+
 /* acc[j] += a_r * row_r[j] for NR rows in order (one fma per row and element), columns chunks
  * [c0, c1); pf: rows whose lines are prefetched meanwhile. */
 HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows, const float *coef, float *acc,
@@ -1631,6 +1659,30 @@ HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows,
     vf va[HC_AG];
     for (int r = 0; r < NR; r++) va[r] = vset1(coef[r]);
     int64_t pfo = chunk_off(wt, c0) & ~(int64_t)63;
+#if HC_QSIMD
+    if (wt == WT_Q4_K && !((c0 | c1) & 1)) { /* chunks in pairs: the same values and fma per element */
+        for (int64_t c = c0; c < c1; c += 2) {
+            vf s[2 * NV];
+            for (int v = 0; v < 2 * NV; v++) s[v] = vloadu(acc + c * 32 + v * VL);
+            for (int r = 0; r < NR; r++) {
+                vf w[2 * NV];
+                load_q4_k_pair(rows[r], c, w);
+                for (int v = 0; v < 2 * NV; v++) s[v] = vfma(va[r], w[v], s[v]);
+            }
+            for (int v = 0; v < 2 * NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
+            if (HC_PF && pf) {
+                const int64_t end = chunk_off(wt, c + 2);
+                for (; pfo < end; pfo += 64)
+                    for (int r = 0; r < HC_AG; r++)
+                        if (pf[r]) {
+                            if (pf_l2) vprefetch_l2(pf[r] + pfo);
+                            else vprefetch(pf[r] + pfo);
+                        }
+            }
+        }
+        return;
+    }
+#endif
     for (int64_t c = c0; c < c1; c++) {
         vf s[NV];
         for (int v = 0; v < NV; v++) s[v] = vloadu(acc + c * 32 + v * VL);
