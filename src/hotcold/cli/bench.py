@@ -205,48 +205,48 @@ def run_bench(
     sizes = weight_bytes(mf)
     file_size = mf.path.stat().st_size
     n_params = sum(math.prod(e.shape) for e in mf.tensors.values())
-    tests = [("pp", n_prompt)] if n_prompt > 0 else []
-    tests += [("tg" if d == 0 else f"tg@{d}", n_gen) for d in depths] if n_gen > 0 and 1 in batches else []
-    tests += [(f"tgx{b}", n_gen) for b in batches if b > 1 and n_gen > 0]
-    samples = {(m, t): [] for m in modes for t, _ in tests}
-    rates = {(m, t): [] for m in modes for t, _ in tests}
-    unions = {(m, t): [] for m in modes for t, _ in tests}
+    tests = [("pp", n_prompt, 0)] if n_prompt > 0 else []  # (test, tokens, context depth)
+    tests += [("tg", n_gen, d) for d in depths] if n_gen > 0 and 1 in batches else []
+    tests += [(f"tgx{b}", n_gen, 0) for b in batches if b > 1 and n_gen > 0]
+    samples = {(m, t): [] for m in modes for t in tests}
+    rates = {(m, t): [] for m in modes for t in tests}
+    unions = {(m, t): [] for m in modes for t in tests}
 
-    def one(llm, test, n):
+    def one(llm, test, n, depth=0):
         if test.startswith("tgx"):
             b = int(test[3:])
             seconds, rate, union = measure_batch(llm, n, b)
             return b * n / seconds, rate, union
-        test, _, depth = test.partition("@")
-        seconds, rate = measure(llm, test, n, int(depth or 0))
+        seconds, rate = measure(llm, test, n, depth)
         return n / seconds, rate, rate
 
     groups = [[m] for m in modes] if on_gpu else [modes]
     for group in groups:
         has_sparse = first.config.sparse or first.config.sparsified
         models = {m: first if m == "sparse" and has_sparse else load(m) for m in group}
-        for test, n in tests:
+        for t in tests:
+            test, n, depth = t
             for m in group:  # warm-up: page in the weights, compile kernels (a depth's prefill is not needed)
-                one(models[m], test.partition("@")[0], min(n, 8))
+                one(models[m], test, min(n, 8))
             for _ in range(repetitions):  # interleaved so machine noise hits both modes alike
                 for m in group:
-                    tps, rate, union = one(models[m], test, n)
-                    samples[m, test].append(tps)
-                    rates[m, test].append(rate)
-                    unions[m, test].append(union)
+                    tps, rate, union = one(models[m], test, n, depth)
+                    samples[m, t].append(tps)
+                    rates[m, t].append(rate)
+                    unions[m, t].append(union)
         device_name = first.loaded.device
         del models
         first = None
         if on_gpu:
             torch.cuda.empty_cache()
     rows = []
-    for test, n in tests:
+    for t in tests:
+        test, n, depth = t
         for m in modes:
-            tps = statistics.median(samples[m, test])
-            rate = statistics.mean(rates[m, test]) if m == "sparse" else 1.0
-            union = statistics.mean(unions[m, test]) if m == "sparse" else 1.0
+            tps = statistics.median(samples[m, t])
+            rate = statistics.mean(rates[m, t]) if m == "sparse" else 1.0
+            union = statistics.mean(unions[m, t]) if m == "sparse" else 1.0
             batch = int(test[3:]) if test.startswith("tgx") else 1
-            depth = int(test.partition("@")[2] or 0)
             # a decode step reads every needed weight once, for the whole batch (the union of fired rows)
             bytes_per_step = (
                 sizes["other"] + sizes["ffn"] * union + (sizes["predictor"] if m == "sparse" else 0)
@@ -262,7 +262,7 @@ def run_bench(
                     "depth": depth,  # context tokens before the timed decode (tg)
                     "tokens_per_s": tps,  # aggregate over the batch
                     "tokens_per_s_per_sequence": tps / batch,
-                    "tokens_per_s_all": samples[m, test],
+                    "tokens_per_s_all": samples[m, t],
                     "firing_rate": rate,
                     "union_firing_rate": union,
                     # decode reads every needed weight once per step; prefill reuses them across the prompt

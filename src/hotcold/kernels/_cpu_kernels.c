@@ -232,26 +232,13 @@ HC_INLINE void load_q6_k(const uint8_t *b, int j, vf *w) {
 }
 HC_INLINE void vprefetch(const void *p) { _mm_prefetch((const char *)p, HC_PF_HINT); }
 HC_INLINE void vprefetch_l2(const void *p) { _mm_prefetch((const char *)p, _MM_HINT_T1); }
-/* Attention helpers (attn_head's vector path). vmaxv: lane max that keeps a NaN of b. vexp: e^x to
- * about 2 ulp for x in [-87.3, 0] (the softmax's x - max; below, the normal minimum, negligible
- * beside the maximum's 1), NaN stays NaN: x = n ln2 + r, a degree-6 polynomial in r, scaled by 2^n.
- * vsum_rows: out[p] = the sum of acc[p]'s lanes for VL vectors, in a tree of shuffles and adds. */
+/* Attention helpers (attn_head's vector path). vmaxv: lane max that keeps a NaN of b. vround and
+ * vscale2: vexp's (after the SIMD sections) rounding to an integer and p * 2^n. vsum_rows: out[p] = the
+ * sum of acc[p]'s lanes for VL vectors, in a tree of shuffles and adds. */
 #define HC_ATTN_VEC 1
 HC_INLINE vf vmaxv(vf a, vf b) { return _mm512_max_ps(a, b); }
-HC_INLINE vf vexp(vf x) {
-    x = _mm512_max_ps(_mm512_set1_ps(-87.3f), x);
-    const vf n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-    vf p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
-}
+HC_INLINE vf vround(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+HC_INLINE vf vscale2(vf p, vf n) { return _mm512_scalef_ps(p, n); } /* p * 2^n */
 HC_INLINE float vhmax(vf v) { return _mm512_reduce_max_ps(v); }
 HC_INLINE vf vsum_rows(const vf *acc) {
     __m512 t[8], u[4], w[2];
@@ -339,19 +326,9 @@ HC_INLINE void vprefetch_l2(const void *p) { _mm_prefetch((const char *)p, _MM_H
 /* Attention helpers: see the AVX-512 section. */
 #define HC_ATTN_VEC 1
 HC_INLINE vf vmaxv(vf a, vf b) { return _mm256_max_ps(a, b); }
-HC_INLINE vf vexp(vf x) {
-    x = _mm256_max_ps(_mm256_set1_ps(-87.3f), x);
-    const vf n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    vf r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145752f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.42860677e-6f), r);
-    vf p = _mm256_set1_ps(1.0f / 720.0f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-    /* 2^n through the exponent bits: n >= -126 here; a NaN's n converts to INT_MIN, and NaN * anything stays NaN */
+HC_INLINE vf vround(vf x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+HC_INLINE vf vscale2(vf p, vf n) { /* p * 2^n through the exponent bits: n >= -126 in vexp; a NaN's n
+                                      converts to INT_MIN, and NaN * anything stays NaN */
     const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
@@ -439,6 +416,41 @@ HC_INLINE void vprefetch(const void *p) { __builtin_prefetch(p, 0, 3); }
 HC_INLINE void vprefetch_l2(const void *p) { __builtin_prefetch(p, 0, 2); }
 #define HC_ATTN_VEC 0
 #endif
+
+#if HC_ATTN_VEC
+/* e^x to about 2 ulp for x in [-87.3, 0] (the softmax's x - max; below, the normal minimum, negligible
+ * beside the maximum's 1); NaN stays NaN: x = n ln2 + r, a degree-6 polynomial in r, times 2^n. */
+HC_INLINE vf vexp(vf x) {
+    x = vmaxv(vset1(-87.3f), x);
+    const vf n = vround(vmul(x, vset1(1.44269504f)));
+    vf r = vfma(n, vset1(-0.693145752f), x); /* x - n ln2 in two parts, each one rounding */
+    r = vfma(n, vset1(-1.42860677e-6f), r);
+    vf p = vset1(1.0f / 720.0f);
+    p = vfma(p, r, vset1(1.0f / 120.0f));
+    p = vfma(p, r, vset1(1.0f / 24.0f));
+    p = vfma(p, r, vset1(1.0f / 6.0f));
+    p = vfma(p, r, vset1(0.5f));
+    p = vfma(p, r, vset1(1.0f));
+    p = vfma(p, r, vset1(1.0f));
+    return vscale2(p, n);
+}
+#endif
+
+/* Prefetch rows pf[0..n) (NULL entries, or pf NULL: nothing) from byte *pfo up to byte end, a line at a
+ * time, into L1 or (pf_l2) L2: the row kernels call it as they stream, to keep the next rows coming. */
+HC_INLINE void prefetch_rows(const uint8_t *const *pf, int n, int64_t *pfo, int64_t end, int pf_l2) {
+#if HC_PF
+    if (!pf) return;
+    for (; *pfo < end; *pfo += 64)
+        for (int r = 0; r < n; r++)
+            if (pf[r]) {
+                if (pf_l2) vprefetch_l2(pf[r] + *pfo);
+                else vprefetch(pf[r] + *pfo);
+            }
+#else
+    (void)pf, (void)n, (void)pfo, (void)end, (void)pf_l2;
+#endif
+}
 
 #define NV (32 / VL) /* vectors per 32-element chunk */
 #ifndef UNR
@@ -809,21 +821,7 @@ HC_INLINE void dot_rows1(const int wt, const int NR, const uint8_t *const *rows,
                 for (int v = 0; v < NV; v++) acc[r][ACC_OF(u, v)] = vfma(w[v], xv[v], acc[r][ACC_OF(u, v)]);
             }
         }
-#if HC_PF
-        if (pf) {
-            const int64_t end = chunk_off(wt, c + UNR);
-            for (; pfo < end; pfo += 64)
-                for (int r = 0; r < 4; r++)
-                    if (pf[r]) {
-                        if (pf_l2) vprefetch_l2(pf[r] + pfo);
-                        else vprefetch(pf[r] + pfo);
-                    }
-        }
-#else
-        (void)pf;
-        (void)pfo;
-        (void)pf_l2;
-#endif
+        prefetch_rows(pf, 4, &pfo, chunk_off(wt, c + UNR), pf_l2);
     }
     for (; c < nchunk; c++) {
         vf xv[NV];
@@ -1207,21 +1205,24 @@ HC_INLINE void qdot_chunk(const int wt, __m256i u, const float *s, const float *
  * the chunk's values unpacked by qchunk, then emit_chunk's arithmetic (s * q, then - m or + m, two
  * roundings). The scalar decoders wrote the values byte by byte and emit_chunk read them back as
  * vectors, a failed store-to-load forward per vector: the axpy of these types ran at ~0.6 GB/s. */
+/* Vector v (of NV) of 32 signed bytes as floats. */
+HC_INLINE vf vcvt_i8(__m256i q, int v) {
+#if VL == 16
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v == 0 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1)));
+#else
+    const __m128i half = v < 2 ? _mm256_castsi256_si128(q) : _mm256_extracti128_si256(q, 1);
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32((v & 1) ? _mm_srli_si128(half, 8) : half));
+#endif
+}
+
 HC_INLINE void load32_simd(const int wt, const uint8_t *row, int64_t c, vf *w) {
     float s[2], m[2];
     __m256i q = qchunk(wt, row, c, s, m);
     if (q_off_shift(wt) >= 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)(1 << q_off_shift(wt))));
     const int mode = q_mode(wt);
-    const __m128i lo = _mm256_castsi256_si128(q), hi = _mm256_extracti128_si256(q, 1);
     for (int v = 0; v < NV; v++) {
         const int h = (v * VL) / 16;
-#if VL == 16
-        const vf qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v == 0 ? lo : hi));
-#elif VL == 8
-        const __m128i part = (v & 1) ? _mm_srli_si128(v < 2 ? lo : hi, 8) : (v < 2 ? lo : hi);
-        const vf qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
-#endif
-        vf x = vmul(vset1(s[h]), qf);
+        vf x = vmul(vset1(s[h]), vcvt_i8(q, v));
         if (mode == AFF_SUB) x = vsub(x, vset1(m[h]));
         else if (mode == AFF_ADD) x = vadd(x, vset1(m[h]));
         w[v] = x;
@@ -1240,7 +1241,7 @@ HC_INLINE float qdot_finish(const int wt, __m256 acc, float macc) {
 #endif
 
 #if HC_QSIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
-#define HC_Q4_0_VNNI 1
+#define HC_ROWS_VNNI512 1 /* qdot_rows1 takes Q4_0, Q4_K and Q6_K rows to the 512-bit kernels below */
 /* qdot_rows1 for Q4_0 rows on AVX512-VNNI machines: two chunks a step in 512-bit registers. Each chunk
  * gives the same 8 integer lane sums as qdot_chunk (lane g: the values of bytes 4g..4g+3 in nib16's order
  * times x's, minus 8 times their x sum, exact in int32), the same scale (float(d) * dx, one rounding) and
@@ -1274,19 +1275,7 @@ HC_INLINE void q4_0_rows1_vnni(const int NR, const uint8_t *const *rows, const h
             acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(p), s0, acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)), s1, acc[r]);
         }
-#if HC_PF
-        if (pf) {
-            const int64_t end = chunk_off(WT_Q4_0, c + 2);
-            for (; pfo < end; pfo += 64)
-                for (int r = 0; r < 4; r++)
-                    if (pf[r]) {
-                        if (pf_l2) vprefetch_l2(pf[r] + pfo);
-                        else vprefetch(pf[r] + pfo);
-                    }
-        }
-#else
-        (void)pf, (void)pfo, (void)pf_l2;
-#endif
+        prefetch_rows(pf, 4, &pfo, chunk_off(WT_Q4_0, c + 2), pf_l2);
     }
     for (; c < nchunk; c++) /* an odd last chunk: qdot_chunk itself */
         for (int r = 0; r < NR; r++) {
@@ -1331,19 +1320,7 @@ HC_INLINE void q4_k_rows1_vnni(const int NR, const uint8_t *const *rows, const h
                 macc[r] = fmaf(dmin * (float)mn1, x->hc[c + 1], macc[r]);
             }
         }
-#if HC_PF
-        if (pf) {
-            const int64_t end = (sb + 1) * 144;
-            for (; pfo < end; pfo += 64)
-                for (int r = 0; r < 4; r++)
-                    if (pf[r]) {
-                        if (pf_l2) vprefetch_l2(pf[r] + pfo);
-                        else vprefetch(pf[r] + pfo);
-                    }
-        }
-#else
-        (void)pf, (void)pfo, (void)pf_l2;
-#endif
+        prefetch_rows(pf, 4, &pfo, (sb + 1) * 144, pf_l2);
     }
     for (int r = 0; r < NR; r++) res[r] = qdot_finish(WT_Q4_K, acc[r], macc[r]);
 }
@@ -1401,30 +1378,18 @@ HC_INLINE void q6_k_rows1_vnni(const int NR, const uint8_t *const *rows, const h
                 }
             }
         }
-#if HC_PF
-        if (pf) {
-            const int64_t end = (sb + 1) * 210;
-            for (; pfo < end; pfo += 64)
-                for (int r = 0; r < 4; r++)
-                    if (pf[r]) {
-                        if (pf_l2) vprefetch_l2(pf[r] + pfo);
-                        else vprefetch(pf[r] + pfo);
-                    }
-        }
-#else
-        (void)pf, (void)pfo, (void)pf_l2;
-#endif
+        prefetch_rows(pf, 4, &pfo, (sb + 1) * 210, pf_l2);
     }
     for (int r = 0; r < NR; r++) res[r] = qdot_finish(WT_Q6_K, acc[r], 0.0f);
 }
 #else
-#define HC_Q4_0_VNNI 0
+#define HC_ROWS_VNNI512 0
 #endif
 
 /* NR rows (NR <= 4) with one token; pf: the rows to prefetch meanwhile (see dot_rows1). */
 HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows, const hc_xq *x, int64_t D,
                           float *res, const uint8_t *const *pf, int pf_l2) {
-#if HC_Q4_0_VNNI
+#if HC_ROWS_VNNI512
     if (wt == WT_Q4_0) {
         q4_0_rows1_vnni(NR, rows, x, D, res, pf, pf_l2);
         return;
@@ -1465,19 +1430,7 @@ HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows
             macc[r] += fmaf(ci.m[1], x->hs[2 * c + 1], ci.m[0] * x->hs[2 * c]);
 #endif
         }
-#if HC_PF
-        if (pf) {
-            const int64_t end = chunk_off(wt, c + 1);
-            for (; pfo < end; pfo += 64)
-                for (int r = 0; r < 4; r++)
-                    if (pf[r]) {
-                        if (pf_l2) vprefetch_l2(pf[r] + pfo);
-                        else vprefetch(pf[r] + pfo);
-                    }
-        }
-#else
-        (void)pf, (void)pfo, (void)pf_l2;
-#endif
+        prefetch_rows(pf, 4, &pfo, chunk_off(wt, c + 1), pf_l2);
     }
     for (int r = 0; r < NR; r++) {
 #if HC_QSIMD
@@ -1637,16 +1590,7 @@ HC_INLINE void load_q4_k_pair(const uint8_t *row, int64_t c, vf *w) {
         scale_min_k4(b + 4, j + half, &sc, &mn);
         const vf s = vset1(d * (float)sc), m = vset1(dmin * (float)mn);
         const __m256i u = _mm256_and_si256(half ? _mm256_srli_epi16(q, 4) : q, m15);
-        const __m128i lo = _mm256_castsi256_si128(u), hi = _mm256_extracti128_si256(u, 1);
-        for (int v = 0; v < NV; v++) {
-#if VL == 16
-            const vf qf = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v == 0 ? lo : hi));
-#else
-            const __m128i part = (v & 1) ? _mm_srli_si128(v < 2 ? lo : hi, 8) : (v < 2 ? lo : hi);
-            const vf qf = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(part));
-#endif
-            w[half * NV + v] = vsub(vmul(s, qf), m);
-        }
+        for (int v = 0; v < NV; v++) w[half * NV + v] = vsub(vmul(s, vcvt_i8(u, v)), m);
     }
 }
 #endif
@@ -1670,15 +1614,7 @@ HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows,
                 for (int v = 0; v < 2 * NV; v++) s[v] = vfma(va[r], w[v], s[v]);
             }
             for (int v = 0; v < 2 * NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
-            if (HC_PF && pf) {
-                const int64_t end = chunk_off(wt, c + 2);
-                for (; pfo < end; pfo += 64)
-                    for (int r = 0; r < HC_AG; r++)
-                        if (pf[r]) {
-                            if (pf_l2) vprefetch_l2(pf[r] + pfo);
-                            else vprefetch(pf[r] + pfo);
-                        }
-            }
+            prefetch_rows(pf, HC_AG, &pfo, chunk_off(wt, c + 2), pf_l2);
         }
         return;
     }
@@ -1692,15 +1628,7 @@ HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows,
             for (int v = 0; v < NV; v++) s[v] = vfma(va[r], w[v], s[v]);
         }
         for (int v = 0; v < NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
-        if (HC_PF && pf) {
-            const int64_t end = chunk_off(wt, c + 1);
-            for (; pfo < end; pfo += 64)
-                for (int r = 0; r < HC_AG; r++)
-                    if (pf[r]) {
-                        if (pf_l2) vprefetch_l2(pf[r] + pfo);
-                        else vprefetch(pf[r] + pfo);
-                    }
-        }
+        prefetch_rows(pf, HC_AG, &pfo, chunk_off(wt, c + 1), pf_l2);
     }
 }
 
@@ -2843,10 +2771,11 @@ HC_INLINE void rope_head(float *h, int64_t R, const float *cos, const float *sin
 #define ATTN_GROUP 8 /* query heads sharing a pass over their kv head's cache */
 #define ATTN_VBLOCK 32 /* v rows a block (even) */
 #if HC_ATTN_VEC
-HC_INLINE float attn_dot(const int nv, const vf *q, const float *kr) {
+/* q . k in vector lanes (nv vectors), not yet summed across them. */
+HC_INLINE vf attn_dot_lanes(const int nv, const vf *q, const float *kr) {
     vf a = vmul(q[0], vloadu(kr));
     for (int i = 1; i < nv; i++) a = vfma(q[i], vloadu(kr + i * VL), a);
-    return vhsum(a);
+    return a;
 }
 
 /* G query heads (G <= ATTN_GROUP) that read the same kv head, for Dh = nv * VL: each head's scores VL
@@ -2868,12 +2797,7 @@ HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const
         for (int g = 0; g < G; g++) {
             vf q[ATTN_MAXV], a[VL];
             for (int i = 0; i < nv; i++) q[i] = vloadu(qs[g] + i * VL);
-            for (int p = 0; p < VL; p++) {
-                const float *kr = k0 + (j + p) * ks;
-                vf d = vmul(q[0], vloadu(kr));
-                for (int i = 1; i < nv; i++) d = vfma(q[i], vloadu(kr + i * VL), d);
-                a[p] = d;
-            }
+            for (int p = 0; p < VL; p++) a[p] = attn_dot_lanes(nv, q, k0 + (j + p) * ks);
             const vf sc = vmul(vsum_rows(a), vset1(scale));
             vstoreu(s + g * S + j, sc);
             vmx[g] = vmaxv(sc, vmx[g]); /* a NaN score stays out of the max, as in the scalar comparisons */
@@ -2884,7 +2808,7 @@ HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const
         for (int i = 0; i < nv; i++) q[i] = vloadu(qs[g] + i * VL);
         float mx = vhmax(vmx[g]);
         for (int64_t t = j; t < S; t++) {
-            sg[t] = attn_dot(nv, q, k0 + t * ks) * scale;
+            sg[t] = vhsum(attn_dot_lanes(nv, q, k0 + t * ks)) * scale;
             mx = sg[t] > mx ? sg[t] : mx;
         }
         const vf vm = vset1(mx);
@@ -3002,16 +2926,15 @@ int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *co
         for (int64_t it = 0; it < items; it++) {
             if (failed) continue;
             const int64_t n = it / (Hkv * subs), kvh = it / subs % Hkv, h0 = kvh * group + it % subs * per;
-            const int64_t G = h0 + per <= (kvh + 1) * group ? per : (kvh + 1) * group - h0;
             const int64_t lo = (window > 0 && pos[n] - window + 1 > 0) ? pos[n] - window + 1 : 0, S = pos[n] + 1 - lo;
             const float *cs = cos + n * (R / 2), *sn = sin + n * (R / 2);
-            if (!vec) { /* one head: G == 1 */
-                (void)G;
+            if (!vec) { /* one head */
                 attn_head(q + (n * H + h0) * Dh, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, R, cs, sn, neox, s,
                           out + (n * H + h0) * Dh);
                 continue;
             }
 #if HC_ATTN_VEC
+            const int64_t G = h0 + per <= (kvh + 1) * group ? per : (kvh + 1) * group - h0; /* the group's last item may be short */
             float *qs[ATTN_GROUP], *ohs[ATTN_GROUP];
             for (int64_t g = 0; g < G; g++) {
                 qs[g] = q + (n * H + h0 + g) * Dh;
