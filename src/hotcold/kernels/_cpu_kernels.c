@@ -871,6 +871,18 @@ HC_INLINE int64_t next_pos(int64_t p, int64_t k1, int64_t kn, int64_t n) {
  * same for any thread count and for a token alone or in a batch.
  * ---------------------------------------------------------------------------------------------- */
 HC_INLINE int wt_is_block(const int wt) { return wt >= WT_Q8_0; }
+/* Bytes of a 256-value super-block, or 0 for the types with 32-value blocks. */
+HC_INLINE int64_t k_block_bytes(const int wt) {
+    switch (wt) {
+    case WT_Q2_K: return 84;
+    case WT_Q3_K: return 110;
+    case WT_Q4_K: return 144;
+    case WT_Q5_K: return 176;
+    case WT_Q6_K: return 210;
+    case WT_IQ4_XS: return 136;
+    default: return 0;
+    }
+}
 
 /* One token's activations, quantized: q [D], d [D/32] (chunk scales), hs [D/16] and hc [D/32] (d
  * times the sum of q over each half of 16 and over the chunk: the min terms), ls [D/32 * 8] (sums of
@@ -1089,10 +1101,66 @@ HC_INLINE __m256i iq4_lookup(__m256i nib) {
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), nib);
 }
 
+/* qchunk for the types with 256-value super-blocks: chunk j (0..7) of super-block b. Callers that unroll
+ * a super-block's 8 chunks make j a constant, and every shift and byte offset below with it. */
+HC_INLINE __m256i qchunk_k(const int wt, const uint8_t *b, const int j, float *s, float *m) {
+    m[0] = m[1] = 0.0f;
+    switch (wt) {
+    case WT_Q2_K: {
+        const float d = h2f(rd16(b + 80)), dmin = h2f(rd16(b + 82));
+        /* both scale bytes in one load: byte loads kept as bytes were spilled by GCC and read back
+         * wider, a failed store-to-load forward per byte (a third of the Q2_K gather's time) */
+        const uint32_t sc = rd16(b + 2 * j);
+        s[0] = d * (float)(sc & 15), m[0] = dmin * (float)((sc >> 4) & 15);
+        s[1] = d * (float)((sc >> 8) & 15), m[1] = dmin * (float)(sc >> 12);
+        return _mm256_and_si256(srl16(ld256(b + 16 + (j >> 2) * 32), 2 * (j & 3)), _mm256_set1_epi8(3));
+    }
+    case WT_Q3_K: {
+        const uint8_t *sc = b + 96;
+        const float d = h2f(rd16(b + 108));
+        for (int k = 0; k < 2; k++) {
+            const int i = 2 * j + k;
+            const int lo = (sc[i & 7] >> (4 * (i >> 3))) & 15, hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
+            s[k] = d * (float)((lo | (hi << 4)) - 32);
+        }
+        const __m256i ql = _mm256_and_si256(srl16(ld256(b + 32 + (j >> 2) * 32), 2 * (j & 3)), _mm256_set1_epi8(3));
+        return _mm256_or_si256(ql, bit_j(b, j, 4)); /* u = q + 4 */
+    }
+    case WT_Q4_K: {
+        int sc, mn;
+        scale_min_k4(b + 4, j, &sc, &mn);
+        s[0] = s[1] = h2f(rd16(b)) * (float)sc;
+        m[0] = m[1] = h2f(rd16(b + 2)) * (float)mn;
+        return _mm256_and_si256(srl16(ld256(b + 16 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
+    }
+    case WT_Q5_K: {
+        int sc, mn;
+        scale_min_k4(b + 4, j, &sc, &mn);
+        s[0] = s[1] = h2f(rd16(b)) * (float)sc;
+        m[0] = m[1] = h2f(rd16(b + 2)) * (float)mn;
+        const __m256i lo = _mm256_and_si256(srl16(ld256(b + 48 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
+        return _mm256_or_si256(lo, bit_j(b + 16, j, 0x10));
+    }
+    case WT_Q6_K: {
+        const int h = j >> 2, qq = j & 3;
+        const int8_t *sc = (const int8_t *)(b + 192) + h * 8 + 2 * qq;
+        const float d = h2f(rd16(b + 208));
+        s[0] = d * (float)sc[0], s[1] = d * (float)sc[1];
+        const __m256i lo = _mm256_and_si256(srl16(ld256(b + h * 64 + (qq & 1) * 32), 4 * (qq >> 1)), _mm256_set1_epi8(15));
+        const __m256i hb = _mm256_and_si256(srl16(ld256(b + 128 + h * 32), 2 * qq), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)); /* u = q + 32 */
+    }
+    default: { /* IQ4_XS */
+        const int lo = (b[4 + (j >> 1)] >> (4 * (j & 1))) & 15, hi = (rd16(b + 2) >> (2 * j)) & 3;
+        s[0] = s[1] = h2f(rd16(b)) * (float)((lo | (hi << 4)) - 32);
+        return iq4_lookup(nib16(b + 8 + 16 * j));
+    }
+    }
+}
+
 /* Chunk c of a row as 32 bytes (unsigned u, or the signed values for q_signed types) plus the
  * scale and min of each half (see q_off_shift / q_mode). */
 HC_INLINE __m256i qchunk(const int wt, const uint8_t *row, int64_t c, float *s, float *m) {
-    const int j = (int)(c & 7);
     m[0] = m[1] = 0.0f;
     switch (wt) {
     case WT_Q8_0: {
@@ -1127,60 +1195,51 @@ HC_INLINE __m256i qchunk(const int wt, const uint8_t *row, int64_t c, float *s, 
         s[0] = s[1] = h2f(rd16(b));
         return iq4_lookup(nib16(b + 2));
     }
-    case WT_Q2_K: {
-        const uint8_t *b = row + (c >> 3) * 84;
-        const float d = h2f(rd16(b + 80)), dmin = h2f(rd16(b + 82));
-        for (int k = 0; k < 2; k++) {
-            s[k] = d * (float)(b[2 * j + k] & 15);
-            m[k] = dmin * (float)(b[2 * j + k] >> 4);
-        }
-        return _mm256_and_si256(srl16(ld256(b + 16 + (j >> 2) * 32), 2 * (j & 3)), _mm256_set1_epi8(3));
+    default: return qchunk_k(wt, row + (c >> 3) * k_block_bytes(wt), (int)(c & 7), s, m);
     }
-    case WT_Q3_K: {
-        const uint8_t *b = row + (c >> 3) * 110, *sc = b + 96;
-        const float d = h2f(rd16(b + 108));
-        for (int k = 0; k < 2; k++) {
-            const int i = 2 * j + k;
-            const int lo = (sc[i & 7] >> (4 * (i >> 3))) & 15, hi = (sc[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
-            s[k] = d * (float)((lo | (hi << 4)) - 32);
-        }
+}
+
+/* A Q3_K / Q4_K / Q5_K super-block's scales as floats, decoded once for its 8 chunks (qchunk decodes a
+ * chunk's own, one byte at a time, for every chunk). Each value is qchunk's: d * (float)sc (and dmin *
+ * (float)mn), one rounding, so the kernels keep their bits. Q3_K: sv[16], one a half of 16 values;
+ * Q4_K / Q5_K: sv[8], mv[8], one a chunk. The byte shuffles are ggml's (kmask). */
+HC_INLINE void k_scales(const int wt, const uint8_t *b, float *sv, float *mv) {
+    uint32_t a[4];
+    if (wt == WT_Q3_K) {
+        memcpy(a, b + 96, 12);
+        const uint32_t t = a[2];
+        a[2] = ((a[0] >> 4) & 0x0f0f0f0f) | (((t >> 4) & 0x03030303) << 4);
+        a[3] = ((a[1] >> 4) & 0x0f0f0f0f) | (((t >> 6) & 0x03030303) << 4);
+        a[0] = (a[0] & 0x0f0f0f0f) | ((t & 0x03030303) << 4);
+        a[1] = (a[1] & 0x0f0f0f0f) | (((t >> 2) & 0x03030303) << 4);
+        const __m256 d = _mm256_set1_ps(h2f(rd16(b + 108)));
+        const __m128i v = _mm_sub_epi8(_mm_loadu_si128((const __m128i *)a), _mm_set1_epi8(32));
+        _mm256_storeu_ps(sv, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))));
+        _mm256_storeu_ps(sv + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)))));
+    } else { /* Q4_K, Q5_K: get_scale_min_k4 for all 8 at once */
+        memcpy(a, b + 4, 12);
+        a[3] = ((a[2] >> 4) & 0x0f0f0f0f) | (((a[1] >> 6) & 0x03030303) << 4);
+        const uint32_t lo = a[1] & 0x3f3f3f3f;
+        a[1] = (a[2] & 0x0f0f0f0f) | (((a[0] >> 6) & 0x03030303) << 4);
+        a[2] = lo;
+        a[0] &= 0x3f3f3f3f;
+        /* bytes 0-3, 8-11 ... : a[0], a[1] are the scales, a[2], a[3] the mins */
+        const __m128i v = _mm_loadu_si128((const __m128i *)a);
+        _mm256_storeu_ps(sv, _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(b))), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v))));
+        _mm256_storeu_ps(mv, _mm256_mul_ps(_mm256_set1_ps(h2f(rd16(b + 2))),
+                                           _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)))));
+    }
+}
+
+/* Chunk j's values of a Q3_K / Q4_K / Q5_K super-block, as qchunk_k returns them (without the scales). */
+HC_INLINE __m256i k_bits(const int wt, const uint8_t *b, const int j) {
+    if (wt == WT_Q3_K) {
         const __m256i ql = _mm256_and_si256(srl16(ld256(b + 32 + (j >> 2) * 32), 2 * (j & 3)), _mm256_set1_epi8(3));
-        return _mm256_or_si256(ql, bit_j(b, j, 4)); /* u = q + 4 */
+        return _mm256_or_si256(ql, bit_j(b, j, 4));
     }
-    case WT_Q4_K: {
-        const uint8_t *b = row + (c >> 3) * 144;
-        int sc, mn;
-        scale_min_k4(b + 4, j, &sc, &mn);
-        s[0] = s[1] = h2f(rd16(b)) * (float)sc;
-        m[0] = m[1] = h2f(rd16(b + 2)) * (float)mn;
-        return _mm256_and_si256(srl16(ld256(b + 16 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
-    }
-    case WT_Q5_K: {
-        const uint8_t *b = row + (c >> 3) * 176;
-        int sc, mn;
-        scale_min_k4(b + 4, j, &sc, &mn);
-        s[0] = s[1] = h2f(rd16(b)) * (float)sc;
-        m[0] = m[1] = h2f(rd16(b + 2)) * (float)mn;
-        const __m256i lo = _mm256_and_si256(srl16(ld256(b + 48 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
-        return _mm256_or_si256(lo, bit_j(b + 16, j, 0x10));
-    }
-    case WT_Q6_K: {
-        const uint8_t *b = row + (c >> 3) * 210;
-        const int h = j >> 2, qq = j & 3;
-        const int8_t *sc = (const int8_t *)(b + 192) + h * 8 + 2 * qq;
-        const float d = h2f(rd16(b + 208));
-        s[0] = d * (float)sc[0], s[1] = d * (float)sc[1];
-        const __m256i lo = _mm256_and_si256(srl16(ld256(b + h * 64 + (qq & 1) * 32), 4 * (qq >> 1)), _mm256_set1_epi8(15));
-        const __m256i hb = _mm256_and_si256(srl16(ld256(b + 128 + h * 32), 2 * qq), _mm256_set1_epi8(3));
-        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)); /* u = q + 32 */
-    }
-    default: { /* IQ4_XS */
-        const uint8_t *b = row + (c >> 3) * 136;
-        const int lo = (b[4 + (j >> 1)] >> (4 * (j & 1))) & 15, hi = (rd16(b + 2) >> (2 * j)) & 3;
-        s[0] = s[1] = h2f(rd16(b)) * (float)((lo | (hi << 4)) - 32);
-        return iq4_lookup(nib16(b + 8 + 16 * j));
-    }
-    }
+    if (wt == WT_Q4_K) return _mm256_and_si256(srl16(ld256(b + 16 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
+    const __m256i lo = _mm256_and_si256(srl16(ld256(b + 48 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
+    return _mm256_or_si256(lo, bit_j(b + 16, j, 0x10));
 }
 
 /* acc (8 lanes) += the chunk's products with token x's chunk c; *macc += its min terms. */
@@ -1412,6 +1471,44 @@ HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows
 #else
     float acc[4], macc[4];
     for (int r = 0; r < NR; r++) acc[r] = 0.0f, macc[r] = 0.0f;
+#endif
+#if HC_QSIMD
+    /* Q2_K, Q6_K, IQ4_XS: a super-block's 8 chunks unrolled, so each chunk's place is a constant (1.15-1.2x
+     * Q6_K / IQ4_XS gathers; Q3_K, Q4_K and Q5_K ran 1.4-2x slower so and keep the chunk loop) */
+    if (wt == WT_Q2_K || wt == WT_Q6_K || wt == WT_IQ4_XS) {
+        const int64_t sbb = k_block_bytes(wt);
+        for (int64_t sb = 0; sb < nchunk / 8; sb++) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++)
+                for (int r = 0; r < NR; r++) {
+                    float s[2], m[2];
+                    const __m256i u = qchunk_k(wt, rows[r] + sb * sbb, j, s, m);
+                    qdot_chunk(wt, u, s, m, x, sb * 8 + j, &acc[r], &macc[r]);
+                }
+            prefetch_rows(pf, 4, &pfo, (sb + 1) * sbb, pf_l2);
+        }
+        for (int r = 0; r < NR; r++) res[r] = qdot_finish(wt, acc[r], macc[r]);
+        return;
+    }
+    /* Q3_K, Q4_K, Q5_K: each row's super-block scales decoded once (k_scales), then its 8 chunks
+     * (1.x the chunk loop's speed) */
+    if (wt == WT_Q3_K || wt == WT_Q4_K || wt == WT_Q5_K) {
+        const int64_t sbb = k_block_bytes(wt);
+        float sv[4][16], mv[4][8];
+        for (int64_t sb = 0; sb < nchunk / 8; sb++) {
+            for (int r = 0; r < NR; r++) k_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
+            for (int j = 0; j < 8; j++)
+                for (int r = 0; r < NR; r++) {
+                    const int h = wt == WT_Q3_K; /* Q3_K: two scales a chunk */
+                    const float s[2] = {sv[r][h ? 2 * j : j], sv[r][h ? 2 * j + 1 : j]};
+                    const float m[2] = {h ? 0.0f : mv[r][j], h ? 0.0f : mv[r][j]};
+                    qdot_chunk(wt, k_bits(wt, rows[r] + sb * sbb, j), s, m, x, sb * 8 + j, &acc[r], &macc[r]);
+                }
+            prefetch_rows(pf, 4, &pfo, (sb + 1) * sbb, pf_l2);
+        }
+        for (int r = 0; r < NR; r++) res[r] = qdot_finish(wt, acc[r], macc[r]);
+        return;
+    }
 #endif
     for (int64_t c = 0; c < nchunk; c++) {
         for (int r = 0; r < NR; r++) {
