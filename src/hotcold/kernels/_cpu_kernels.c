@@ -1288,6 +1288,18 @@ HC_INLINE void load32_simd(const int wt, const uint8_t *row, int64_t c, vf *w) {
     }
 }
 
+/* load32_simd of chunk j of a Q3_K / Q5_K super-block b whose scales k_scales decoded: the same values. */
+HC_INLINE void k_load32(const int wt, const uint8_t *b, const int j, const float *sv, const float *mv, vf *w) {
+    __m256i q = k_bits(wt, b, j);
+    if (q_off_shift(wt) >= 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)(1 << q_off_shift(wt))));
+    for (int v = 0; v < NV; v++) {
+        const int h = (v * VL) / 16;
+        vf x = vmul(vset1(wt == WT_Q3_K ? sv[2 * j + h] : sv[j]), vcvt_i8(q, v));
+        if (q_mode(wt) == AFF_SUB) x = vsub(x, vset1(mv[j]));
+        w[v] = x;
+    }
+}
+
 HC_INLINE float qdot_finish(const int wt, __m256 acc, float macc) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -1549,6 +1561,24 @@ HC_INLINE void qdot_row(const int wt, const int NT, const uint8_t *row, const hc
     __m256 acc[QNT];
     float macc[QNT];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps(), macc[t] = 0.0f;
+    if (wt == WT_Q3_K || wt == WT_Q4_K || wt == WT_Q5_K) { /* super-block scales decoded once (k_scales) */
+        const int64_t sbb = k_block_bytes(wt);
+        float sv[16], mv[8];
+        for (int64_t sb = 0; sb < nchunk / 8; sb++) {
+            k_scales(wt, row + sb * sbb, sv, mv);
+            for (int j = 0; j < 8; j++) {
+                const int h = wt == WT_Q3_K;
+                const float s[2] = {sv[h ? 2 * j : j], sv[h ? 2 * j + 1 : j]};
+                const float m[2] = {h ? 0.0f : mv[j], h ? 0.0f : mv[j]};
+                const __m256i u = k_bits(wt, row + sb * sbb, j);
+                for (int t = 0; t < NT; t++) qdot_chunk(wt, u, s, m, xs[t], sb * 8 + j, &acc[t], &macc[t]);
+            }
+            if (HC_PF && pf)
+                for (const int64_t end = (sb + 1) * sbb; pfo < end; pfo += 64) vprefetch(pf + pfo);
+        }
+        for (int t = 0; t < NT; t++) res[t] = qdot_finish(wt, acc[t], macc[t]);
+        return;
+    }
     for (int64_t c = 0; c < nchunk; c++) {
         float s[2], m[2];
         const __m256i u = qchunk(wt, row, c, s, m);
@@ -1712,6 +1742,26 @@ HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows,
             }
             for (int v = 0; v < 2 * NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
             prefetch_rows(pf, HC_AG, &pfo, chunk_off(wt, c + 2), pf_l2);
+        }
+        return;
+    }
+    if ((wt == WT_Q3_K || wt == WT_Q5_K) && !((c0 | c1) & 7)) { /* whole super-blocks: scales decoded once */
+        const int64_t sbb = k_block_bytes(wt);
+        float sv[HC_AG][16], mv[HC_AG][8];
+        for (int64_t sb = c0 / 8; sb < c1 / 8; sb++) {
+            for (int r = 0; r < NR; r++) k_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
+            for (int j = 0; j < 8; j++) {
+                const int64_t c = sb * 8 + j;
+                vf s[NV];
+                for (int v = 0; v < NV; v++) s[v] = vloadu(acc + c * 32 + v * VL);
+                for (int r = 0; r < NR; r++) {
+                    vf w[NV];
+                    k_load32(wt, rows[r] + sb * sbb, j, sv[r], mv[r], w);
+                    for (int v = 0; v < NV; v++) s[v] = vfma(va[r], w[v], s[v]);
+                }
+                for (int v = 0; v < NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
+            }
+            prefetch_rows(pf, HC_AG, &pfo, (sb + 1) * sbb, pf_l2);
         }
         return;
     }
