@@ -1579,6 +1579,21 @@ HC_INLINE void qdot_row(const int wt, const int NT, const uint8_t *row, const hc
         for (int t = 0; t < NT; t++) res[t] = qdot_finish(wt, acc[t], macc[t]);
         return;
     }
+    if (wt == WT_Q2_K || wt == WT_Q6_K || wt == WT_IQ4_XS) { /* as qdot_rows1: super-blocks unrolled */
+        const int64_t sbb = k_block_bytes(wt);
+        for (int64_t sb = 0; sb < nchunk / 8; sb++) {
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                float s[2], m[2];
+                const __m256i u = qchunk_k(wt, row + sb * sbb, j, s, m);
+                for (int t = 0; t < NT; t++) qdot_chunk(wt, u, s, m, xs[t], sb * 8 + j, &acc[t], &macc[t]);
+            }
+            if (HC_PF && pf)
+                for (const int64_t end = (sb + 1) * sbb; pfo < end; pfo += 64) vprefetch(pf + pfo);
+        }
+        for (int t = 0; t < NT; t++) res[t] = qdot_finish(wt, acc[t], macc[t]);
+        return;
+    }
     for (int64_t c = 0; c < nchunk; c++) {
         float s[2], m[2];
         const __m256i u = qchunk(wt, row, c, s, m);
