@@ -50,9 +50,11 @@ def backend(request):
     cpu._reset_for_tests()
 
 
-def make_weight(fmt: str, f: int, gen: torch.Generator, poison: torch.Tensor | None = None):
+def make_weight(
+    fmt: str, f: int, gen: torch.Generator, poison: torch.Tensor | None = None, d: int | None = None
+):
     """(weight in its format, float64 reference [F, D]); rows in `poison` are NaN."""
-    d = D_FOR.get(fmt, D_FLOAT if fmt in FLOAT else D_QUANT)
+    d = d or D_FOR.get(fmt, D_FLOAT if fmt in FLOAT else D_QUANT)
     w = torch.randn(f, d, generator=gen)
     if fmt in FLOAT:
         w = w.to(FLOAT[fmt])
@@ -169,6 +171,33 @@ def test_deterministic_across_threads_and_batching(backend, fmt):
     else:  # torch's GEMM blocks differently for different T
         torch.testing.assert_close(g[1], g_tok, rtol=1e-5, atol=1e-5 * g[1].abs().max().item())
         torch.testing.assert_close(y[1], y_tok, rtol=1e-5, atol=1e-5 * y[1].abs().max().item())
+
+
+@pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
+@pytest.mark.parametrize("d", [768, 1024])
+def test_kquant_rows_over_several_super_blocks(backend, fmt, d):
+    """Rows of 3 and 4 super-blocks: the kernels that decode a super-block's scales once, or unroll its
+    chunks, step from block to block (1024 with 2 threads splits a one-token axpy at a block edge, 768
+    inside one). The float64 answer for gathers and axpys, and the same bits for 1, 2 and 3 threads and
+    for each token alone."""
+    gen = torch.Generator().manual_seed(d)
+    w, w64 = make_weight(fmt, 203, gen, d=d)
+    t = 3
+    x = torch.randn(t, d, generator=gen)
+    a = torch.relu(torch.randn(t, 203, generator=gen))
+    m = torch.rand(t, 203, generator=gen) < 0.4
+    xk = kernel_x(backend, fmt, x)
+    g = {n: cpu.gather_matvec(w, x, m, threads=n) for n in (1, 2, 3)}
+    y = {n: cpu.sparse_axpy(w, a, m, threads=n) for n in (1, 2, 3)}
+    assert_close(g[1], ref_gather(w64, xk, m), ref_gather(w64.abs(), xk.abs(), m))
+    assert_close(y[1], ref_axpy(w64, a, m), ref_axpy(w64.abs(), a.abs(), m))
+    if backend == "c":
+        assert torch.equal(g[1], g[2]) and torch.equal(g[1], g[3])
+        assert torch.equal(y[1], y[2]) and torch.equal(y[1], y[3])
+        for i in range(t):
+            for n in (1, 2):
+                assert torch.equal(cpu.gather_matvec(w, x[i], m[i], threads=n), g[1][i])
+                assert torch.equal(cpu.sparse_axpy(w, a[i], m[i], threads=n), y[1][i])
 
 
 def test_axpy_blocks_and_wide_rows(backend):
