@@ -1288,6 +1288,15 @@ HC_INLINE void load32_simd(const int wt, const uint8_t *row, int64_t c, vf *w) {
     }
 }
 
+/* load_q6_k with sv[i] = d * (float)scales[i] computed once for the super-block: the same values. */
+HC_INLINE void load_q6_k_sv(const uint8_t *b, const int j, const float *sv, vf *w) {
+    const int h = j >> 2, qq = j & 3;
+    const __m256i lo = _mm256_and_si256(srl16(ld256(b + h * 64 + (qq & 1) * 32), 4 * (qq >> 1)), _mm256_set1_epi8(15));
+    const __m256i hb = _mm256_and_si256(srl16(ld256(b + 128 + h * 32), 2 * qq), _mm256_set1_epi8(3));
+    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
+    for (int v = 0; v < NV; v++) w[v] = vmul(vcvt_i8(q, v), vset1(sv[h * 8 + 2 * qq + (v * VL) / 16]));
+}
+
 /* load32_simd of chunk j of a Q3_K / Q5_K super-block b whose scales k_scales decoded: the same values. */
 HC_INLINE void k_load32(const int wt, const uint8_t *b, const int j, const float *sv, const float *mv, vf *w) {
     __m256i q = k_bits(wt, b, j);
@@ -1757,6 +1766,32 @@ HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows,
             }
             for (int v = 0; v < 2 * NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
             prefetch_rows(pf, HC_AG, &pfo, chunk_off(wt, c + 2), pf_l2);
+        }
+        return;
+    }
+    if (wt == WT_Q6_K && !((c0 | c1) & 7)) { /* whole super-blocks: d * scale once for the block's 16 halves */
+        float sv[HC_AG][16];
+        for (int64_t sb = c0 / 8; sb < c1 / 8; sb++) {
+            for (int r = 0; r < NR; r++) {
+                const uint8_t *b = rows[r] + sb * 210;
+                const __m256 d = _mm256_set1_ps(h2f(rd16(b + 208)));
+                const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+                _mm256_storeu_ps(sv[r], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+                _mm256_storeu_ps(sv[r] + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+            }
+#pragma GCC unroll 8
+            for (int j = 0; j < 8; j++) {
+                const int64_t c = sb * 8 + j;
+                vf s[NV];
+                for (int v = 0; v < NV; v++) s[v] = vloadu(acc + c * 32 + v * VL);
+                for (int r = 0; r < NR; r++) {
+                    vf w[NV];
+                    load_q6_k_sv(rows[r] + sb * 210, j, sv[r], w);
+                    for (int v = 0; v < NV; v++) s[v] = vfma(va[r], w[v], s[v]);
+                }
+                for (int v = 0; v < NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
+            }
+            prefetch_rows(pf, HC_AG, &pfo, (sb + 1) * 210, pf_l2);
         }
         return;
     }
