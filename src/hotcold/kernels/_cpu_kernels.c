@@ -1288,6 +1288,14 @@ HC_INLINE void load32_simd(const int wt, const uint8_t *row, int64_t c, vf *w) {
     }
 }
 
+/* sv[i] = d * (float)scales[i] of a Q6_K super-block (load_q6_k's products, one rounding each). */
+HC_INLINE void q6_k_scales(const uint8_t *b, float *sv) {
+    const __m256 d = _mm256_set1_ps(h2f(rd16(b + 208)));
+    const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+    _mm256_storeu_ps(sv, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+    _mm256_storeu_ps(sv + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+}
+
 /* load_q6_k with sv[i] = d * (float)scales[i] computed once for the super-block: the same values. */
 HC_INLINE void load_q6_k_sv(const uint8_t *b, const int j, const float *sv, vf *w) {
     const int h = j >> 2, qq = j & 3;
@@ -1772,13 +1780,7 @@ HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows,
     if (wt == WT_Q6_K && !((c0 | c1) & 7)) { /* whole super-blocks: d * scale once for the block's 16 halves */
         float sv[HC_AG][16];
         for (int64_t sb = c0 / 8; sb < c1 / 8; sb++) {
-            for (int r = 0; r < NR; r++) {
-                const uint8_t *b = rows[r] + sb * 210;
-                const __m256 d = _mm256_set1_ps(h2f(rd16(b + 208)));
-                const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-                _mm256_storeu_ps(sv[r], _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
-                _mm256_storeu_ps(sv[r] + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
-            }
+            for (int r = 0; r < NR; r++) q6_k_scales(rows[r] + sb * 210, sv[r]);
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++) {
                 const int64_t c = sb * 8 + j;
@@ -1882,9 +1884,25 @@ HC_INLINE void axpy_batch(const int wt, const hc_args *A, int64_t c0, int64_t c1
             as[m] = a;
             m += (a != 0.0f) & (!A->mask || A->mask[t * F + i] != 0);
         }
+#if HC_QSIMD
+        const int whole_blocks = !((c0 | c1) & 7) && (wt == WT_Q3_K || wt == WT_Q4_K || wt == WT_Q5_K || wt == WT_Q6_K);
+        float sv[16], mv[8]; /* the current super-block's scales (whole_blocks) */
+#endif
         for (int64_t c = c0; c < c1; c++) {
             vf w[NV];
-            load32(wt, row, c, w);
+#if HC_QSIMD
+            if (whole_blocks) { /* a super-block's scales decoded once for its 8 chunks: load32's values */
+                const uint8_t *b = row + (c >> 3) * k_block_bytes(wt);
+                if (wt == WT_Q6_K) {
+                    if (!(c & 7)) q6_k_scales(b, sv);
+                    load_q6_k_sv(b, (int)(c & 7), sv, w);
+                } else {
+                    if (!(c & 7)) k_scales(wt, b, sv, mv);
+                    k_load32(wt, b, (int)(c & 7), sv, mv, w);
+                }
+            } else
+#endif
+                load32(wt, row, c, w);
             for (int64_t q = 0; q < m; q++) {
                 float *acc = part + ts[q] * width + (c - c0) * 32;
                 const vf va = vset1(as[q]);
