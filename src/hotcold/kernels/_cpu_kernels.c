@@ -1317,6 +1317,17 @@ HC_INLINE void k_load32(const int wt, const uint8_t *b, const int j, const float
     }
 }
 
+/* A Q3_K / Q4_K / Q5_K / Q6_K super-block's scales (k_scales, q6_k_scales), and chunk j of it as load32
+ * gives it from them. */
+HC_INLINE void k_block_scales(const int wt, const uint8_t *b, float *sv, float *mv) {
+    if (wt == WT_Q6_K) q6_k_scales(b, sv);
+    else k_scales(wt, b, sv, mv);
+}
+HC_INLINE void k_block_load32(const int wt, const uint8_t *b, const int j, const float *sv, const float *mv, vf *w) {
+    if (wt == WT_Q6_K) load_q6_k_sv(b, j, sv, w);
+    else k_load32(wt, b, j, sv, mv, w);
+}
+
 HC_INLINE float qdot_finish(const int wt, __m256 acc, float macc) {
     __m128 h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     h = _mm_add_ps(h, _mm_movehl_ps(h, h));
@@ -1777,38 +1788,19 @@ HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows,
         }
         return;
     }
-    if (wt == WT_Q6_K && !((c0 | c1) & 7)) { /* whole super-blocks: d * scale once for the block's 16 halves */
-        float sv[HC_AG][16];
-        for (int64_t sb = c0 / 8; sb < c1 / 8; sb++) {
-            for (int r = 0; r < NR; r++) q6_k_scales(rows[r] + sb * 210, sv[r]);
-#pragma GCC unroll 8
-            for (int j = 0; j < 8; j++) {
-                const int64_t c = sb * 8 + j;
-                vf s[NV];
-                for (int v = 0; v < NV; v++) s[v] = vloadu(acc + c * 32 + v * VL);
-                for (int r = 0; r < NR; r++) {
-                    vf w[NV];
-                    load_q6_k_sv(rows[r] + sb * 210, j, sv[r], w);
-                    for (int v = 0; v < NV; v++) s[v] = vfma(va[r], w[v], s[v]);
-                }
-                for (int v = 0; v < NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
-            }
-            prefetch_rows(pf, HC_AG, &pfo, (sb + 1) * 210, pf_l2);
-        }
-        return;
-    }
-    if ((wt == WT_Q3_K || wt == WT_Q5_K) && !((c0 | c1) & 7)) { /* whole super-blocks: scales decoded once */
+    if ((wt == WT_Q3_K || wt == WT_Q5_K || wt == WT_Q6_K) && !((c0 | c1) & 7)) { /* whole super-blocks: scales
+                                                                                * decoded once a block */
         const int64_t sbb = k_block_bytes(wt);
         float sv[HC_AG][16], mv[HC_AG][8];
         for (int64_t sb = c0 / 8; sb < c1 / 8; sb++) {
-            for (int r = 0; r < NR; r++) k_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
+            for (int r = 0; r < NR; r++) k_block_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
             for (int j = 0; j < 8; j++) {
                 const int64_t c = sb * 8 + j;
                 vf s[NV];
                 for (int v = 0; v < NV; v++) s[v] = vloadu(acc + c * 32 + v * VL);
                 for (int r = 0; r < NR; r++) {
                     vf w[NV];
-                    k_load32(wt, rows[r] + sb * sbb, j, sv[r], mv[r], w);
+                    k_block_load32(wt, rows[r] + sb * sbb, j, sv[r], mv[r], w);
                     for (int v = 0; v < NV; v++) s[v] = vfma(va[r], w[v], s[v]);
                 }
                 for (int v = 0; v < NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
@@ -1893,13 +1885,8 @@ HC_INLINE void axpy_batch(const int wt, const hc_args *A, int64_t c0, int64_t c1
 #if HC_QSIMD
             if (whole_blocks) { /* a super-block's scales decoded once for its 8 chunks: load32's values */
                 const uint8_t *b = row + (c >> 3) * k_block_bytes(wt);
-                if (wt == WT_Q6_K) {
-                    if (!(c & 7)) q6_k_scales(b, sv);
-                    load_q6_k_sv(b, (int)(c & 7), sv, w);
-                } else {
-                    if (!(c & 7)) k_scales(wt, b, sv, mv);
-                    k_load32(wt, b, (int)(c & 7), sv, mv, w);
-                }
+                if (!(c & 7)) k_block_scales(wt, b, sv, mv);
+                k_block_load32(wt, b, (int)(c & 7), sv, mv, w);
             } else
 #endif
                 load32(wt, row, c, w);
