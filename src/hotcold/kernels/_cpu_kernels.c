@@ -1231,13 +1231,19 @@ HC_INLINE void k_scales(const int wt, const uint8_t *b, float *sv, float *mv) {
     }
 }
 
-/* Chunk j's values of a Q3_K / Q4_K / Q5_K super-block, as qchunk_k returns them (without the scales). */
+/* Chunk j's values of a Q3_K / Q4_K / Q5_K / Q6_K super-block, as qchunk_k returns them (without the scales). */
 HC_INLINE __m256i k_bits(const int wt, const uint8_t *b, const int j) {
     if (wt == WT_Q3_K) {
         const __m256i ql = _mm256_and_si256(srl16(ld256(b + 32 + (j >> 2) * 32), 2 * (j & 3)), _mm256_set1_epi8(3));
         return _mm256_or_si256(ql, bit_j(b, j, 4));
     }
     if (wt == WT_Q4_K) return _mm256_and_si256(srl16(ld256(b + 16 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
+    if (wt == WT_Q6_K) {
+        const int h = j >> 2, qq = j & 3;
+        const __m256i lo = _mm256_and_si256(srl16(ld256(b + h * 64 + (qq & 1) * 32), 4 * (qq >> 1)), _mm256_set1_epi8(15));
+        const __m256i hb = _mm256_and_si256(srl16(ld256(b + 128 + h * 32), 2 * qq), _mm256_set1_epi8(3));
+        return _mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)); /* u = q + 32 */
+    }
     const __m256i lo = _mm256_and_si256(srl16(ld256(b + 48 + (j >> 1) * 32), 4 * (j & 1)), _mm256_set1_epi8(15));
     return _mm256_or_si256(lo, bit_j(b + 16, j, 0x10));
 }
@@ -1513,9 +1519,9 @@ HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows
     for (int r = 0; r < NR; r++) acc[r] = 0.0f, macc[r] = 0.0f;
 #endif
 #if HC_QSIMD
-    /* Q2_K, Q6_K, IQ4_XS: a super-block's 8 chunks unrolled, so each chunk's place is a constant (1.15-1.2x
-     * Q6_K / IQ4_XS gathers; Q3_K, Q4_K and Q5_K ran 1.4-2x slower so and keep the chunk loop) */
-    if (wt == WT_Q2_K || wt == WT_Q6_K || wt == WT_IQ4_XS) {
+    /* Q2_K, IQ4_XS: a super-block's 8 chunks unrolled, so each chunk's place is a constant (1.2x IQ4_XS
+     * gathers; Q3_K, Q4_K and Q5_K ran 1.4-2x slower so and decode their scales once a block below) */
+    if (wt == WT_Q2_K || wt == WT_IQ4_XS) {
         const int64_t sbb = k_block_bytes(wt);
         for (int64_t sb = 0; sb < nchunk / 8; sb++) {
 #pragma GCC unroll 8
@@ -1530,16 +1536,15 @@ HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows
         for (int r = 0; r < NR; r++) res[r] = qdot_finish(wt, acc[r], macc[r]);
         return;
     }
-    /* Q3_K, Q4_K, Q5_K: each row's super-block scales decoded once (k_scales), then its 8 chunks
-     * (1.x the chunk loop's speed) */
-    if (wt == WT_Q3_K || wt == WT_Q4_K || wt == WT_Q5_K) {
+    /* Q3_K, Q4_K, Q5_K, Q6_K: each row's super-block scales decoded once (k_block_scales), then its 8 chunks */
+    if (wt == WT_Q3_K || wt == WT_Q4_K || wt == WT_Q5_K || wt == WT_Q6_K) {
         const int64_t sbb = k_block_bytes(wt);
         float sv[4][16], mv[4][8];
         for (int64_t sb = 0; sb < nchunk / 8; sb++) {
-            for (int r = 0; r < NR; r++) k_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
+            for (int r = 0; r < NR; r++) k_block_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
             for (int j = 0; j < 8; j++)
                 for (int r = 0; r < NR; r++) {
-                    const int h = wt == WT_Q3_K; /* Q3_K: two scales a chunk */
+                    const int h = q_half_scales(wt); /* Q3_K, Q6_K: two scales a chunk */
                     const float s[2] = {sv[r][h ? 2 * j : j], sv[r][h ? 2 * j + 1 : j]};
                     const float m[2] = {h ? 0.0f : mv[r][j], h ? 0.0f : mv[r][j]};
                     qdot_chunk(wt, k_bits(wt, rows[r] + sb * sbb, j), s, m, x, sb * 8 + j, &acc[r], &macc[r]);
