@@ -21,7 +21,9 @@ import argparse
 import ctypes
 import datetime as dt
 import json
+import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,7 +45,11 @@ def compile_before(src: Path) -> ctypes.CDLL:
     c_file = src / "hotcold" / "kernels" / "_cpu_kernels.c"
     if not c_file.is_file():
         raise SystemExit(f"error: {c_file} not found (--before-src is an older checkout's src/ folder)")
-    cc = "cc"
+    cc = (
+        os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    )  # as hotcold.kernels.build picks it
+    if cc is None:
+        raise SystemExit("error: no C compiler (cc / gcc) to build the older kernels")
     out = Path(tempfile.mkdtemp(prefix="hotcold-before-")) / "before.so"
     for flags in build._FLAG_SETS:
         res = subprocess.run(

@@ -177,9 +177,9 @@ def test_deterministic_across_threads_and_batching(backend, fmt):
 @pytest.mark.parametrize("d", [768, 1024])
 def test_kquant_rows_over_several_super_blocks(backend, fmt, d):
     """Rows of 3 and 4 super-blocks: the kernels that decode a super-block's scales once, or unroll its
-    chunks, step from block to block (1024 with 2 threads splits a one-token axpy at a block edge, 768
-    inside one). The float64 answer for gathers and axpys, and the same bits for 1, 2 and 3 threads and
-    for each token alone."""
+    chunks, step from block to block. With 2 threads the batch axpy splits 1024 columns at a block edge
+    (its block-at-a-time path) and 768 inside a block (its chunk loop). The float64 answer for gathers and
+    axpys, and the same bits for 1, 2 and 3 threads and for each token alone."""
     gen = torch.Generator().manual_seed(d)
     w, w64 = make_weight(fmt, 203, gen, d=d)
     t = 3

@@ -1199,13 +1199,18 @@ HC_INLINE __m256i qchunk(const int wt, const uint8_t *row, int64_t c, float *s, 
     }
 }
 
-/* A Q3_K / Q4_K / Q5_K super-block's scales as floats, decoded once for its 8 chunks (qchunk decodes a
- * chunk's own, one byte at a time, for every chunk). Each value is qchunk's: d * (float)sc (and dmin *
- * (float)mn), one rounding, so the kernels keep their bits. Q3_K: sv[16], one a half of 16 values;
+/* A Q3_K / Q4_K / Q5_K / Q6_K super-block's scales as floats, decoded once for its 8 chunks (qchunk decodes
+ * a chunk's own, one byte at a time, for every chunk). Each value is qchunk's: d * (float)sc (and dmin *
+ * (float)mn), one rounding, so the kernels keep their bits. Q3_K, Q6_K: sv[16], one a half of 16 values;
  * Q4_K / Q5_K: sv[8], mv[8], one a chunk. The byte shuffles are ggml's (kmask). */
 HC_INLINE void k_scales(const int wt, const uint8_t *b, float *sv, float *mv) {
     uint32_t a[4];
-    if (wt == WT_Q3_K) {
+    if (wt == WT_Q6_K) {
+        const __m256 d = _mm256_set1_ps(h2f(rd16(b + 208)));
+        const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
+        _mm256_storeu_ps(sv, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
+        _mm256_storeu_ps(sv + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+    } else if (wt == WT_Q3_K) {
         memcpy(a, b + 96, 12);
         const uint32_t t = a[2];
         a[2] = ((a[0] >> 4) & 0x0f0f0f0f) | (((t >> 4) & 0x03030303) << 4);
@@ -1248,6 +1253,17 @@ HC_INLINE __m256i k_bits(const int wt, const uint8_t *b, const int j) {
     return _mm256_or_si256(lo, bit_j(b + 16, j, 0x10));
 }
 
+/* Chunk j's scale and min of each half (qchunk's s and m) from its super-block's k_scales. */
+HC_INLINE void k_chunk_scales(const int wt, const float *sv, const float *mv, const int j, float *s, float *m) {
+    if (q_half_scales(wt)) { /* Q3_K, Q6_K */
+        s[0] = sv[2 * j], s[1] = sv[2 * j + 1];
+        m[0] = m[1] = 0.0f;
+    } else {
+        s[0] = s[1] = sv[j];
+        m[0] = m[1] = mv[j];
+    }
+}
+
 /* acc (8 lanes) += the chunk's products with token x's chunk c; *macc += its min terms. */
 HC_INLINE void qdot_chunk(const int wt, __m256i u, const float *s, const float *m, const hc_xq *x, int64_t c,
                           __m256 *acc, float *macc) {
@@ -1280,9 +1296,8 @@ HC_INLINE vf vcvt_i8(__m256i q, int v) {
 #endif
 }
 
-HC_INLINE void load32_simd(const int wt, const uint8_t *row, int64_t c, vf *w) {
-    float s[2], m[2];
-    __m256i q = qchunk(wt, row, c, s, m);
+/* A chunk's values q (as qchunk returns them) with the scale and min of each half, as floats. */
+HC_INLINE void emit_q32(const int wt, __m256i q, const float *s, const float *m, vf *w) {
     if (q_off_shift(wt) >= 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)(1 << q_off_shift(wt))));
     const int mode = q_mode(wt);
     for (int v = 0; v < NV; v++) {
@@ -1294,44 +1309,17 @@ HC_INLINE void load32_simd(const int wt, const uint8_t *row, int64_t c, vf *w) {
     }
 }
 
-/* sv[i] = d * (float)scales[i] of a Q6_K super-block (load_q6_k's products, one rounding each). */
-HC_INLINE void q6_k_scales(const uint8_t *b, float *sv) {
-    const __m256 d = _mm256_set1_ps(h2f(rd16(b + 208)));
-    const __m128i sc = _mm_loadu_si128((const __m128i *)(b + 192));
-    _mm256_storeu_ps(sv, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc))));
-    _mm256_storeu_ps(sv + 8, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc, 8)))));
+HC_INLINE void load32_simd(const int wt, const uint8_t *row, int64_t c, vf *w) {
+    float s[2], m[2];
+    const __m256i q = qchunk(wt, row, c, s, m);
+    emit_q32(wt, q, s, m, w);
 }
 
-/* load_q6_k with sv[i] = d * (float)scales[i] computed once for the super-block: the same values. */
-HC_INLINE void load_q6_k_sv(const uint8_t *b, const int j, const float *sv, vf *w) {
-    const int h = j >> 2, qq = j & 3;
-    const __m256i lo = _mm256_and_si256(srl16(ld256(b + h * 64 + (qq & 1) * 32), 4 * (qq >> 1)), _mm256_set1_epi8(15));
-    const __m256i hb = _mm256_and_si256(srl16(ld256(b + 128 + h * 32), 2 * qq), _mm256_set1_epi8(3));
-    const __m256i q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hb, 4)), _mm256_set1_epi8(32));
-    for (int v = 0; v < NV; v++) w[v] = vmul(vcvt_i8(q, v), vset1(sv[h * 8 + 2 * qq + (v * VL) / 16]));
-}
-
-/* load32_simd of chunk j of a Q3_K / Q5_K super-block b whose scales k_scales decoded: the same values. */
+/* load32 of chunk j of a Q3_K / Q4_K / Q5_K / Q6_K super-block b from its k_scales: the same values. */
 HC_INLINE void k_load32(const int wt, const uint8_t *b, const int j, const float *sv, const float *mv, vf *w) {
-    __m256i q = k_bits(wt, b, j);
-    if (q_off_shift(wt) >= 0) q = _mm256_sub_epi8(q, _mm256_set1_epi8((char)(1 << q_off_shift(wt))));
-    for (int v = 0; v < NV; v++) {
-        const int h = (v * VL) / 16;
-        vf x = vmul(vset1(wt == WT_Q3_K ? sv[2 * j + h] : sv[j]), vcvt_i8(q, v));
-        if (q_mode(wt) == AFF_SUB) x = vsub(x, vset1(mv[j]));
-        w[v] = x;
-    }
-}
-
-/* A Q3_K / Q4_K / Q5_K / Q6_K super-block's scales (k_scales, q6_k_scales), and chunk j of it as load32
- * gives it from them. */
-HC_INLINE void k_block_scales(const int wt, const uint8_t *b, float *sv, float *mv) {
-    if (wt == WT_Q6_K) q6_k_scales(b, sv);
-    else k_scales(wt, b, sv, mv);
-}
-HC_INLINE void k_block_load32(const int wt, const uint8_t *b, const int j, const float *sv, const float *mv, vf *w) {
-    if (wt == WT_Q6_K) load_q6_k_sv(b, j, sv, w);
-    else k_load32(wt, b, j, sv, mv, w);
+    float s[2], m[2];
+    k_chunk_scales(wt, sv, mv, j, s, m);
+    emit_q32(wt, k_bits(wt, b, j), s, m, w);
 }
 
 HC_INLINE float qdot_finish(const int wt, __m256 acc, float macc) {
@@ -1536,17 +1524,16 @@ HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows
         for (int r = 0; r < NR; r++) res[r] = qdot_finish(wt, acc[r], macc[r]);
         return;
     }
-    /* Q3_K, Q4_K, Q5_K, Q6_K: each row's super-block scales decoded once (k_block_scales), then its 8 chunks */
+    /* Q3_K, Q4_K, Q5_K, Q6_K: each row's super-block scales decoded once (k_scales), then its 8 chunks */
     if (wt == WT_Q3_K || wt == WT_Q4_K || wt == WT_Q5_K || wt == WT_Q6_K) {
         const int64_t sbb = k_block_bytes(wt);
         float sv[4][16], mv[4][8];
         for (int64_t sb = 0; sb < nchunk / 8; sb++) {
-            for (int r = 0; r < NR; r++) k_block_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
+            for (int r = 0; r < NR; r++) k_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
             for (int j = 0; j < 8; j++)
                 for (int r = 0; r < NR; r++) {
-                    const int h = q_half_scales(wt); /* Q3_K, Q6_K: two scales a chunk */
-                    const float s[2] = {sv[r][h ? 2 * j : j], sv[r][h ? 2 * j + 1 : j]};
-                    const float m[2] = {h ? 0.0f : mv[r][j], h ? 0.0f : mv[r][j]};
+                    float s[2], m[2];
+                    k_chunk_scales(wt, sv[r], mv[r], j, s, m);
                     qdot_chunk(wt, k_bits(wt, rows[r] + sb * sbb, j), s, m, x, sb * 8 + j, &acc[r], &macc[r]);
                 }
             prefetch_rows(pf, 4, &pfo, (sb + 1) * sbb, pf_l2);
@@ -1594,20 +1581,20 @@ HC_INLINE void qdot_row(const int wt, const int NT, const uint8_t *row, const hc
     __m256 acc[QNT];
     float macc[QNT];
     for (int t = 0; t < NT; t++) acc[t] = _mm256_setzero_ps(), macc[t] = 0.0f;
-    if (wt == WT_Q3_K || wt == WT_Q4_K || wt == WT_Q5_K) { /* super-block scales decoded once (k_scales) */
+    /* super-block scales decoded once (k_scales); Q6_K stays with the unrolled loop below: 1.5-1.7x over
+     * 05077f1 at T = 8 either way on a noisy host, not told apart */
+    if (wt == WT_Q3_K || wt == WT_Q4_K || wt == WT_Q5_K) {
         const int64_t sbb = k_block_bytes(wt);
         float sv[16], mv[8];
         for (int64_t sb = 0; sb < nchunk / 8; sb++) {
             k_scales(wt, row + sb * sbb, sv, mv);
             for (int j = 0; j < 8; j++) {
-                const int h = wt == WT_Q3_K;
-                const float s[2] = {sv[h ? 2 * j : j], sv[h ? 2 * j + 1 : j]};
-                const float m[2] = {h ? 0.0f : mv[j], h ? 0.0f : mv[j]};
+                float s[2], m[2];
+                k_chunk_scales(wt, sv, mv, j, s, m);
                 const __m256i u = k_bits(wt, row + sb * sbb, j);
                 for (int t = 0; t < NT; t++) qdot_chunk(wt, u, s, m, xs[t], sb * 8 + j, &acc[t], &macc[t]);
             }
-            if (HC_PF && pf)
-                for (const int64_t end = (sb + 1) * sbb; pfo < end; pfo += 64) vprefetch(pf + pfo);
+            prefetch_rows(pf ? &pf : NULL, 1, &pfo, (sb + 1) * sbb, 0);
         }
         for (int t = 0; t < NT; t++) res[t] = qdot_finish(wt, acc[t], macc[t]);
         return;
@@ -1621,8 +1608,7 @@ HC_INLINE void qdot_row(const int wt, const int NT, const uint8_t *row, const hc
                 const __m256i u = qchunk_k(wt, row + sb * sbb, j, s, m);
                 for (int t = 0; t < NT; t++) qdot_chunk(wt, u, s, m, xs[t], sb * 8 + j, &acc[t], &macc[t]);
             }
-            if (HC_PF && pf)
-                for (const int64_t end = (sb + 1) * sbb; pfo < end; pfo += 64) vprefetch(pf + pfo);
+            prefetch_rows(pf ? &pf : NULL, 1, &pfo, (sb + 1) * sbb, 0);
         }
         for (int t = 0; t < NT; t++) res[t] = qdot_finish(wt, acc[t], macc[t]);
         return;
@@ -1631,8 +1617,7 @@ HC_INLINE void qdot_row(const int wt, const int NT, const uint8_t *row, const hc
         float s[2], m[2];
         const __m256i u = qchunk(wt, row, c, s, m);
         for (int t = 0; t < NT; t++) qdot_chunk(wt, u, s, m, xs[t], c, &acc[t], &macc[t]);
-        if (HC_PF && pf)
-            for (const int64_t end = chunk_off(wt, c + 1); pfo < end; pfo += 64) vprefetch(pf + pfo);
+        prefetch_rows(pf ? &pf : NULL, 1, &pfo, chunk_off(wt, c + 1), 0);
     }
     for (int t = 0; t < NT; t++) res[t] = qdot_finish(wt, acc[t], macc[t]);
 #else
@@ -1798,14 +1783,14 @@ HC_INLINE void axpy_rows(const int wt, const int NR, const uint8_t *const *rows,
         const int64_t sbb = k_block_bytes(wt);
         float sv[HC_AG][16], mv[HC_AG][8];
         for (int64_t sb = c0 / 8; sb < c1 / 8; sb++) {
-            for (int r = 0; r < NR; r++) k_block_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
+            for (int r = 0; r < NR; r++) k_scales(wt, rows[r] + sb * sbb, sv[r], mv[r]);
             for (int j = 0; j < 8; j++) {
                 const int64_t c = sb * 8 + j;
                 vf s[NV];
                 for (int v = 0; v < NV; v++) s[v] = vloadu(acc + c * 32 + v * VL);
                 for (int r = 0; r < NR; r++) {
                     vf w[NV];
-                    k_block_load32(wt, rows[r] + sb * sbb, j, sv[r], mv[r], w);
+                    k_load32(wt, rows[r] + sb * sbb, j, sv[r], mv[r], w);
                     for (int v = 0; v < NV; v++) s[v] = vfma(va[r], w[v], s[v]);
                 }
                 for (int v = 0; v < NV; v++) vstoreu(acc + c * 32 + v * VL, s[v]);
@@ -1890,8 +1875,8 @@ HC_INLINE void axpy_batch(const int wt, const hc_args *A, int64_t c0, int64_t c1
 #if HC_QSIMD
             if (whole_blocks) { /* a super-block's scales decoded once for its 8 chunks: load32's values */
                 const uint8_t *b = row + (c >> 3) * k_block_bytes(wt);
-                if (!(c & 7)) k_block_scales(wt, b, sv, mv);
-                k_block_load32(wt, b, (int)(c & 7), sv, mv, w);
+                if (!(c & 7)) k_scales(wt, b, sv, mv);
+                k_load32(wt, b, (int)(c & 7), sv, mv, w);
             } else
 #endif
                 load32(wt, row, c, w);
