@@ -28,7 +28,7 @@ import gguf
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from hotcold.kernels import cpu
+from hotcold.kernels import cpu, ffn_calls
 from hotcold.quants import QuantTensor, row_bytes
 
 SHAPES = {"1b": (5632, 2048, 22), "7b": (11008, 4096, 6)}  # rows, columns, matrices
@@ -120,7 +120,7 @@ def bench_format(fmt: str, shape: str, threads: list[int], densities: list[float
     # ffn_step: the decode path's one C call (SparseFFNPlan with a given mask) over gate = matrix i, up = i+1,
     # down_t = i+2: gate rows where the mask is set, up and down rows only where relu(gate) != 0
     plans = [
-        cpu.SparseFFNPlan(weights[(i + 1) % LAYERS], weights[i], weights[(i + 2) % LAYERS])
+        ffn_calls.SparseFFNPlan(weights[(i + 1) % LAYERS], weights[i], weights[(i + 2) % LAYERS])
         for i in range(LAYERS)
     ]
     kernels = ("gather", "axpy", "ffn_step")

@@ -34,22 +34,6 @@ D_FOR = {f: 256 for f in QTYPE if gguf.GGML_QUANT_SIZES[QTYPE[f]][0] == 256}  # 
 NAN_F16 = np.array([np.nan], dtype=np.float16).view(np.uint8)
 
 
-@pytest.fixture(params=["c", "torch"], scope="module")
-def backend(request):
-    mp = pytest.MonkeyPatch()
-    if request.param == "torch":
-        mp.setenv("HOTCOLD_NO_CEXT", "1")
-    else:
-        mp.delenv("HOTCOLD_NO_CEXT", raising=False)
-    cpu._reset_for_tests()
-    if cpu.backend() != request.param:
-        mp.undo()
-        pytest.skip("C kernels unavailable (no compiler)")
-    yield request.param
-    mp.undo()
-    cpu._reset_for_tests()
-
-
 def make_weight(
     fmt: str, f: int, gen: torch.Generator, poison: torch.Tensor | None = None, d: int | None = None
 ):
@@ -542,84 +526,6 @@ def test_attention_decode_rows_equals_each_row_alone(backend, window):
             sin_t[idx],
             neox=False,
         )
-
-
-def ffn_steps(up, gate, down_t, kind, bias, x, mask):
-    """The sparse FFN step op by op (as SparseFFN's unfused path computes it)."""
-    live, g = mask, None
-    if gate is not None:
-        g = torch.relu(cpu.gather_matvec(gate, x, mask))
-        live = mask & (g != 0)
-    v = cpu.gather_matvec(up, x, live)
-    v = v + bias if bias is not None else v
-    a = {"gated": lambda: g * v, "gated_both": lambda: g * torch.relu(v), "plain": lambda: torch.relu(v)}[
-        kind
-    ]()
-    return cpu.sparse_axpy(down_t, torch.where(live, a, torch.zeros(())), live)
-
-
-@pytest.mark.parametrize("kind", ["gated", "gated_both", "plain"])
-@pytest.mark.parametrize("t", [1, 3])
-def test_sparse_ffn_plan_equals_op_by_op(backend, kind, t):
-    """Never None: one C call, or the same steps in torch; bit-identical to the ops called one by one."""
-    gen = torch.Generator().manual_seed(15)
-    f, d, r = 300, D_QUANT, 32
-    up = QuantTensor.from_float(torch.randn(f, d, generator=gen), Q.Q8_0)
-    gate = None if kind == "plain" else torch.randn(f, d, generator=gen).half()
-    down_t = torch.randn(f, d, generator=gen).bfloat16()
-    bias = torch.randn(f, generator=gen) if kind == "plain" else None
-    fc1 = torch.randn(r, d, generator=gen).half()
-    fc2 = QuantTensor.from_float(torch.randn(f, r, generator=gen), Q.Q8_0)
-    x, p = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
-    norm = (torch.rand(d, generator=gen) + 0.5, 1e-5)
-    plan = cpu.SparseFFNPlan(up, gate, down_t, kind=kind, up_bias=bias, fc1=fc1, fc2=fc2, threshold=0.5)
-    out, mask, fired = plan(x, p, norm=norm, threads=2)
-    want_mask = cpu.gather_matvec(fc2, torch.relu(cpu.gather_matvec(fc1, p, None)), None) >= 0.5
-    assert torch.equal(mask, want_mask) and fired == int(want_mask.sum()) and 0 < fired < t * f
-    assert torch.equal(out, ffn_steps(up, gate, down_t, kind, bias, cpu.rms_norm(x, *norm), mask))
-    given = torch.rand(t, f, generator=gen) < 0.3
-    no_pred = cpu.SparseFFNPlan(up, gate, down_t, kind=kind, up_bias=bias)
-    out2, mask2, fired2 = no_pred(x, rows=given)
-    assert torch.equal(mask2, given) and fired2 == int(given.sum())
-    assert torch.equal(out2, ffn_steps(up, gate, down_t, kind, bias, x, given))
-
-
-@pytest.mark.parametrize("t", [1, 3])
-def test_sparse_ffn_plan_with_packed_predictor(backend, t):
-    """Q4_0 predictors (the original's quantize writes them) are packed at load; the plan then runs them
-    through the packed GEMV, so its mask is the one `matmul` (what Predictor calls) gives, bit for bit."""
-    gen = torch.Generator().manual_seed(16)
-    f, d, r = 300, D_QUANT, 64
-    up, gate, down_t = (torch.randn(f, d, generator=gen).half() for _ in range(3))
-    fc1 = cpu.pack(QuantTensor.from_float(torch.randn(r, d, generator=gen), Q.Q4_0))
-    fc2 = cpu.pack(QuantTensor.from_float(torch.randn(f, r, generator=gen), Q.Q4_0))
-    assert (fc1.packed is not None) == (backend == "c")
-    x = torch.randn(t, d, generator=gen)
-    logits = cpu.matmul(fc2, torch.relu(cpu.matmul(fc1, x)))
-    threshold = 0.5
-    if backend == "c":  # a threshold the packed logits reach and the row kernel's do not: only the packed
-        # GEMV gives the mask asserted below (the row kernel sums in another order, a few ulps apart)
-        rows = cpu.gather_matvec(fc2, torch.relu(cpu.gather_matvec(fc1, x, None)), None)
-        above = ((logits > rows) & (logits > 0)).nonzero()
-        assert len(above), "the two kernels' logits should differ somewhere"
-        threshold = float(logits[tuple(above[len(above) // 2])])
-    plan = cpu.SparseFFNPlan(up, gate, down_t, fc1=fc1, fc2=fc2, threshold=threshold)
-    out, mask, fired = plan(x, x, threads=2)
-    want_mask = logits >= threshold
-    assert torch.equal(mask, want_mask) and 0 < fired < t * f
-    assert torch.equal(out, ffn_steps(up, gate, down_t, "gated", None, x, mask))
-
-
-def test_sparse_ffn_plan_rejects_what_it_cannot_take(backend):
-    w = torch.randn(64, 32).half()
-    with pytest.raises(ValueError, match="needs a gate"):
-        cpu.SparseFFNPlan(w, None, w, kind="gated")
-    with pytest.raises(ValueError, match="down_t has shape"):
-        cpu.SparseFFNPlan(w, w, torch.randn(64, 64).half())
-    with pytest.raises(ValueError, match="both fc1 and fc2"):
-        cpu.SparseFFNPlan(w, w, w, fc1=torch.randn(8, 32).half())
-    with pytest.raises(ValueError, match="CPU kernels need CPU weights|2-D"):
-        cpu.SparseFFNPlan(w, w, torch.randn(64, 32).double())
 
 
 @pytest.mark.parametrize("t", [1, 3, 50])  # 50: separate matmuls (the blocked-GEMM path)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hotcold.kernels import cpu
+from hotcold.kernels import cpu, ffn_calls
 from hotcold.ops import Norm, rms_norm
 from hotcold.sparse.ffn import DenseFFN, SparseFFN, sparse_step
 from hotcold.sparse.predictor import Predictor
@@ -112,7 +112,7 @@ def test_fused_step_equals_separate_kernels(kind, bias, t):
     g = torch.Generator().manual_seed(5)
     x, p = torch.randn(t, D, generator=g), torch.randn(t, D, generator=g)
     fused_ffn = SparseFFN(w, pred, layer=0, threads=2)
-    assert isinstance(fused_ffn.fused_plan, cpu.SparseFFNPlan)  # the fused path is the one that runs
+    assert isinstance(fused_ffn.fused_plan, ffn_calls.SparseFFNPlan)  # the fused path is the one that runs
     seq = ffn_state()
     fused = fused_ffn.apply(x, p, seq)
     mask = pred(p)
@@ -140,23 +140,23 @@ def test_ffn_norm_inside_the_call_equals_norm_first(t):
 
 
 @pytest.mark.parametrize("outtype", ["f16", "q4_0"])
-@pytest.mark.parametrize("sparse", [True, False])
+@pytest.mark.parametrize("mode", ["sparse", "dense file", "--dense"])
 def test_one_call_decode_halves_equal_the_layer_ops(
-    tmp_path, tiny_sparse_gguf, tiny_dense_gguf, outtype, sparse, monkeypatch
+    tmp_path, tiny_sparse_gguf, tiny_dense_gguf, outtype, mode, monkeypatch
 ):
-    """A llama decode layer as two C calls (q/k/v + RoPE attention; o projection, residual, the fused sparse
-    FFN with its norm, residual) gives the bits of the ops one by one: prompt logits, greedy tokens and the
-    firing counts the timings report. Dense files take the first call only."""
+    """A llama decode layer as two C calls (q/k/v + RoPE attention; o projection, residual, the fused FFN
+    with its norm, residual: sparse, or dense for a dense file and for `--dense`) gives the bits of the ops
+    one by one: prompt logits, greedy tokens and the firing counts the timings report."""
     import hotcold
     from hotcold.convert.quantize import quantize_file
     from hotcold.models import llama
 
-    src = tiny_sparse_gguf if sparse else tiny_dense_gguf
+    src = tiny_dense_gguf if mode == "dense file" else tiny_sparse_gguf
     path = quantize_file(src, tmp_path / f"m.{outtype}.gguf", outtype)  # weights in the C kernels' types
     ids = [1, 7, 42, 99, 3, 250, 17, 8]
 
     def run():
-        llm = hotcold.load(path, device="cpu", threads=2)
+        llm = hotcold.load(path, device="cpu", threads=2, dense=mode == "--dense")
         logits = llm.logits(ids)
         out = llm.generate("Line 1", max_tokens=6, temperature=0.0, ignore_eos=True)
         return logits, out, llm.engine.seq.neuron_totals()
@@ -171,13 +171,18 @@ def test_one_call_decode_halves_equal_the_layer_ops(
 
         return wrapped
 
-    monkeypatch.setattr(cpu.SparseFFNPlan, "tail", counting("tail", cpu.SparseFFNPlan.tail))
+    tail = ffn_calls.SparseFFNPlan.tail if mode == "sparse" else ffn_calls.DenseTail.__call__
+    monkeypatch.setattr(
+        ffn_calls.SparseFFNPlan if mode == "sparse" else ffn_calls.DenseTail,
+        "tail" if mode == "sparse" else "__call__",
+        counting("tail", tail),
+    )
     monkeypatch.setattr(cpu.MatvecGroup, "attend", counting("attend", cpu.MatvecGroup.attend))
     fused = run()
     assert len(calls["attend"]) >= 5 * 2 and all(calls["attend"])  # every decode forward, every layer
-    if sparse:  # prefill and decode, every layer
-        assert len(calls["tail"]) > 10 and all(calls["tail"])
+    assert len(calls["tail"]) > 10 and all(calls["tail"])  # prefill (few tokens) and decode, every layer
     monkeypatch.setattr(SparseFFN, "decode_tail", lambda self, *a: None)
+    monkeypatch.setattr(DenseFFN, "decode_tail", lambda self, *a: None)
     monkeypatch.setattr(llama, "decode_attention", lambda *a, **k: None)
     ops = run()
     assert torch.equal(fused[0], ops[0])

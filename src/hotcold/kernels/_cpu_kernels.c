@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 17
+#define HC_ABI_VERSION 18
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -2901,6 +2901,113 @@ int64_t hc_decode_tail(const hc_weight *wo, const float *attn, const float *x, c
 int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *const *kcs, float *const *vcs,
                         const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
                         const float *sin, int neox, int64_t window, float *out, int nth);
+
+/* ------------------------------------------------------------------------------------------------
+ * The dense FFN's activations, and a dense decode layer's tail in one call.
+ * ---------------------------------------------------------------------------------------------- */
+
+/* e^a in float32 without fused multiply-adds, so the compiler's vectorized loop and its scalar
+ * remainder give the same bits (-ffp-contract=off): Cephes' expf (round a / ln 2 to n, subtract n ln 2
+ * in two parts, a degree-6 polynomial, scale by 2^n), within about 1 ulp. Above 88.376 (where 2^n
+ * would pass 2^127) +inf; below -87.34 the result is that of -87.34 (~1.2e-38: added to 1 in the SiLU
+ * below it vanishes as e^a itself would). NaN stays NaN. */
+HC_INLINE float exp_nofma(float a) {
+    const float hi = 88.3762626647949f, lo = -87.3365447505531f;
+    const int over = a > hi;
+    a = a > hi ? hi : a < lo ? lo : a; /* comparisons with NaN are false: NaN passes */
+    const float shift = 12582912.0f;      /* 1.5 * 2^23: adding it rounds to an integer (ties to even) */
+    const float n = (a * 1.44269504088896341f + shift) - shift;
+    float r = a - n * 0.693359375f; /* exact: 0.693359375 has 9 significant bits, |n| <= 128 */
+    r = r - n * -2.12194440e-4f;
+    float y = 1.9875691500e-4f;
+    y = y * r + 1.3981999507e-3f;
+    y = y * r + 8.3334519073e-3f;
+    y = y * r + 4.1665795894e-2f;
+    y = y * r + 1.6666665459e-1f;
+    y = y * r + 5.0000001201e-1f;
+    y = y * (r * r) + r + 1.0f;
+    const int32_t bits = ((int32_t)n + 127) << 23; /* 2^n, n in [-126, 127] */
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return over ? INFINITY : y * scale;
+}
+
+/* SiLU as torch writes it, x / (1 + e^-x), with exp_nofma: torch's own exp differs between its SIMD
+ * builds, so the CPU paths (this kernel, the decode tail, any batch) use this one function. */
+HC_INLINE float silu1(float x) { return x / (1.0f + exp_nofma(-x)); }
+
+HC_INLINE float act1(int act, float v) { return act ? silu1(v) : relu1(v); }
+
+enum { ACT_RELU = 0, ACT_SILU = 1 };
+
+/* a [T, F] = the FFN activation of u [T, F] (plus up_bias [F] if given) and g [T, F] (NULL for plain):
+ * gated act(g) * v, gated_both act(g) * act(v), plain act(v); act 0 relu, 1 silu. torch's steps in its
+ * order (bias add, activation, product), so with relu the bits of torch's ops. a may be u. */
+void hc_ffn_combine(int kind, int act, const float *u, const float *g, const float *up_bias, int64_t T, int64_t F,
+                    float *a, int nth) {
+    const int64_t n = T * F;
+    nth = n < (1 << 16) ? 1 : nth; /* one decode token: threads cost more than they save */
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nth) schedule(static)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        const float *ut = u + t * F, *gt = g ? g + t * F : NULL;
+        float *at = a + t * F;
+        if (kind == KIND_PLAIN) {
+            for (int64_t i = 0; i < F; i++) at[i] = act1(act, up_bias ? ut[i] + up_bias[i] : ut[i]);
+        } else if (kind == KIND_GATED_BOTH) {
+            for (int64_t i = 0; i < F; i++) at[i] = act1(act, gt[i]) * act1(act, up_bias ? ut[i] + up_bias[i] : ut[i]);
+        } else if (act == ACT_SILU && !up_bias) { /* the common SwiGLU case, in a loop the compiler vectorizes */
+            for (int64_t i = 0; i < F; i++) at[i] = silu1(gt[i]) * ut[i];
+        } else {
+            for (int64_t i = 0; i < F; i++) at[i] = act1(act, gt[i]) * (up_bias ? ut[i] + up_bias[i] : ut[i]);
+        }
+    }
+}
+
+/* The rest of a dense decode layer after attention, for T tokens: y1 = x + attn @ wo.T, h = rms_norm(y1),
+ * u, g = h @ up.T, h @ gate.T (one pass of the threads where both are packed or neither is, as a
+ * LinearGroup makes it), a = hc_ffn_combine, y2 = y1 + a @ down.T (down [D, F]) or the axpy of a over
+ * down_t [F, D] (down_is_t). The same calls as the layer's ops one by one, so the same bits. Returns 0,
+ * or -1 if memory ran out. */
+int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const hc_weight *up, const hc_weight *gate,
+                  const hc_weight *down, int down_is_t, const float *up_bias, int kind, int act, int64_t T,
+                  const float *norm_w, float eps, float *y1, float *y2, int nth) {
+    const int64_t D = wo->rows, F = up->rows;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * D + 2 * T * F + 1));
+    if (!buf) return -1;
+    float *o = buf, *h = buf + T * D, *u = h + T * D, *g = u + T * F;
+    int rc = weight_matvec(wo, attn, T, o, nth);
+    if (rc == 0) {
+        for (int64_t j = 0; j < T * D; j++) y1[j] = x[j] + o[j];
+        hc_rms_norm(y1, norm_w, eps, T, D, h);
+        if (gate && !up->packed == !gate->packed) {
+            const int wts[2] = {up->wt, gate->wt};
+            const int64_t Fs[2] = {F, gate->rows}, strides[2] = {up->stride, gate->stride};
+            float *outs[2] = {u, g};
+            if (up->packed) {
+                const uint8_t *Ps[2] = {up->packed, gate->packed};
+                rc = hc_packed_matvec_multi(2, wts, Ps, Fs, D, h, T, NULL, 0.0f, outs, nth);
+            } else {
+                const uint8_t *Ws[2] = {up->data, gate->data};
+                rc = hc_matvec_multi(2, wts, Ws, strides, Fs, D, h, T, NULL, 0.0f, outs, nth);
+            }
+        } else {
+            rc = weight_matvec(up, h, T, u, nth);
+            if (rc == 0 && gate) rc = weight_matvec(gate, h, T, g, nth);
+        }
+    }
+    if (rc == 0) {
+        hc_ffn_combine(kind, act, u, gate ? g : NULL, up_bias, T, F, u, nth);
+        rc = down_is_t ? hc_sparse_axpy(down->wt, down->data, down->stride, F, D, u, T, NULL, o, nth)
+                       : weight_matvec(down, u, T, o, nth);
+    }
+    if (rc == 0)
+        for (int64_t j = 0; j < T * D; j++) y2[j] = y1[j] + o[j];
+    free(buf);
+    return rc == 0 ? 0 : -1;
+}
+
 
 /* The attention half of a decode layer for one token of one sequence: q, k, v = the group's matvecs of
  * the RMS-normed x (the packed or the row layout: the call LinearGroup makes), then hc_attn_decode_rows of

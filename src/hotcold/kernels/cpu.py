@@ -28,7 +28,6 @@ from hotcold.kernels.build import (
     as_tokens,
     backend,
     f32_contiguous,
-    hc_weight,
     nthreads,
     ptr,
     simd,
@@ -57,7 +56,6 @@ __all__ = [
     "dequantize_rows",
     "pack",
     "prefetch_pages",
-    "SparseFFNPlan",
     "MatvecGroup",
     "rms_norm",
     "attention_decode",
@@ -166,10 +164,7 @@ def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> to
     return out[0] if one else out
 
 
-_FFN_KINDS = {"gated": 0, "gated_both": 1, "plain": 2}
-
-
-def _norm_weight(norm: tuple[torch.Tensor, float] | None, d: int) -> tuple[torch.Tensor | None, float]:
+def norm_weight(norm: tuple[torch.Tensor, float] | None, d: int) -> tuple[torch.Tensor | None, float]:
     """(weight, eps) of an RMS norm applied inside a C call -> (float32 contiguous weight or None, eps)."""
     if norm is None:
         return None, 0.0
@@ -178,149 +173,6 @@ def _norm_weight(norm: tuple[torch.Tensor, float] | None, d: int) -> tuple[torch
     if weight.shape != (d,) or not weight.is_cpu:
         raise ValueError(f"norm weight {tuple(weight.shape)} on {weight.device}: expected [{d}] on the CPU")
     return weight, float(eps)
-
-
-class SparseFFNPlan:
-    """One ReLU sparse FFN step: the predictor (fc1/fc2 on pred_input, firing iff the logit >= threshold)
-    or a given bool mask, the row gathers (gate first; up only where relu(gate) != 0), the activation (with
-    v = up + up_bias: relu(gate) * v, relu(gate) * relu(v), or relu(v) for "plain") and the axpy over
-    down_t, in one C call (without the C kernels: the same steps in this module's ops). Equal bit for bit
-    to gather_matvec / sparse_axpy called one by one. Shapes are checked and the C argument structs built
-    once (ValueError for weights it cannot take); the plan keeps its weights alive."""
-
-    def __init__(
-        self,
-        up: Weight,
-        gate: Weight | None,
-        down_t: Weight,
-        *,
-        kind: str = "gated",
-        up_bias: torch.Tensor | None = None,
-        fc1: Weight | None = None,
-        fc2: Weight | None = None,
-        threshold: float = 0.0,
-    ):
-        if (fc1 is None) != (fc2 is None):
-            raise ValueError("a predictor needs both fc1 and fc2")
-        if kind not in _FFN_KINDS:
-            raise ValueError(f"unknown FFN kind {kind!r}; expected one of {tuple(_FFN_KINDS)}")
-        if gate is None and kind != "plain":
-            raise ValueError(f"a {kind!r} FFN needs a gate")
-        self.weights = (up, gate, down_t, fc1, fc2)  # kept alive: the structs point into them
-        self.up, self.gate, self.down_t = hc_weight(up), hc_weight(gate), hc_weight(down_t)
-        self.fc1, self.fc2 = hc_weight(fc1), hc_weight(fc2)
-        self.f, self.d = self.up.rows, self.up.cols
-        f, d = self.f, self.d
-        checks = [("gate", self.gate, (f, d)), ("down_t", self.down_t, (f, d))]
-        if self.fc1 is not None:
-            checks += [("fc1", self.fc1, (self.fc1.rows, d)), ("fc2", self.fc2, (f, self.fc1.rows))]
-        for name, w, shape in checks:
-            if w is not None and (w.rows, w.cols) != shape:
-                raise ValueError(f"{name} has shape {(w.rows, w.cols)}, expected {shape}")
-        self.bias = None
-        if up_bias is not None:
-            self.bias = up_bias.to(torch.float32).contiguous()
-            if self.bias.shape != (f,):
-                raise ValueError(f"up_bias has shape {tuple(self.bias.shape)}, expected [{f}]")
-        self.kind = _FFN_KINDS[kind]
-        self.threshold = threshold
-        structs = (self.fc1, self.fc2, self.up, self.gate, self.down_t)
-        self._args = tuple(None if w is None else ctypes.byref(w) for w in structs)
-        self._wo, self._wo_struct = None, None  # tail(): the attention output matrix it was last given
-
-    def __call__(
-        self,
-        x: torch.Tensor,
-        pred_input: torch.Tensor | None = None,
-        rows: torch.Tensor | None = None,
-        *,
-        norm: tuple[torch.Tensor, float] | None = None,
-        threads: int | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """x, pred_input [T, D] float32 (or a mask `rows` [T, F] when the plan has no predictor) ->
-        (out [T, D], mask [T, F] bool, firing count). With norm = (weight, eps) the FFN input is
-        rms_norm(x) (as `rms_norm` computes it), pred_input as given."""
-        x2, _ = as_tokens(x, self.d, "x")
-        t = x2.shape[0]
-        if (self.fc1 is None) == (rows is None):
-            raise ValueError("give a rows mask exactly when the plan has no predictor")
-        p2 = None
-        if rows is not None:
-            mask = as_mask(rows, t, self.f).clone()
-        else:
-            mask = torch.empty(t, self.f, dtype=torch.bool)
-            p2, _ = as_tokens(pred_input, self.d, "pred_input")
-            if p2.shape[0] != t:
-                raise ValueError(f"pred_input has {p2.shape[0]} tokens, x has {t}")
-        norm_w, eps = _norm_weight(norm, self.d)
-        lib = build.get_lib()
-        if lib is None:
-            return self._torch_step(x2, p2, mask, norm_w, eps, threads)
-        out = torch.empty(t, self.d, dtype=torch.float32)
-        fc1, fc2, up, gate, down_t = self._args
-        head = (fc1, fc2, self.threshold, ptr(p2), up, gate, down_t, ptr(self.bias), self.kind, t)
-        tail = (x2.data_ptr(), ptr(norm_w), eps, mask.data_ptr(), out.data_ptr(), nthreads(threads))
-        fired = lib.hc_sparse_ffn(*head, *tail)
-        if fired < 0:
-            raise MemoryError("hc_sparse_ffn: out of memory")
-        return out, mask, int(fired)
-
-    def tail(
-        self,
-        wo: Weight,
-        attn: torch.Tensor,
-        x: torch.Tensor,
-        *,
-        norm: tuple[torch.Tensor, float],
-        threads=None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
-        """The rest of a decode layer after attention in one C call: y1 = x + matmul(wo, attn) (the residual,
-        also the predictor's input), y2 = y1 + this plan on y1 with the RMS norm folded -> (y1, y2, mask,
-        firing count); the same bits as those calls and adds one by one, for a wo that `matmul` multiplies
-        in C (`ops.uses_c_kernels`: the caller checks). None without the C kernels or a predictor."""
-        lib = build.get_lib()
-        if lib is None or self.fc1 is None:
-            return None
-        if self._wo is not wo:  # one layer's wo: its struct built once
-            self._wo, self._wo_struct = wo, hc_weight(wo)
-        if self._wo_struct.rows != self.d:
-            raise ValueError(f"wo has {self._wo_struct.rows} rows, the FFN takes {self.d}")
-        a2, _ = as_tokens(attn, self._wo_struct.cols, "attn")
-        x2, _ = as_tokens(x, self.d, "x")
-        t = x2.shape[0]
-        if a2.shape[0] != t:
-            raise ValueError(f"attn has {a2.shape[0]} tokens, x has {t}")
-        norm_w, eps = _norm_weight(norm, self.d)
-        y1, y2 = torch.empty(t, self.d, dtype=torch.float32), torch.empty(t, self.d, dtype=torch.float32)
-        mask = torch.empty(t, self.f, dtype=torch.bool)
-        fc1, fc2, up, gate, down_t = self._args
-        ffn = (fc1, fc2, self.threshold, up, gate, down_t, ptr(self.bias), self.kind, t)
-        fired = lib.hc_decode_tail(
-            ctypes.byref(self._wo_struct), a2.data_ptr(), x2.data_ptr(), *ffn, ptr(norm_w), eps,
-            mask.data_ptr(), y1.data_ptr(), y2.data_ptr(), nthreads(threads),
-        )  # fmt: skip
-        if fired < 0:
-            raise MemoryError("hc_decode_tail: out of memory")
-        return y1, y2, mask, int(fired)
-
-    def _torch_step(self, x, p, mask, norm_w, eps, threads) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """The C step's arithmetic in this module's ops (the torch fallback)."""
-        up, gate, down_t, fc1, fc2 = self.weights
-        if norm_w is not None:
-            x = rms_norm(x, norm_w, eps)
-        if fc1 is not None:
-            h = torch.relu(gather_matvec(fc1, p, None, threads=threads))
-            logits = gather_matvec(fc2, h, None, threads=threads)
-            mask = logits >= torch.tensor(self.threshold, dtype=torch.float32)
-        live, g = mask, None
-        if gate is not None:
-            g = torch.relu(gather_matvec(gate, x, mask, threads=threads))
-            live = mask & (g != 0)  # NaN stays alive, as in C
-        v = gather_matvec(up, x, live, threads=threads)
-        v = v if self.bias is None else v + self.bias
-        a = g * v if self.kind == 0 else g * torch.relu(v) if self.kind == 1 else torch.relu(v)
-        a = torch.where(live, a, torch.zeros(()))
-        return sparse_axpy(down_t, a, live, threads=threads), mask, int(mask.sum())
 
 
 def pack(weight: Weight) -> Weight:
@@ -383,7 +235,7 @@ class MatvecGroup:
         lib = build.get_lib()
         x2, one = as_tokens(x, self.d, "x")
         t = x2.shape[0]
-        norm_w, eps = _norm_weight(norm, self.d)
+        norm_w, eps = norm_weight(norm, self.d)
         if lib is None or t >= GEMM_MIN_TOKENS:
             h = x2 if norm_w is None else rms_norm(x2, norm_w, eps)
             outs = [matmul(w, h, threads=threads) for w in self.weights]
@@ -424,7 +276,7 @@ class MatvecGroup:
             or not 0 <= pos < k_cache.shape[0]
         ):
             return None
-        norm_w, eps = _norm_weight(norm, self.d)
+        norm_w, eps = norm_weight(norm, self.d)
         outs = [torch.empty(1, f, dtype=torch.float32) for f in self.rows]
         out = torch.empty(1, h * dh, dtype=torch.float32)
         group = (3, self._wts, self._ptrs, self._strides, self._fs, int(self._packed), self.d, x.data_ptr())

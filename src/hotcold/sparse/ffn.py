@@ -17,15 +17,23 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from hotcold.kernels import cpu
+from hotcold.kernels import cpu, ffn_calls
 from hotcold.names import FFN_KINDS
 from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
 from hotcold.sparse.predictor import Predictor
 from hotcold.state import Batch
 
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    """SiLU: for CPU float32 tensors the C kernels' (ffn_calls.ffn_combine), the one SiLU of every CPU path (the
+    dense decode tail's included, so a row's bits never depend on its path); torch's elsewhere."""
+    out = ffn_calls.ffn_combine("plain", "silu", x, None, None)
+    return F.silu(x) if out is None else out
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu,
-    "silu": F.silu,
+    "silu": silu,
     "gelu": F.gelu,
 }
 CPU = torch.device("cpu")
@@ -60,6 +68,11 @@ class FFNWeights:
         return self.up.shape[0]
 
     def combine(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        fused = ffn_calls.ffn_combine(
+            self.kind, self.activation, up, gate, self.up_bias
+        )  # CPU float32: one C call
+        if fused is not None:
+            return fused
         act = ACTIVATIONS[self.activation]
         if self.up_bias is not None:
             up = up + self.up_bias
@@ -93,7 +106,7 @@ def dense_step(w: FFNWeights, h: torch.Tensor, up_gate: LinearGroup) -> tuple[to
     return cpu.sparse_axpy(down_t, a, None), a
 
 
-def row_plan(w: FFNWeights) -> cpu.SparseFFNPlan | None:
+def row_plan(w: FFNWeights) -> ffn_calls.SparseFFNPlan | None:
     """The sparse step as one C call for a given mask, where it applies: ReLU, CPU weights of the
     kernels' types, the C backend. Built at load; None means `sparse_step` runs it op by op."""
     if w.activation != "relu" or w.down_t is None or cpu.backend() != "c":
@@ -101,13 +114,17 @@ def row_plan(w: FFNWeights) -> cpu.SparseFFNPlan | None:
     if any(m is not None and _device(m).type != "cpu" for m in (w.up, w.gate, w.down_t)):
         return None
     try:
-        return cpu.SparseFFNPlan(w.up, w.gate, w.down_t, kind=w.kind, up_bias=w.up_bias)
+        return ffn_calls.SparseFFNPlan(w.up, w.gate, w.down_t, kind=w.kind, up_bias=w.up_bias)
     except ValueError:  # a weight type without a C kernel
         return None
 
 
 def sparse_step(
-    w: FFNWeights, h: torch.Tensor, mask: torch.Tensor, plan: cpu.SparseFFNPlan | None, threads: int | None
+    w: FFNWeights,
+    h: torch.Tensor,
+    mask: torch.Tensor,
+    plan: ffn_calls.SparseFFNPlan | None,
+    threads: int | None,
 ) -> torch.Tensor:
     """The rows of `mask` [T, F] only: gate first (where relu(gate) is 0, a predictor's false positive, up
     need not be read), up, the activation, the axpy over down_t -> [T, D] without the down bias. On the
@@ -159,6 +176,41 @@ class FFN:
         """The rest of the layer after attention in one call, where a subclass has one (else None)."""
         return None
 
+    def _dense_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
+        """x + o + ffn(x + o) with o = linear(attn, wo) and every neuron, for a few tokens on the CPU, in one
+        C call (ffn_calls.DenseTail: the same bits as the ops one by one); None where it does not apply."""
+        w = self.weights
+        down = w.down if w.down is not None else w.down_t
+        t = x.shape[0] if x.dim() == 2 else 0
+        if (
+            not 0 < t < cpu.GEMM_MIN_TOKENS
+            or x.device.type != "cpu"
+            or ctx.observe is not None
+            or self.expert is not None
+            or self.norm is None
+            or not self.norm.folds_into_c(x)
+            or w.down_bias is not None
+            or not all(uses_c_kernels(m) for m in (wo, w.up, w.gate, down) if m is not None)
+            or not all(cpu.runs_c_kernel(m, t) for m in (wo, w.up, w.gate, down) if m is not None)
+        ):
+            return None
+        if self._tail is None or self._tail.weights[0] is not wo:  # built once per layer (its wo)
+            try:
+                self._tail = ffn_calls.DenseTail(
+                    wo, w.up, w.gate, down, down_is_t=w.down is None, kind=w.kind, activation=w.activation,
+                    up_bias=w.up_bias,
+                )  # fmt: skip
+            except ValueError:  # gelu, or shapes the C call does not take
+                self._tail = False
+        if self._tail is False:
+            return None
+        got = self._tail(attn, x, norm=self.norm.c_args, threads=getattr(self, "threads", None))
+        if got is None:
+            return None
+        y1, y2 = got
+        ctx.count_all(self.layer, torch.empty(t, w.n_ff, device="meta"))  # reads the activation's shape only
+        return y2
+
     def _dense(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, up_gate: LinearGroup):
         out, a = dense_step(self.weights, h, up_gate)
         if ctx.observe is not None and self.expert is None:
@@ -175,9 +227,13 @@ class DenseFFN(FFN):
     ):
         self.weights, self.norm, self.layer, self.expert = weights, norm, layer, expert
         self.up_gate = LinearGroup([weights.up, weights.gate]) if weights.gate is not None else None
+        self._tail = None  # the one-call decode tail (ffn_calls.DenseTail), built on first use; False: none
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         return self._dense(h, p, ctx, self.up_gate)
+
+    def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
+        return self._dense_tail(attn, x, wo, ctx)
 
 
 class SparseFFN(FFN):
@@ -202,8 +258,11 @@ class SparseFFN(FFN):
         self.up_gate = LinearGroup([weights.up, weights.gate]) if weights.gate is not None else None
         self.rows_plan = row_plan(weights)
         self.fused_plan = self._fused_plan()
+        self._tail = (
+            None  # the dense decode tail (`--dense`, ffn_calls.DenseTail), built on first use; False: none
+        )
 
-    def _fused_plan(self) -> cpu.SparseFFNPlan | None:
+    def _fused_plan(self) -> ffn_calls.SparseFFNPlan | None:
         """Predictor + step in one C call. The predictor's matmuls must run in the C kernels (not float32
         tensors, which `linear` hands to torch) for the bits to equal the op-by-op path."""
         w, pred = self.weights, self.predictor
@@ -212,7 +271,7 @@ class SparseFFN(FFN):
         if not all(uses_c_kernels(m) for m in (pred.fc1, pred.fc2)):
             return None
         try:
-            return cpu.SparseFFNPlan(
+            return ffn_calls.SparseFFNPlan(
                 w.up,
                 w.gate,
                 w.down_t,
@@ -247,7 +306,10 @@ class SparseFFN(FFN):
 
     def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
         """x + o + ffn(x + o) with o = linear(attn, wo), for a few tokens on the CPU, in one C call (the same
-        bits as the layer's ops one by one); None where that call does not apply (the caller runs the ops)."""
+        bits as the layer's ops one by one); None where that call does not apply (the caller runs the ops).
+        A dense forward (ctx.dense) takes the dense tail."""
+        if ctx.dense:
+            return self._dense_tail(attn, x, wo, ctx)
         if (
             x.device.type != "cpu"
             or not self._fuses(x, ctx)

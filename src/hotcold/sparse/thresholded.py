@@ -24,14 +24,13 @@ import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
 from hotcold import names
 from hotcold.device import place
 from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.kernels import cpu
 from hotcold.ops import Norm, Weight, linear
-from hotcold.sparse.ffn import FFN, FFNWeights
+from hotcold.sparse.ffn import FFN, FFNWeights, silu
 from hotcold.state import Batch
 
 METHODS = ("cats", "wina")
@@ -144,25 +143,25 @@ class ThresholdedFFN(FFN):
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         w = self.weights
         if ctx.dense:  # the reference: every neuron
-            a = F.silu(linear(h, w.gate)) * linear(h, w.up)
+            a = silu(linear(h, w.gate)) * linear(h, w.up)
             if ctx.observe is not None:
                 ctx.observe(self.layer, h, p, a)
             ctx.count_all(self.layer, a)
             return self._down_dense(a, h.device)
         probe = self.probe is not None
-        act = F.silu(linear(h, self.probe if probe else w.gate))  # [T, F]: every row
+        act = silu(linear(h, self.probe if probe else w.gate))  # [T, F]: every row
         score = act.abs() if self.scale is None else act.abs() * self.scale.to(act.device)
         mask = score > self.threshold  # [T, F] bool, per token
         if self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS:
             hc, mc = h.to(CPU), mask.to(CPU)
             if probe:  # the exact gate of the kept rows
-                act = F.silu(cpu.gather_matvec(w.gate, hc, mc, threads=self.threads))
+                act = silu(cpu.gather_matvec(w.gate, hc, mc, threads=self.threads))
             up = cpu.gather_matvec(w.up, hc, mc, threads=self.threads)
             a = torch.where(mc, act.to(CPU) * up, 0.0)
             out = cpu.sparse_axpy(w.down_t, a, mc, threads=self.threads).to(h.device)
         else:
             if probe:
-                act = F.silu(linear(h, w.gate))
+                act = silu(linear(h, w.gate))
             a = torch.where(mask, act * linear(h, w.up), 0.0)
             out = self._down_dense(a, h.device)
         ctx.count(self.layer, mask)
