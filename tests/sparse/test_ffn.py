@@ -141,14 +141,16 @@ def test_ffn_norm_inside_the_call_equals_norm_first(t):
 
 @pytest.mark.parametrize("outtype", ["f16", "q4_0"])
 @pytest.mark.parametrize("mode", ["sparse", "dense file", "--dense"])
-def test_one_call_decode_halves_equal_the_layer_ops(
+def test_one_call_decode_equals_the_layer_ops(
     tmp_path, tiny_sparse_gguf, tiny_dense_gguf, outtype, mode, monkeypatch
 ):
-    """A llama decode layer as two C calls (q/k/v + RoPE attention; o projection, residual, the fused FFN
-    with its norm, residual: sparse, or dense for a dense file and for `--dense`) gives the bits of the ops
-    one by one: prompt logits, greedy tokens and the firing counts the timings report."""
+    """A llama decode token in one C call (cpu_step: every layer), as two C calls a layer (q/k/v + RoPE
+    attention; o projection, residual, the fused FFN with its norm, residual: sparse, or dense for a dense
+    file and for `--dense`) and as the ops one by one: the same prompt logits, greedy tokens and firing
+    counts the timings report."""
     import hotcold
     from hotcold.convert.quantize import quantize_file
+    from hotcold.cpu_step import CPUDecoder
     from hotcold.models import llama
 
     src = tiny_dense_gguf if mode == "dense file" else tiny_sparse_gguf
@@ -161,7 +163,7 @@ def test_one_call_decode_halves_equal_the_layer_ops(
         out = llm.generate("Line 1", max_tokens=6, temperature=0.0, ignore_eos=True)
         return logits, out, llm.engine.seq.neuron_totals()
 
-    calls = {"tail": [], "attend": []}
+    calls = {"tail": [], "attend": [], "token": []}
 
     def counting(name, real):
         def wrapped(self, *a, **k):
@@ -171,19 +173,21 @@ def test_one_call_decode_halves_equal_the_layer_ops(
 
         return wrapped
 
+    monkeypatch.setattr(CPUDecoder, "__call__", counting("token", CPUDecoder.__call__))
+    whole = run()
+    assert len(calls["token"]) >= 5 and all(calls["token"])  # every decode token
+    monkeypatch.setattr(CPUDecoder, "__call__", lambda self, x, ctx: None)
     tail = ffn_calls.SparseFFNPlan.tail if mode == "sparse" else ffn_calls.DenseTail.__call__
-    monkeypatch.setattr(
-        ffn_calls.SparseFFNPlan if mode == "sparse" else ffn_calls.DenseTail,
-        "tail" if mode == "sparse" else "__call__",
-        counting("tail", tail),
-    )
+    owner, name = (ffn_calls.SparseFFNPlan, "tail") if mode == "sparse" else (ffn_calls.DenseTail, "__call__")
+    monkeypatch.setattr(owner, name, counting("tail", tail))
     monkeypatch.setattr(cpu.MatvecGroup, "attend", counting("attend", cpu.MatvecGroup.attend))
-    fused = run()
+    halves = run()
     assert len(calls["attend"]) >= 5 * 2 and all(calls["attend"])  # every decode forward, every layer
     assert len(calls["tail"]) > 10 and all(calls["tail"])  # prefill (few tokens) and decode, every layer
     monkeypatch.setattr(SparseFFN, "decode_tail", lambda self, *a: None)
     monkeypatch.setattr(DenseFFN, "decode_tail", lambda self, *a: None)
     monkeypatch.setattr(llama, "decode_attention", lambda *a, **k: None)
     ops = run()
-    assert torch.equal(fused[0], ops[0])
-    assert fused[1] == ops[1] and fused[2] == ops[2]
+    for got in (whole, halves):
+        assert torch.equal(got[0], ops[0])
+        assert got[1] == ops[1] and got[2] == ops[2]

@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 18
+#define HC_ABI_VERSION 19
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -3024,6 +3024,69 @@ int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int
     float *kcs[1] = {kc}, *vcs[1] = {vc};
     return hc_attn_decode_rows(1, qkv[0], qkv[1], qkv[2], kcs, vcs, &pos, H, Hkv, Dh, R, cos, sin, neox, window, out,
                                nth);
+}
+
+/* One layer of a llama-family decode token, for hc_decode_layers: the arguments of its hc_decode_head
+ * call (q/k/v group, attention norm, the sequence's KV cache of this layer, RoPE) and of its tail
+ * (hc_decode_tail with a predictor, or hc_dense_tail). Keep in step with build.HCLayer. */
+typedef struct {
+    int wts[3];
+    const uint8_t *Ws[3];
+    int64_t strides[3], Fs[3];
+    int packed;
+    const float *attn_norm;
+    float attn_eps;
+    float *kc, *vc;
+    int64_t H, Hkv, Dh, R;
+    int neox;
+    int64_t window;
+    const hc_weight *wo, *fc1, *fc2, *up, *gate, *down;
+    float thr;
+    int sparse;    /* 1: hc_decode_tail (fc1, fc2, thr, down = down_t), 0: hc_dense_tail */
+    int down_is_t; /* dense tail: down is down_t [F, D] */
+    const float *up_bias;
+    int kind, act;
+    const float *ffn_norm;
+    float ffn_eps;
+} hc_layer;
+
+/* A whole decode token of one sequence through n layers: x [D] (the embedding in, the last layer's
+ * residual out, in place) at position pos, cos / sin the RoPE row of pos; per layer hc_decode_head then
+ * its tail, the same calls the layers make one by one, so the same bits, without the interpreter between
+ * them. fired[l]: the layer's firing neurons (sparse), or its width (dense). Returns 0, or -1 (memory,
+ * or a layer whose call failed: x is then undefined). */
+int hc_decode_layers(int n, const hc_layer *L, float *x, int64_t D, int64_t pos, const float *cos, const float *sin,
+                     int64_t *fired, int nth) {
+    int64_t qmax = 1, kvmax = 1, fmax = 1;
+    for (int l = 0; l < n; l++) {
+        qmax = L[l].Fs[0] > qmax ? L[l].Fs[0] : qmax;
+        kvmax = L[l].Fs[1] > kvmax ? L[l].Fs[1] : kvmax;
+        fmax = L[l].up->rows > fmax ? L[l].up->rows : fmax;
+    }
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * qmax + 2 * kvmax + 2 * D));
+    uint8_t *mask = (uint8_t *)malloc((size_t)fmax);
+    int rc = buf && mask ? 0 : -1;
+    float *q = buf, *k = q + qmax, *v = k + kvmax, *attn = v + kvmax, *y1 = attn + qmax, *y2 = y1 + D;
+    for (int l = 0; l < n && rc == 0; l++) {
+        const hc_layer *a = &L[l];
+        float *const qkv[3] = {q, k, v};
+        rc = hc_decode_head(3, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, x, a->attn_norm, a->attn_eps, qkv,
+                            a->kc, a->vc, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox, a->window, attn, nth);
+        if (rc != 0) break;
+        if (a->sparse) {
+            fired[l] = hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias,
+                                      a->kind, 1, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
+            rc = fired[l] < 0 ? -1 : 0;
+        } else {
+            rc = hc_dense_tail(a->wo, attn, x, a->up, a->gate, a->down, a->down_is_t, a->up_bias, a->kind, a->act, 1,
+                               a->ffn_norm, a->ffn_eps, y1, y2, nth);
+            fired[l] = a->up->rows;
+        }
+        if (rc == 0) memcpy(x, y2, sizeof(float) * (size_t)D);
+    }
+    free(buf);
+    free(mask);
+    return rc;
 }
 
 /* ------------------------------------------------------------------------------------------------

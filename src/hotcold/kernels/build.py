@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-ABI_VERSION = 18  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
+ABI_VERSION = 19  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -66,6 +66,44 @@ class HCWeight(ctypes.Structure):
         ("rows", ctypes.c_int64),
         ("cols", ctypes.c_int64),
         ("packed", ctypes.c_void_p),
+    ]
+
+
+class HCLayer(ctypes.Structure):
+    """hc_layer in _cpu_kernels.c: one llama-family layer's arguments for hc_decode_layers (its q/k/v group,
+    attention norm, KV cache and RoPE, then the sparse or dense tail)."""
+
+    _w = ctypes.POINTER(HCWeight)
+    _fields_ = [
+        ("wts", ctypes.c_int * 3),
+        ("Ws", ctypes.c_void_p * 3),
+        ("strides", ctypes.c_int64 * 3),
+        ("Fs", ctypes.c_int64 * 3),
+        ("packed", ctypes.c_int),
+        ("attn_norm", ctypes.c_void_p),
+        ("attn_eps", ctypes.c_float),
+        ("kc", ctypes.c_void_p),
+        ("vc", ctypes.c_void_p),
+        ("H", ctypes.c_int64),
+        ("Hkv", ctypes.c_int64),
+        ("Dh", ctypes.c_int64),
+        ("R", ctypes.c_int64),
+        ("neox", ctypes.c_int),
+        ("window", ctypes.c_int64),
+        ("wo", _w),
+        ("fc1", _w),
+        ("fc2", _w),
+        ("up", _w),
+        ("gate", _w),
+        ("down", _w),
+        ("thr", ctypes.c_float),
+        ("sparse", ctypes.c_int),
+        ("down_is_t", ctypes.c_int),
+        ("up_bias", ctypes.c_void_p),
+        ("kind", ctypes.c_int),
+        ("act", ctypes.c_int),
+        ("ffn_norm", ctypes.c_void_p),
+        ("ffn_eps", ctypes.c_float),
     ]
 
 
@@ -168,6 +206,7 @@ def _bind(lib: ctypes.CDLL) -> None:
             ],
             c_int,
         ),
+        "hc_decode_layers": ([c_int, ctypes.POINTER(HCLayer), p, i64, i64, p, p, p, c_int], c_int),
         "hc_dense_tail": ([w, p, p, w, w, w, c_int, p, c_int, c_int, i64, p, f32, p, p, c_int], c_int),
         "hc_ffn_combine": ([c_int, c_int, p, p, p, i64, i64, p, c_int], None),
         "hc_matvec_multi": ([c_int, p, p, p, p, i64, p, i64, p, f32, p, c_int], c_int),

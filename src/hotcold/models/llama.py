@@ -13,6 +13,7 @@ import torch
 
 from hotcold import names
 from hotcold.config import ModelConfig
+from hotcold.cpu_step import CPUDecoder
 from hotcold.device import DevicePlan
 from hotcold.models.base import FFNMaker, Head, decode_attention, new_sequence, rope_attention_segments
 from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear
@@ -38,6 +39,7 @@ class Llama:
         self.plan: DevicePlan = plan
         self.rope = RopeTables(config, [layer.device for layer in layers])
         self.static_step = None  # the loader's decode_step.StaticDecoder when everything is on one GPU
+        self.cpu_decode = CPUDecoder(self)  # a CPU decode token in one C call, where it applies
 
     def new_sequence(self, n_ctx: int) -> SequenceState:
         return new_sequence(self.config, self.plan, n_ctx)
@@ -48,6 +50,8 @@ class Llama:
         c = self.config
         T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
+        if T == 1 and (y := self.cpu_decode(x, ctx)) is not None:  # every layer in one C call
+            return self.head(y, ctx, last_only=last_only)
         heads = (c.n_head, c.n_head_kv, c.head_dim)
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)

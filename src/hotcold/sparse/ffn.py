@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hotcold.kernels import cpu, ffn_calls
+from hotcold.kernels.build import hc_weight
 from hotcold.names import FFN_KINDS
 from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
 from hotcold.sparse.predictor import Predictor
@@ -176,25 +177,43 @@ class FFN:
         """The rest of the layer after attention in one call, where a subclass has one (else None)."""
         return None
 
-    def _dense_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
-        """x + o + ffn(x + o) with o = linear(attn, wo) and every neuron, for a few tokens on the CPU, in one
-        C call (ffn_calls.DenseTail: the same bits as the ops one by one); None where it does not apply."""
+    def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
+        """The fields of this layer's tail in a one-token C decode (build.HCLayer: sparse or dense, the
+        tail's weight structs, which the returned "keep" holds alive), or None where the layer's own
+        decode_tail would not make that C call; the caller checks the forward (one sequence, one row, not
+        observed). None here: a subclass with a C tail says so."""
+        return None
+
+    def _dense_c_tail(self, wo: Weight) -> dict | None:
+        """c_tail's fields for the dense tail (ffn_calls.DenseTail)."""
+        tail = self._dense_tail_plan(wo, 1)
+        if tail is None:
+            return None
+        norm_w, eps = cpu.norm_weight(self.norm.c_args, tail.d)
+        fields = dict(
+            wo=tail.wo, up=tail.up, gate=tail.gate, down=tail.down, sparse=0, down_is_t=int(tail.down_is_t)
+        )
+        fields.update(
+            up_bias=cpu.ptr(tail.bias), kind=tail.kind, act=tail.act, ffn_norm=norm_w.data_ptr(), ffn_eps=eps
+        )
+        return dict(fields=fields, keep=(tail, norm_w))
+
+    def _dense_tail_plan(self, wo: Weight, t: int) -> ffn_calls.DenseTail | None:
+        """The one-call dense tail for t tokens (built once per layer, its wo), or None where it does not
+        apply (gelu, an expert, a down bias, weights `matmul` would not multiply in C)."""
         w = self.weights
         down = w.down if w.down is not None else w.down_t
-        t = x.shape[0] if x.dim() == 2 else 0
+        mats = [m for m in (wo, w.up, w.gate, down) if m is not None]
         if (
             not 0 < t < cpu.GEMM_MIN_TOKENS
-            or x.device.type != "cpu"
-            or ctx.observe is not None
             or self.expert is not None
             or self.norm is None
-            or not self.norm.folds_into_c(x)
+            or not self.norm.rms
             or w.down_bias is not None
-            or not all(uses_c_kernels(m) for m in (wo, w.up, w.gate, down) if m is not None)
-            or not all(cpu.runs_c_kernel(m, t) for m in (wo, w.up, w.gate, down) if m is not None)
+            or not all(uses_c_kernels(m) and cpu.runs_c_kernel(m, t) for m in mats)
         ):
             return None
-        if self._tail is None or self._tail.weights[0] is not wo:  # built once per layer (its wo)
+        if self._tail is None or self._tail.weights[0] is not wo:
             try:
                 self._tail = ffn_calls.DenseTail(
                     wo, w.up, w.gate, down, down_is_t=w.down is None, kind=w.kind, activation=w.activation,
@@ -202,14 +221,31 @@ class FFN:
                 )  # fmt: skip
             except ValueError:  # gelu, or shapes the C call does not take
                 self._tail = False
-        if self._tail is False:
+        return self._tail or None
+
+    def _dense_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
+        """x + o + ffn(x + o) with o = linear(attn, wo) and every neuron, for a few tokens on the CPU, in one
+        C call (ffn_calls.DenseTail: the same bits as the ops one by one); None where it does not apply."""
+        t = x.shape[0] if x.dim() == 2 else 0
+        if (
+            x.device.type != "cpu"
+            or ctx.observe is not None
+            or self.norm is None
+            or not self.norm.folds_into_c(x)
+        ):
             return None
-        got = self._tail(attn, x, norm=self.norm.c_args, threads=getattr(self, "threads", None))
+        tail = self._dense_tail_plan(wo, t)
+        got = (
+            None
+            if tail is None
+            else tail(attn, x, norm=self.norm.c_args, threads=getattr(self, "threads", None))
+        )
         if got is None:
             return None
-        y1, y2 = got
-        ctx.count_all(self.layer, torch.empty(t, w.n_ff, device="meta"))  # reads the activation's shape only
-        return y2
+        ctx.count_all(
+            self.layer, torch.empty(t, self.n_ff, device="meta")
+        )  # reads the activation's shape only
+        return got[1]
 
     def _dense(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, up_gate: LinearGroup):
         out, a = dense_step(self.weights, h, up_gate)
@@ -234,6 +270,9 @@ class DenseFFN(FFN):
 
     def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
         return self._dense_tail(attn, x, wo, ctx)
+
+    def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
+        return self._dense_c_tail(wo)
 
 
 class SparseFFN(FFN):
@@ -325,6 +364,33 @@ class SparseFFN(FFN):
         y1, y2, mask, fired = got
         self._record(ctx, y1, mask, fired)
         return y2
+
+    def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
+        """As FFN.c_tail; the sparse tail (predictor, row gathers, axpy) unless the forward is dense."""
+        if dense:
+            return self._dense_c_tail(wo)
+        plan = self.fused_plan
+        if (
+            plan is None
+            or plan.fc1 is None
+            or plan.threshold != self.predictor.threshold
+            or self.expert is not None
+            or self.norm is None
+            or not self.norm.rms
+            or self.weights.down_bias is not None
+            or not uses_c_kernels(wo)
+        ):
+            return None
+        wo_struct = hc_weight(wo)
+        if wo_struct.rows != plan.d:
+            return None
+        norm_w, eps = cpu.norm_weight(self.norm.c_args, plan.d)
+        fields = dict(
+            wo=wo_struct, fc1=plan.fc1, fc2=plan.fc2, thr=plan.threshold, up=plan.up, gate=plan.gate
+        )
+        fields.update(down=plan.down_t, sparse=1, up_bias=cpu.ptr(plan.bias), kind=plan.kind)
+        fields.update(ffn_norm=norm_w.data_ptr(), ffn_eps=eps)
+        return dict(fields=fields, keep=(plan, wo, wo_struct, norm_w))
 
     def _apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, *, fuses: bool, norm: Norm | None):
         """h: the FFN input, or with `norm` the residual it is the RMS norm of (folded into the C call);

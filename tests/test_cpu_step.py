@@ -1,0 +1,81 @@
+"""The one-call CPU decode token (cpu_step): where it runs and where it steps aside. Its bits against the
+layer-by-layer paths are in tests/sparse/test_ffn.py (test_one_call_decode_equals_the_layer_ops)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hotcold
+from hotcold.cpu_step import CPUDecoder
+from hotcold.engine import Engine
+from hotcold.kernels import cpu
+
+
+@pytest.fixture
+def q4_sparse(tmp_path, tiny_sparse_gguf):
+    from hotcold.convert.quantize import quantize_file
+
+    return quantize_file(tiny_sparse_gguf, tmp_path / "m.q4_0.gguf", "q4_0")
+
+
+def counted(monkeypatch) -> list[bool]:
+    used: list[bool] = []
+    real = CPUDecoder.__call__
+
+    def wrapped(self, x, ctx):
+        got = real(self, x, ctx)
+        used.append(got is not None)
+        return got
+
+    monkeypatch.setattr(CPUDecoder, "__call__", wrapped)
+    return used
+
+
+def test_engines_sharing_a_model_keep_their_own_caches(q4_sparse, monkeypatch):
+    """Two engines on one model, decoding in turns, each get the tokens they get alone: a plan is per KV cache."""
+    if cpu.backend() != "c":
+        pytest.skip("C kernels unavailable")
+    used = counted(monkeypatch)
+    llm = hotcold.load(q4_sparse, device="cpu", threads=2)
+    model, tok = llm.loaded.model, llm.tokenizer
+
+    def greedy(engine, ids, n):
+        logits = engine.prefill(ids)
+        out = []
+        for pos in range(len(ids), len(ids) + n):
+            out.append(int(torch.argmax(logits.reshape(-1))))
+            logits = engine._forward([out[-1]], pos, last_only=True)[-1]
+        return out
+
+    alone = [greedy(Engine(model, tok, 64), ids, 6) for ids in ([1, 5, 9], [1, 300, 2, 77])]
+    a, b = Engine(model, tok, 64), Engine(model, tok, 64)
+    la, lb = a.prefill([1, 5, 9]), b.prefill([1, 300, 2, 77])
+    got = {0: [], 1: []}
+    for step in range(6):
+        for j, (engine, start) in enumerate(((a, 3), (b, 4))):
+            logits = la if j == 0 else lb
+            got[j].append(int(torch.argmax(logits.reshape(-1))))
+            logits = engine._forward([got[j][-1]], start + step, last_only=True)[-1]
+            la, lb = (logits, lb) if j == 0 else (la, logits)
+    assert [got[0], got[1]] == alone
+    assert used and all(used)
+
+
+def test_steps_aside_for_profiling_and_overflows_like_the_layers(q4_sparse, monkeypatch):
+    """A profiled forward (keep_masks: every layer's mask is kept) runs layer by layer; past the context
+    the error is the layers' own."""
+    if cpu.backend() != "c":
+        pytest.skip("C kernels unavailable")
+    used = counted(monkeypatch)
+    llm = hotcold.load(q4_sparse, device="cpu", threads=2, ctx_size=8)
+    engine = llm.engine
+    engine.prefill([1, 5, 9])
+    engine.seq.keep_masks = True
+    engine._forward([7], 3, last_only=True)
+    assert used == [False]
+    engine.seq.keep_masks = False
+    engine._forward([7], 4, last_only=True)
+    assert used == [False, True]
+    with pytest.raises(ValueError, match="context overflow"):
+        engine._forward([7], 8, last_only=True)
