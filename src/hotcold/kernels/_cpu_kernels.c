@@ -731,11 +731,15 @@ HC_INLINE vf load_vec(const int wt, const uint8_t *row, int64_t c, int v) {
  * chains (same vectors, same order) while each pass holds one accumulator per (row, token) in
  * registers: a 4 x 3 tile, 7 loads per 12 fma where two-accumulator tiles of 2 x 3 needed 16. */
 HC_INLINE void tile_pass(const int wt, const int NT, const uint8_t *const *ws, const float *const *xs, int64_t nc,
-                         int par, vf (*acc)[TILE_T][NACC]) {
+                         int par, vf (*acc)[TILE_T][NACC], const uint8_t *const *pf, int64_t pbase, int *ipq,
+                         int npq, int pstep) {
     vf a[TILE_R][TILE_T];
     for (int r = 0; r < TILE_R; r++)
         for (int t = 0; t < NT; t++) a[r][t] = acc[r][t][par];
-    for (int64_t c = 0; c < nc; c++)
+    int ip = *ipq;
+    for (int64_t c = 0; c < nc; c++) {
+        for (int j = 0; j < pstep && ip < npq; j++, ip++) /* line ip / TILE_R of row ip % TILE_R: spread out */
+            if (pf[ip % TILE_R]) vprefetch_l2(pf[ip % TILE_R] + pbase + (int64_t)(ip / TILE_R) * 64);
         for (int v = par; v < NV; v += NACC) {
             vf xv[TILE_T];
             for (int t = 0; t < NT; t++) xv[t] = vloadu(xs[t] + c * 32 + v * VL);
@@ -746,6 +750,8 @@ HC_INLINE void tile_pass(const int wt, const int NT, const uint8_t *const *ws, c
                 for (int t = 0; t < NT; t++) a[r][t] = vfma(w, xv[t], a[r][t]);
             }
         }
+    }
+    *ipq = ip;
     for (int r = 0; r < TILE_R; r++)
         for (int t = 0; t < NT; t++) acc[r][t][par] = a[r][t];
 }
@@ -781,22 +787,25 @@ HC_INLINE void dot_rows_tokens(const int wt, const int nr, const uint8_t *const 
             const int64_t nc = nchunk - c0 < TILE_BLOCK ? nchunk - c0 : TILE_BLOCK;
             const uint8_t *ws[TILE_R];
             for (int r = 0; r < TILE_R; r++) ws[r] = rows[r] + c0 * 32 * esz;
-            if (pf && s0 == 0) /* the next tile's block, while this one computes: the tile alone kept only
-                                * 19-30 GB/s in flight at T = 2-8 against 56 at T = 1 (F16, 2 threads) */
-                for (int r = 0; r < TILE_R; r++)
-                    if (pf[r])
-                        for (int64_t o = c0 * 32 * esz; o < (c0 + nc) * 32 * esz; o += 64) vprefetch_l2(pf[r] + o);
+            /* the next tile's block is prefetched while this one computes, a line per chunk step (the tile
+             * alone kept only 19-30 GB/s in flight at T = 2-8 against 56 at T = 1, F16, 2 threads) */
+            static const uint8_t *const no_pf[TILE_R] = {NULL, NULL, NULL, NULL};
+            const int npq = pf && s0 == 0 ? (int)(TILE_R * ((nc * 32 * esz + 63) / 64)) : 0; /* lines to fetch */
+            const int steps = (int)(ngroup * NACC * nc), pstep = (npq + steps - 1) / steps; /* lines a chunk step */
+            const uint8_t *const *pfr = pf ? pf : no_pf;
+            const int64_t pbase = c0 * 32 * esz;
+            int ipq = 0;
             for (int g = 0; g < ngroup; g++) {
                 const int nt = (int)(start[g + 1] - start[g]);
                 const float *xs[TILE_T];
                 for (int j = 0; j < nt; j++) xs[j] = X + (start[g] + j) * D + c0 * 32;
                 for (int par = 0; par < NACC; par++) switch (nt) { /* constant counts: registers */
-                    case 1: tile_pass(wt, 1, ws, xs, nc, par, acc[g]); break;
-                    case 2: tile_pass(wt, 2, ws, xs, nc, par, acc[g]); break;
+                    case 1: tile_pass(wt, 1, ws, xs, nc, par, acc[g], pfr, pbase, &ipq, npq, pstep); break;
+                    case 2: tile_pass(wt, 2, ws, xs, nc, par, acc[g], pfr, pbase, &ipq, npq, pstep); break;
 #if TILE_T > 3
-                    case 3: tile_pass(wt, 3, ws, xs, nc, par, acc[g]); break;
+                    case 3: tile_pass(wt, 3, ws, xs, nc, par, acc[g], pfr, pbase, &ipq, npq, pstep); break;
 #endif
-                    default: tile_pass(wt, TILE_T, ws, xs, nc, par, acc[g]); break;
+                    default: tile_pass(wt, TILE_T, ws, xs, nc, par, acc[g], pfr, pbase, &ipq, npq, pstep); break;
                     }
             }
         }
