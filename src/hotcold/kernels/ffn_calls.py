@@ -17,6 +17,18 @@ __all__ = ["SparseFFNPlan", "DenseTail", "ffn_combine"]
 _FFN_KINDS = {"gated": 0, "gated_both": 1, "plain": 2}
 
 
+def tail_io(attn: torch.Tensor, x: torch.Tensor, attn_cols: int, d: int, norm: tuple[torch.Tensor, float]):
+    """A decode tail's inputs checked (attn [T, attn_cols], x [T, D], the same T) and its outputs allocated:
+    (attn, x as [T, n] float32, norm weight, eps, y1, y2 [T, D])."""
+    a2, _ = as_tokens(attn, attn_cols, "attn")
+    x2, _ = as_tokens(x, d, "x")
+    t = x2.shape[0]
+    if a2.shape[0] != t:
+        raise ValueError(f"attn has {a2.shape[0]} tokens, x has {t}")
+    norm_w, eps = norm_weight(norm, d)
+    return a2, x2, norm_w, eps, torch.empty(t, d, dtype=torch.float32), torch.empty(t, d, dtype=torch.float32)
+
+
 class SparseFFNPlan:
     """One ReLU sparse FFN step: the predictor (fc1/fc2 on pred_input, firing iff the logit >= threshold)
     or a given bool mask, the row gathers (gate first; up only where relu(gate) != 0), the activation (with
@@ -122,13 +134,8 @@ class SparseFFNPlan:
             self._wo, self._wo_struct = wo, hc_weight(wo)
         if self._wo_struct.rows != self.d:
             raise ValueError(f"wo has {self._wo_struct.rows} rows, the FFN takes {self.d}")
-        a2, _ = as_tokens(attn, self._wo_struct.cols, "attn")
-        x2, _ = as_tokens(x, self.d, "x")
+        a2, x2, norm_w, eps, y1, y2 = tail_io(attn, x, self._wo_struct.cols, self.d, norm)
         t = x2.shape[0]
-        if a2.shape[0] != t:
-            raise ValueError(f"attn has {a2.shape[0]} tokens, x has {t}")
-        norm_w, eps = norm_weight(norm, self.d)
-        y1, y2 = torch.empty(t, self.d, dtype=torch.float32), torch.empty(t, self.d, dtype=torch.float32)
         mask = torch.empty(t, self.f, dtype=torch.bool)
         fc1, fc2, up, gate, down_t = self._args
         ffn = (fc1, fc2, self.threshold, up, gate, down_t, ptr(self.bias), self.kind, t)
@@ -229,13 +236,8 @@ class DenseTail:
         lib = build.get_lib()
         if lib is None:
             return None
-        a2, _ = as_tokens(attn, self.wo.cols, "attn")
-        x2, _ = as_tokens(x, self.d, "x")
+        a2, x2, norm_w, eps, y1, y2 = tail_io(attn, x, self.wo.cols, self.d, norm)
         t = x2.shape[0]
-        if a2.shape[0] != t:
-            raise ValueError(f"attn has {a2.shape[0]} tokens, x has {t}")
-        norm_w, eps = norm_weight(norm, self.d)
-        y1, y2 = torch.empty(t, self.d, dtype=torch.float32), torch.empty(t, self.d, dtype=torch.float32)
         wo, up, gate, down = self._args
         ffn = (up, gate, down, int(self.down_is_t), ptr(self.bias), self.kind, self.act, t, ptr(norm_w), eps)
         rc = lib.hc_dense_tail(
