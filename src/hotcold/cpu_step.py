@@ -1,7 +1,8 @@
 """A llama-family decode token on the CPU in one C call (`hc_decode_layers`): per layer the same two calls the
 layers make one by one (q/k/v + RoPE attention: `hc_decode_head`; o projection, residual, the FFN with its
 norm, residual: `hc_decode_tail` or `hc_dense_tail`), so the same bits, without the interpreter between
-the layers (~50 us a layer of Python on a 2-core machine, a tenth of a sparse Q4_0 token).
+the layers (about 50 us a layer on a 2-core machine: a sparse Q4_0 1B-shaped token measured 1.17x faster in one
+call, a dense one 1.05x).
 
 A plan holds each layer's arguments for one sequence (its KV cache) and one kind of forward (sparse, or
 `dense`), built on the first token that can use it. It applies where every layer would have made those C
