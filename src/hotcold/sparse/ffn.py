@@ -69,9 +69,8 @@ class FFNWeights:
         return self.up.shape[0]
 
     def combine(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        fused = ffn_calls.ffn_combine(
-            self.kind, self.activation, up, gate, self.up_bias
-        )  # CPU float32: one C call
+        # CPU float32 tensors: one C call (relu: torch's bits; silu: the one CPU SiLU, see `silu`)
+        fused = ffn_calls.ffn_combine(self.kind, self.activation, up, gate, self.up_bias)
         if fused is not None:
             return fused
         act = ACTIVATIONS[self.activation]
@@ -235,16 +234,12 @@ class FFN:
         ):
             return None
         tail = self._dense_tail_plan(wo, t)
-        got = (
-            None
-            if tail is None
-            else tail(attn, x, norm=self.norm.c_args, threads=getattr(self, "threads", None))
-        )
+        threads = getattr(self, "threads", None)  # SparseFFN's; DenseFFN has none (torch's count)
+        got = None if tail is None else tail(attn, x, norm=self.norm.c_args, threads=threads)
         if got is None:
             return None
-        ctx.count_all(
-            self.layer, torch.empty(t, self.n_ff, device="meta")
-        )  # reads the activation's shape only
+        # count_all reads only the activation's shape: a meta tensor of it, no memory
+        ctx.count_all(self.layer, torch.empty(t, self.n_ff, device="meta"))
         return got[1]
 
     def _dense(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, up_gate: LinearGroup):
