@@ -49,15 +49,13 @@ def test_engines_sharing_a_model_keep_their_own_caches(q4_sparse, monkeypatch):
         return out
 
     alone = [greedy(Engine(model, tok, 64), ids, 6) for ids in ([1, 5, 9], [1, 300, 2, 77])]
-    a, b = Engine(model, tok, 64), Engine(model, tok, 64)
-    la, lb = a.prefill([1, 5, 9]), b.prefill([1, 300, 2, 77])
-    got = {0: [], 1: []}
+    engines = [Engine(model, tok, 64), Engine(model, tok, 64)]
+    logits = [engines[0].prefill([1, 5, 9]), engines[1].prefill([1, 300, 2, 77])]
+    starts, got = [3, 4], [[], []]
     for step in range(6):
-        for j, (engine, start) in enumerate(((a, 3), (b, 4))):
-            logits = la if j == 0 else lb
-            got[j].append(int(torch.argmax(logits.reshape(-1))))
-            logits = engine._forward([got[j][-1]], start + step, last_only=True)[-1]
-            la, lb = (logits, lb) if j == 0 else (la, logits)
+        for j, engine in enumerate(engines):  # one token of each engine in turn
+            got[j].append(int(torch.argmax(logits[j].reshape(-1))))
+            logits[j] = engine._forward([got[j][-1]], starts[j] + step, last_only=True)[-1]
     assert [got[0], got[1]] == alone
     assert used and all(used)
 

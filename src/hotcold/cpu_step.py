@@ -98,9 +98,9 @@ class _Plan:
                 fields[name] = ctypes.pointer(w) if w is not None else None
             layers.append(
                 HCLayer(
-                    wts=group._wts, Ws=group._ptrs, strides=group._strides, Fs=group._fs, packed=int(group._packed),
-                    attn_norm=attn_w.data_ptr(), attn_eps=norm.eps, kc=kc.data_ptr(), vc=vc.data_ptr(),
-                    H=h, Hkv=hkv, Dh=dh, R=r, neox=0, window=c.sliding_window or 0, **fields,
+                    **group.c_fields, attn_norm=attn_w.data_ptr(), attn_eps=norm.eps,
+                    kc=kc.data_ptr(), vc=vc.data_ptr(), H=h, Hkv=hkv, Dh=dh, R=r, neox=0,
+                    window=c.sliding_window or 0, **fields,
                 )
             )  # fmt: skip
             keep += [group, attn_w, tail["keep"], fields]

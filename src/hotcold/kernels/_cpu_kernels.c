@@ -2975,8 +2975,6 @@ void hc_ffn_combine(int kind, int act, const float *u, const float *g, const flo
             for (int64_t i = 0; i < F; i++) at[i] = act1(act, up_bias ? ut[i] + up_bias[i] : ut[i]);
         } else if (kind == KIND_GATED_BOTH) {
             for (int64_t i = 0; i < F; i++) at[i] = act1(act, gt[i]) * act1(act, up_bias ? ut[i] + up_bias[i] : ut[i]);
-        } else if (act == ACT_SILU && !up_bias) { /* the common SwiGLU case, in a loop the compiler vectorizes */
-            for (int64_t i = 0; i < F; i++) at[i] = silu1(gt[i]) * ut[i];
         } else {
             for (int64_t i = 0; i < F; i++) at[i] = act1(act, gt[i]) * (up_bias ? ut[i] + up_bias[i] : ut[i]);
         }

@@ -227,6 +227,14 @@ class MatvecGroup:
         self._fs = (ctypes.c_int64 * n)(*self.rows)
         self._out_ptrs = ctypes.c_void_p * n
 
+    @property
+    def c_fields(self) -> dict:
+        """The group as hc_decode_head takes it (build.HCLayer's wts, Ws, strides, Fs, packed); the group
+        keeps the arrays alive."""
+        return dict(
+            wts=self._wts, Ws=self._ptrs, strides=self._strides, Fs=self._fs, packed=int(self._packed)
+        )
+
     def __call__(
         self, x: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None, threads: int | None = None
     ) -> list[torch.Tensor]:

@@ -161,6 +161,9 @@ class FFN:
     norm: Norm | None
     layer: int
     expert: int | None
+    _tail: ffn_calls.DenseTail | bool | None = (
+        None  # the one-call dense tail, built on first use; False: none
+    )
 
     def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
         return self.apply(self.norm(x) if self.norm is not None else x, x, ctx)
@@ -258,7 +261,6 @@ class DenseFFN(FFN):
     ):
         self.weights, self.norm, self.layer, self.expert = weights, norm, layer, expert
         self.up_gate = LinearGroup([weights.up, weights.gate]) if weights.gate is not None else None
-        self._tail = None  # the one-call decode tail (ffn_calls.DenseTail), built on first use; False: none
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         return self._dense(h, p, ctx, self.up_gate)
@@ -292,9 +294,6 @@ class SparseFFN(FFN):
         self.up_gate = LinearGroup([weights.up, weights.gate]) if weights.gate is not None else None
         self.rows_plan = row_plan(weights)
         self.fused_plan = self._fused_plan()
-        self._tail = (
-            None  # the dense decode tail (`--dense`, ffn_calls.DenseTail), built on first use; False: none
-        )
 
     def _fused_plan(self) -> ffn_calls.SparseFFNPlan | None:
         """Predictor + step in one C call. The predictor's matmuls must run in the C kernels (not float32
@@ -346,11 +345,9 @@ class SparseFFN(FFN):
             return self._dense_tail(attn, x, wo, ctx)
         if (
             x.device.type != "cpu"
-            or not self._fuses(x, ctx)
-            or self.norm is None
+            or x.shape[0] >= cpu.GEMM_MIN_TOKENS  # a prefill batch's predictor goes to torch's GEMM
+            or not self._sparse_tail_ready(wo)
             or not self.norm.folds_into_c(x)
-            or self.weights.down_bias is not None
-            or not uses_c_kernels(wo)  # the op-by-op path multiplies a float32 wo in torch
         ):
             return None
         got = self.fused_plan.tail(wo, attn, x, norm=self.norm.c_args, threads=self.threads)
@@ -360,22 +357,28 @@ class SparseFFN(FFN):
         self._record(ctx, y1, mask, fired)
         return y2
 
+    def _sparse_tail_ready(self, wo: Weight) -> bool:
+        """What the sparse tail needs whatever the tokens (decode_tail and c_tail): the fused plan with its
+        predictor at the predictor's threshold, an RMS norm to fold, no down bias, and a wo that `matmul`
+        multiplies in C (the op-by-op path multiplies a float32 wo in torch)."""
+        plan = self.fused_plan
+        return (
+            plan is not None
+            and plan.fc1 is not None
+            and plan.threshold == self.predictor.threshold
+            and self.norm is not None
+            and self.norm.rms
+            and self.weights.down_bias is None
+            and uses_c_kernels(wo)
+        )
+
     def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
         """As FFN.c_tail; the sparse tail (predictor, row gathers, axpy) unless the forward is dense."""
         if dense:
             return self._dense_c_tail(wo)
-        plan = self.fused_plan
-        if (
-            plan is None
-            or plan.fc1 is None
-            or plan.threshold != self.predictor.threshold
-            or self.expert is not None
-            or self.norm is None
-            or not self.norm.rms
-            or self.weights.down_bias is not None
-            or not uses_c_kernels(wo)
-        ):
+        if self.expert is not None or not self._sparse_tail_ready(wo):
             return None
+        plan = self.fused_plan
         wo_struct = hc_weight(wo)
         if wo_struct.rows != plan.d:
             return None
