@@ -90,6 +90,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--reference", default=None, help="a sparsified real model whose gate distribution to copy"
     )
+    ap.add_argument(
+        "--gate-fit",
+        default=None,
+        help="MEDIAN,SPREAD: a fit recorded by an earlier run (its JSON's gate_fit), instead of --reference",
+    )
     ap.add_argument("--llama-bench", default=None, help="llama-bench binary (omitted: no llama.cpp column)")
     ap.add_argument("--work", default="/tmp/sparsify-speed")
     ap.add_argument("--sparsity", type=float, default=0.5)
@@ -108,7 +113,16 @@ def main(argv=None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     shape = dict(SHAPES[args.shape])
     target = reference_curve(args.reference)
-    median, spread, fit_err = fit_gate_spread(target)
+    if args.gate_fit is not None:
+        if target is not None:
+            ap.error("give --reference or --gate-fit, not both")
+        try:
+            median, spread = (float(v) for v in args.gate_fit.split(","))
+        except ValueError:
+            ap.error(f"--gate-fit wants MEDIAN,SPREAD (two numbers), got {args.gate_fit!r}")
+        fit_err = None  # not refitted: the recorded run's error applies
+    else:
+        median, spread, fit_err = fit_gate_spread(target)
     gate_scale = median * np.exp(spread * np.random.default_rng(1).standard_normal(shape["n_ff"]))
     tag = f"{args.shape}-m{median:g}-v{spread:g}"
     dense = work / f"swiglu-{tag}.f16.gguf"

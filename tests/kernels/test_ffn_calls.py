@@ -191,3 +191,64 @@ def test_dense_tail_equals_op_by_op(backend, kind, act, t):
         ffn_calls.DenseTail(
             wo, q4(f, d), q4(f, d), q4(f, d), down_is_t=False, kind="gated", activation="silu"
         )
+
+
+def thresholded_ops(score, up, gate, down_t, scale, threshold, h):
+    """The thresholded SwiGLU step op by op, as ThresholdedFFN computes it without its plan."""
+    silu = lambda v: ffn_calls.ffn_combine("plain", "silu", v, None, None)  # noqa: E731
+    act = silu(cpu.matmul(score, h))
+    s = act.abs() if scale is None else act.abs() * scale
+    mask = s > threshold
+    if gate is not None:  # a probe scored: the exact gate of the kept rows
+        act = silu(cpu.gather_matvec(gate, h, mask))
+    a = torch.where(mask, act * cpu.gather_matvec(up, h, mask), 0.0)
+    return cpu.sparse_axpy(down_t, a, mask), mask
+
+
+@pytest.mark.parametrize("probe", [False, True])
+@pytest.mark.parametrize("wina", [False, True])
+@pytest.mark.parametrize("t", [1, 3])
+def test_thresholded_plan_equals_op_by_op(backend, probe, wina, t):
+    """hc_thresholded_ffn / hc_thresholded_tail (score matvec, kept rows, exact gate with a probe, up, SiLU
+    product, axpy; the o projection and residuals around it) have the bits of the ops one by one."""
+    gen = torch.Generator().manual_seed(41 + t)
+    f, d = 320, D_QUANT
+    gate = torch.randn(f, d, generator=gen).half() * 2
+    up = QuantTensor.from_float(torch.randn(f, d, generator=gen), Q.Q8_0)
+    down_t = torch.randn(f, d, generator=gen).bfloat16()
+    score = cpu.pack(QuantTensor.from_float(gate.float(), Q.Q4_0)) if probe else gate
+    scale = torch.rand(f, generator=gen) + 0.5 if wina else None
+    h = torch.randn(t, d, generator=gen)
+    thr = 0.3
+    plan = ffn_calls.ThresholdedPlan(score, up, gate if probe else None, down_t, threshold=thr, scale=scale)
+    wo = cpu.pack(QuantTensor.from_float(torch.randn(d, d, generator=gen) / 4, Q.Q4_0))
+    norm = (torch.rand(d, generator=gen) + 0.5, 1e-5)
+    if backend == "torch":
+        assert plan(h) is None and plan.tail(wo, h, h, norm=norm) is None
+        return
+    want, want_mask = thresholded_ops(score, up, gate if probe else None, down_t, scale, thr, h)
+    assert 0 < int(want_mask.sum()) < t * f  # some kept, some not
+    for threads in (1, 2):
+        out, mask, kept = plan(h, threads=threads)
+        assert torch.equal(mask, want_mask) and kept == int(want_mask.sum())
+        assert torch.equal(out, want), threads
+    out, mask, _ = plan(h, norm=norm)  # the norm folded in
+    want, want_mask = thresholded_ops(
+        score, up, gate if probe else None, down_t, scale, thr, cpu.rms_norm(h, *norm)
+    )
+    assert torch.equal(mask, want_mask) and torch.equal(out, want)
+    attn, x = torch.randn(t, d, generator=gen), torch.randn(t, d, generator=gen)
+    y1, y2, mask, kept = plan.tail(wo, attn, x, norm=norm, threads=2)
+    assert torch.equal(y1, x + cpu.matmul(wo, attn))
+    out, want_mask = thresholded_ops(
+        score, up, gate if probe else None, down_t, scale, thr, cpu.rms_norm(y1, *norm)
+    )
+    assert torch.equal(mask, want_mask) and kept == int(want_mask.sum()) and torch.equal(y2, y1 + out)
+
+
+def test_thresholded_plan_rejects_what_it_cannot_take():
+    w = torch.randn(64, 32).half()
+    with pytest.raises(ValueError, match="down_t has shape"):
+        ffn_calls.ThresholdedPlan(w, w, None, torch.randn(32, 64).half(), threshold=0.1)
+    with pytest.raises(ValueError, match="scale has shape"):
+        ffn_calls.ThresholdedPlan(w, w, None, w, threshold=0.1, scale=torch.ones(3))

@@ -247,3 +247,58 @@ def test_thread_count_does_not_change_the_bits(tiny_swiglu, outtype):
     two = hotcold.load(tiny_swiglu.sparse[outtype], threads=2, sparsity=0.5)
     for n in (9, 37):  # row gathers, then more rows (still below GEMM_MIN_TOKENS)
         assert torch.equal(one.logits(ids[:n]), two.logits(ids[:n]))
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "probe"])
+@pytest.mark.parametrize("dense", [False, True])
+def test_one_call_decode_equals_the_layer_ops(tiny_swiglu, tmp_path, monkeypatch, outtype, dense):
+    """A sparsified file's decode token in one C call (cpu_step, the thresholded or, with `--dense`, the
+    dense tail), as two C calls a layer (attention; the o projection, residuals and the FFN step) and as the
+    ops one by one: the same logits, greedy tokens and computed-neuron counts."""
+    from hotcold.convert.sparsify import sparsify_file
+    from hotcold.cpu_step import CPUDecoder
+    from hotcold.kernels import ffn_calls
+    from hotcold.models import llama
+
+    path = tiny_swiglu.sparse.get(outtype)
+    if path is None:  # a Q4_0 gate probe: the score from the probe, the exact gate gathered
+        path = tmp_path / "probe.gguf"
+        sparsify_file(
+            tiny_swiglu.dense["f16"], path, tiny_swiglu.corpus, sparsity=0.5, max_tokens=800, probe="q4_0"
+        )
+    ids = [1, 7, 42, 99, 3, 250, 17, 8]
+
+    def run():
+        llm = hotcold.load(path, device="cpu", threads=2, dense=dense)
+        logits = llm.logits(ids)
+        out = llm.generate("Line 1", max_tokens=6, temperature=0.0, ignore_eos=True)
+        return logits, out, llm.engine.seq.neuron_totals()
+
+    used = []
+    real = CPUDecoder.__call__
+    monkeypatch.setattr(
+        CPUDecoder, "__call__", lambda self, x, ctx: used.append(got := real(self, x, ctx)) or got
+    )
+    whole = run()
+    assert len(used) >= 5 and all(u is not None for u in used)  # every decode token in one call
+    monkeypatch.setattr(CPUDecoder, "__call__", lambda self, x, ctx: None)
+    owner, name = (ffn_calls.DenseTail, "__call__") if dense else (ffn_calls.ThresholdedPlan, "tail")
+    tails, real_tail = [], getattr(owner, name)
+    monkeypatch.setattr(
+        owner, name, lambda self, *a, **k: tails.append(got := real_tail(self, *a, **k)) or got
+    )
+    halves = run()
+    assert len(tails) > 10 and all(
+        t is not None for t in tails
+    )  # prefill (few tokens) and decode, every layer
+    monkeypatch.setattr(ThresholdedFFN, "decode_tail", lambda self, *a: None)
+    monkeypatch.setattr(llama, "decode_attention", lambda *a, **k: None)
+    steps = run()  # the FFN step still one C call (the plan), the rest op by op
+    monkeypatch.setattr(ThresholdedFFN, "_plan_for", lambda self, x, ctx: None)
+    ops = run()
+    for got in (whole, halves, steps):
+        assert torch.equal(got[0], ops[0])
+        assert got[1] == ops[1] and got[2] == ops[2]
+    if not dense:
+        computed, total = ops[2]
+        assert 0.2 < computed / total < 0.8  # thresholded, not every neuron

@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 19
+#define HC_ABI_VERSION 20
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -3025,6 +3025,78 @@ int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const 
 }
 
 
+/* ------------------------------------------------------------------------------------------------
+ * The thresholded SwiGLU FFN of `hotcold sparsify` files (sparse/thresholded.py) in one call: the
+ * score matvec, the per-token kept rows, their gate and up, the activation and the axpy, without the
+ * interpreter between them. Built from the kernels above, so its results equal theirs bit for bit.
+ * ---------------------------------------------------------------------------------------------- */
+
+/* With norm_w the FFN input is h = hc_rms_norm(x), else x. s [T, F] = h @ score.T over every row (the
+ * gate probe, or the gate itself when gate is NULL: weight_matvec, as the matmul of few tokens); neuron i
+ * of token t is kept (mask[t, i] = 1) iff |silu(s)| (times scale[i] if scale) > thr, all in float32 as
+ * torch computes it. On the kept rows only: the exact gate (gate not NULL; else silu(s) is the activation)
+ * and up (row gathers, x quantized once for both), a = silu(gate) * up, 0 elsewhere, and out [T, D] = the
+ * axpy of a over down_t. Returns the number of kept (token, neuron) pairs, or -1 if memory ran out. */
+int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr, const hc_weight *up,
+                           const hc_weight *gate, const hc_weight *down_t, int64_t T, const float *x,
+                           const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {
+    const int64_t F = up->rows, D = up->cols;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * F + (norm_w ? T * D : 0) + 1));
+    if (!buf) return -1;
+    float *act = buf, *u = buf + T * F;
+    if (norm_w) {
+        float *xn = u + T * F;
+        hc_rms_norm(x, norm_w, eps, T, D, xn);
+        x = xn;
+    }
+    int rc = weight_matvec(score, x, T, act, nth);
+    int64_t kept = 0;
+    if (rc == 0)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t i = 0; i < F; i++) {
+                const int64_t j = t * F + i;
+                act[j] = silu1(act[j]);
+                const float a = fabsf(act[j]);
+                mask[j] = (scale ? a * scale[i] : a) > thr; /* NaN: not kept, as torch's comparison */
+                kept += mask[j];
+            }
+    hc_xq_set xq = {NULL, NULL}; /* block gate / up: x quantized once for both */
+    if (rc == 0 && (wt_is_block(up->wt) || (gate && wt_is_block(gate->wt))) && xq_make(x, T, D, &xq) != 0) rc = -1;
+    if (rc == 0 && gate) { /* the exact gate of the kept rows replaces the probe's */
+        rc = gather_matvec_xq(gate->wt, gate->data, gate->stride, F, D, x, T, mask, act, nth, xq.tok);
+        if (rc == 0)
+            for (int64_t j = 0; j < T * F; j++) act[j] = silu1(act[j]); /* silu(0) = 0 where not kept */
+    }
+    if (rc == 0) rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, mask, u, nth, xq.tok);
+    xq_free(&xq);
+    if (rc == 0) {
+        for (int64_t j = 0; j < T * F; j++) u[j] = mask[j] ? act[j] * u[j] : 0.0f;
+        rc = hc_sparse_axpy(down_t->wt, down_t->data, down_t->stride, F, D, u, T, mask, out, nth);
+    }
+    free(buf);
+    return rc == 0 ? kept : -1;
+}
+
+/* hc_decode_tail with the thresholded FFN: y1 = x + attn @ wo.T, y2 = y1 + hc_thresholded_ffn(y1, the RMS
+ * norm folded). Returns its kept count, or -1 if memory ran out. */
+int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float *x, const hc_weight *score,
+                            const float *scale, float thr, const hc_weight *up, const hc_weight *gate,
+                            const hc_weight *down_t, int64_t T, const float *norm_w, float eps, uint8_t *mask,
+                            float *y1, float *y2, int nth) {
+    const int64_t D = wo->rows;
+    float *o = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
+    if (!o || weight_matvec(wo, attn, T, o, nth) != 0) {
+        free(o);
+        return -1;
+    }
+    for (int64_t j = 0; j < T * D; j++) y1[j] = x[j] + o[j];
+    const int64_t kept = hc_thresholded_ffn(score, scale, thr, up, gate, down_t, T, y1, norm_w, eps, mask, o, nth);
+    if (kept >= 0)
+        for (int64_t j = 0; j < T * D; j++) y2[j] = y1[j] + o[j];
+    free(o);
+    return kept;
+}
+
 /* The attention half of a decode layer for one token of one sequence: q, k, v = the group's matvecs of
  * the RMS-normed x (the packed or the row layout: the call LinearGroup makes), then hc_attn_decode_rows of
  * that one row; qkv [3] are the caller's buffers (q and k are left rotated, as op by op). The same calls,
@@ -3058,12 +3130,15 @@ typedef struct {
     int64_t window;
     const hc_weight *wo, *fc1, *fc2, *up, *gate, *down;
     float thr;
-    int sparse;    /* 1: hc_decode_tail (fc1, fc2, thr, down = down_t), 0: hc_dense_tail */
+    int sparse;    /* 1: hc_decode_tail (fc1, fc2, thr, down = down_t), 2: hc_thresholded_tail (score, scale,
+                      thr, gate NULL or the exact gate, down = down_t), 0: hc_dense_tail */
     int down_is_t; /* dense tail: down is down_t [F, D] */
     const float *up_bias;
     int kind, act;
     const float *ffn_norm;
     float ffn_eps;
+    const hc_weight *score; /* thresholded tail: the score matrix (probe or gate), per-neuron weights or NULL */
+    const float *scale;
 } hc_layer;
 
 /* A whole decode token of one sequence through n layers: x [D] (the embedding in, the last layer's
@@ -3089,7 +3164,11 @@ int hc_decode_layers(int n, const hc_layer *L, float *x, int64_t D, int64_t pos,
         rc = hc_decode_head(3, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, x, a->attn_norm, a->attn_eps, qkv,
                             a->kc, a->vc, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox, a->window, attn, nth);
         if (rc != 0) break;
-        if (a->sparse) {
+        if (a->sparse == 2) {
+            fired[l] = hc_thresholded_tail(a->wo, attn, x, a->score, a->scale, a->thr, a->up, a->gate, a->down, 1,
+                                           a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
+            rc = fired[l] < 0 ? -1 : 0;
+        } else if (a->sparse) {
             fired[l] = hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias,
                                       a->kind, 1, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
             rc = fired[l] < 0 ? -1 : 0;

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-ABI_VERSION = 19  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
+ABI_VERSION = 20  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -71,7 +71,7 @@ class HCWeight(ctypes.Structure):
 
 class HCLayer(ctypes.Structure):
     """hc_layer in _cpu_kernels.c: one llama-family layer's arguments for hc_decode_layers (its q/k/v group,
-    attention norm, KV cache and RoPE, then the sparse or dense tail)."""
+    attention norm, KV cache and RoPE, then the sparse, thresholded or dense tail)."""
 
     _w = ctypes.POINTER(HCWeight)
     _fields_ = [
@@ -104,6 +104,8 @@ class HCLayer(ctypes.Structure):
         ("act", ctypes.c_int),
         ("ffn_norm", ctypes.c_void_p),
         ("ffn_eps", ctypes.c_float),
+        ("score", _w),
+        ("scale", ctypes.c_void_p),
     ]
 
 
@@ -177,6 +179,8 @@ def _bind(lib: ctypes.CDLL) -> None:
         "hc_simd": ([], ctypes.c_char_p),
         "hc_sparse_ffn": ([w, w, f32, p, w, w, w, p, c_int, i64, p, p, f32, p, p, c_int], i64),
         "hc_decode_tail": ([w, p, p, w, w, f32, w, w, w, p, c_int, i64, p, f32, p, p, p, c_int], i64),
+        "hc_thresholded_ffn": ([w, p, f32, w, w, w, i64, p, p, f32, p, p, c_int], i64),
+        "hc_thresholded_tail": ([w, p, p, w, p, f32, w, w, w, i64, p, f32, p, p, p, c_int], i64),
         "hc_decode_head": (
             [
                 c_int,

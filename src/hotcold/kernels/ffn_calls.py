@@ -1,6 +1,7 @@
 """The FFN steps as single C calls on the CPU: the sparse step (`SparseFFNPlan`: predictor, row gathers,
-activation, axpy), a dense decode layer's tail (`DenseTail`) and the FFN activation itself
-(`ffn_combine`), each with the bits of `cpu`'s ops called one by one."""
+activation, axpy), the thresholded SwiGLU step of sparsified files (`ThresholdedPlan`), a dense decode layer's
+tail (`DenseTail`) and the FFN activation itself (`ffn_combine`), each with the bits of `cpu`'s ops called one
+by one."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hotcold.kernels import build
 from hotcold.kernels.build import as_mask, as_tokens, hc_weight, nthreads, ptr
 from hotcold.kernels.cpu import Weight, gather_matvec, norm_weight, rms_norm, sparse_axpy
 
-__all__ = ["SparseFFNPlan", "DenseTail", "ffn_combine"]
+__all__ = ["SparseFFNPlan", "ThresholdedPlan", "DenseTail", "ffn_combine"]
 
 _FFN_KINDS = {"gated": 0, "gated_both": 1, "plain": 2}
 
@@ -246,3 +247,87 @@ class DenseTail:
         if rc != 0:
             raise MemoryError("hc_dense_tail: out of memory")
         return y1, y2
+
+
+class ThresholdedPlan:
+    """One thresholded SwiGLU FFN step (sparse/thresholded.py) in one C call: s = matmul(score, h) (the gate
+    probe, or the gate itself when `gate` is None), neuron i of a token kept iff |silu(s)| (* scale[i]) >
+    threshold in float32, then on the kept rows the exact gate (with a probe), up, silu(gate) * up and the
+    axpy over down_t. Equal bit for bit to those ops one by one for a score weight `matmul` multiplies in C
+    (the caller checks `cpu.runs_c_kernel`). ValueError for shapes it cannot take; keeps its weights alive."""
+
+    def __init__(
+        self,
+        score: Weight,
+        up: Weight,
+        gate: Weight | None,
+        down_t: Weight,
+        *,
+        threshold: float,
+        scale: torch.Tensor | None = None,
+    ):
+        self.weights = (score, up, gate, down_t)  # kept alive: the structs point into them
+        self.score, self.up, self.gate, self.down_t = (hc_weight(w) for w in self.weights)
+        self.f, self.d = self.up.rows, self.up.cols
+        for name, w in (("score", self.score), ("gate", self.gate), ("down_t", self.down_t)):
+            if w is not None and (w.rows, w.cols) != (self.f, self.d):
+                raise ValueError(f"{name} has shape {(w.rows, w.cols)}, expected {(self.f, self.d)}")
+        self.scale = None if scale is None else scale.to(torch.float32).contiguous()
+        if self.scale is not None and self.scale.shape != (self.f,):
+            raise ValueError(f"scale has shape {tuple(self.scale.shape)}, expected [{self.f}]")
+        self.threshold = float(threshold)
+        structs = (self.score, self.up, self.gate, self.down_t)
+        self._args = tuple(None if w is None else ctypes.byref(w) for w in structs)
+        self._wo, self._wo_struct = None, None  # tail(): the attention output matrix it was last given
+
+    def __call__(
+        self, h: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None, threads: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """h [T, D] (with norm = (weight, eps): the residual whose rms_norm is the FFN input) -> (out [T, D],
+        kept mask [T, F] bool, kept count); None without the C kernels."""
+        lib = build.get_lib()
+        if lib is None:
+            return None
+        h2, _ = as_tokens(h, self.d, "h")
+        t = h2.shape[0]
+        norm_w, eps = norm_weight(norm, self.d)
+        mask = torch.empty(t, self.f, dtype=torch.bool)
+        out = torch.empty(t, self.d, dtype=torch.float32)
+        score, up, gate, down_t = self._args
+        kept = lib.hc_thresholded_ffn(
+            score, ptr(self.scale), self.threshold, up, gate, down_t, t, h2.data_ptr(), ptr(norm_w), eps,
+            mask.data_ptr(), out.data_ptr(), nthreads(threads),
+        )  # fmt: skip
+        if kept < 0:
+            raise MemoryError("hc_thresholded_ffn: out of memory")
+        return out, mask, int(kept)
+
+    def tail(
+        self,
+        wo: Weight,
+        attn: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        norm: tuple[torch.Tensor, float],
+        threads=None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """SparseFFNPlan.tail with this step: y1 = x + matmul(wo, attn), y2 = y1 + this plan on y1 with the RMS
+        norm folded -> (y1, y2, mask, kept count), for a wo `matmul` multiplies in C; None without C kernels."""
+        lib = build.get_lib()
+        if lib is None:
+            return None
+        if self._wo is not wo:  # one layer's wo: its struct built once
+            self._wo, self._wo_struct = wo, hc_weight(wo)
+        if self._wo_struct.rows != self.d:
+            raise ValueError(f"wo has {self._wo_struct.rows} rows, the FFN takes {self.d}")
+        a2, x2, norm_w, eps, y1, y2 = tail_io(attn, x, self._wo_struct.cols, self.d, norm)
+        t = x2.shape[0]
+        mask = torch.empty(t, self.f, dtype=torch.bool)
+        score, up, gate, down_t = self._args
+        kept = lib.hc_thresholded_tail(
+            ctypes.byref(self._wo_struct), a2.data_ptr(), x2.data_ptr(), score, ptr(self.scale), self.threshold,
+            up, gate, down_t, t, ptr(norm_w), eps, mask.data_ptr(), y1.data_ptr(), y2.data_ptr(), nthreads(threads),
+        )  # fmt: skip
+        if kept < 0:
+            raise MemoryError("hc_thresholded_tail: out of memory")
+        return y1, y2, mask, int(kept)

@@ -200,11 +200,16 @@ class FFN:
         )
         return dict(fields=fields, keep=(tail, norm_w))
 
+    def _dense_down(self) -> tuple[Weight, bool]:
+        """The down projection the dense path multiplies: (ffn_down [D, F], False) or (ffn_down_t, True)."""
+        w = self.weights
+        return (w.down, False) if w.down is not None else (w.down_t, True)
+
     def _dense_tail_plan(self, wo: Weight, t: int) -> ffn_calls.DenseTail | None:
         """The one-call dense tail for t tokens (built once per layer, its wo), or None where it does not
         apply (gelu, an expert, a down bias, weights `matmul` would not multiply in C)."""
         w = self.weights
-        down = w.down if w.down is not None else w.down_t
+        down, down_is_t = self._dense_down()
         mats = [m for m in (wo, w.up, w.gate, down) if m is not None]
         if (
             not 0 < t < cpu.GEMM_MIN_TOKENS
@@ -218,7 +223,7 @@ class FFN:
         if self._tail is None or self._tail.weights[0] is not wo:
             try:
                 self._tail = ffn_calls.DenseTail(
-                    wo, w.up, w.gate, down, down_is_t=w.down is None, kind=w.kind, activation=w.activation,
+                    wo, w.up, w.gate, down, down_is_t=down_is_t, kind=w.kind, activation=w.activation,
                     up_bias=w.up_bias,
                 )  # fmt: skip
             except ValueError:  # gelu, or shapes the C call does not take

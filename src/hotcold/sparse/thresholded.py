@@ -28,8 +28,9 @@ import torch
 from hotcold import names
 from hotcold.device import place
 from hotcold.gguf_io import GGUFError, ModelFile
-from hotcold.kernels import cpu
-from hotcold.ops import Norm, Weight, linear
+from hotcold.kernels import cpu, ffn_calls
+from hotcold.kernels.build import hc_weight
+from hotcold.ops import Norm, Weight, linear, uses_c_kernels
 from hotcold.sparse.ffn import FFN, FFNWeights, silu
 from hotcold.state import Batch
 
@@ -116,9 +117,14 @@ class ThresholdedFFN(FFN):
     """A SwiGLU FFN computing, per token, only the neurons whose score is over the layer's threshold.
 
     weights: gate [F, D] (multiplied whole), up [F, D] and down_t [F, D] (gathered row by row), kind
-    "gated", SiLU; down: the file's ffn_down [D, F] for many-row forwards (None: the axpy there too);
+    "gated", SiLU, and down: the file's ffn_down [D, F] for many-row forwards (None: the axpy there too);
     scale: [F] per-neuron score weights (None: CATS); probe: [F, D] a cheaper copy of the gate the score
-    is computed from (None: the gate itself, then multiplied whole)."""
+    is computed from (None: the gate itself, then multiplied whole).
+
+    For a few tokens on the CPU the step is one C call (`ffn_calls.ThresholdedPlan`, the norm folded in),
+    and a decode layer's o projection, residuals and this step another (`decode_tail`; `c_tail` for the
+    one-call decode token), each with the bits of the ops one by one; a dense forward takes the dense
+    tail."""
 
     def __init__(
         self,
@@ -139,6 +145,36 @@ class ThresholdedFFN(FFN):
         self.probe = probe
         devices = {_device(m).type for m in (weights.gate, weights.up, weights.down_t)}
         self.gathers = devices == {"cpu"} and cpu.backend() == "c"  # the row kernels, else dense-masked
+        self.plan = self._c_plan()
+
+    def _c_plan(self) -> ffn_calls.ThresholdedPlan | None:
+        w = self.weights
+        score = self.probe if self.probe is not None else w.gate
+        if not self.gathers or not uses_c_kernels(score) or (self.scale is not None and self.scale.is_cuda):
+            return None
+        try:
+            return ffn_calls.ThresholdedPlan(
+                score, w.up, w.gate if self.probe is not None else None, w.down_t,
+                threshold=self.threshold, scale=self.scale,
+            )  # fmt: skip
+        except ValueError:
+            return None
+
+    def _plan_for(self, x: torch.Tensor, ctx: Batch) -> ffn_calls.ThresholdedPlan | None:
+        """The one-call step where it has the op-by-op bits: a few CPU rows, a score matmul in C."""
+        t = x.shape[0] if x.dim() == 2 else 0
+        plan = self.plan
+        if plan is None or ctx.dense or x.device.type != "cpu" or not 0 < t < cpu.GEMM_MIN_TOKENS:
+            return None
+        return plan if cpu.runs_c_kernel(plan.weights[0], t) else None
+
+    def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
+        plan = self._plan_for(x, ctx)
+        if plan is None or self.norm is None or not self.norm.folds_into_c(x):
+            return super().__call__(x, ctx)
+        out, mask, kept = plan(x, norm=self.norm.c_args, threads=self.threads)
+        self._record(ctx, x, mask, kept)
+        return out
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         w = self.weights
@@ -148,10 +184,14 @@ class ThresholdedFFN(FFN):
                 ctx.observe(self.layer, h, p, a)
             ctx.count_all(self.layer, a)
             return self._down_dense(a, h.device)
+        if (plan := self._plan_for(h, ctx)) is not None:
+            out, mask, kept = plan(h, threads=self.threads)
+            self._record(ctx, p, mask, kept)
+            return out
         probe = self.probe is not None
         act = silu(linear(h, self.probe if probe else w.gate))  # [T, F]: every row
         score = act.abs() if self.scale is None else act.abs() * self.scale.to(act.device)
-        mask = score > self.threshold  # [T, F] bool, per token
+        mask = score > self.threshold  # [T, F] bool, per token (compared in float32, as the C step)
         if self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS:
             hc, mc = h.to(CPU), mask.to(CPU)
             if probe:  # the exact gate of the kept rows
@@ -164,10 +204,49 @@ class ThresholdedFFN(FFN):
                 act = silu(linear(h, w.gate))
             a = torch.where(mask, act * linear(h, w.up), 0.0)
             out = self._down_dense(a, h.device)
-        ctx.count(self.layer, mask)
+        self._record(ctx, p, mask, None)
+        return out
+
+    def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
+        """x + o + ffn(x + o) with o = linear(attn, wo), for a few CPU rows, in one C call (the same bits as
+        the layer's ops one by one); None where it does not apply. A dense forward takes the dense tail."""
+        if ctx.dense:
+            return self._dense_tail(attn, x, wo, ctx)
+        plan = self._plan_for(x, ctx)
+        if plan is None or not self._tail_ready(wo) or not self.norm.folds_into_c(x):
+            return None
+        y1, y2, mask, kept = plan.tail(wo, attn, x, norm=self.norm.c_args, threads=self.threads)
+        self._record(ctx, y1, mask, kept)
+        return y2
+
+    def _tail_ready(self, wo: Weight) -> bool:
+        """An RMS norm to fold and a wo `matmul` multiplies in C (a float32 wo goes to torch)."""
+        return self.norm is not None and self.norm.rms and uses_c_kernels(wo) and cpu.runs_c_kernel(wo, 1)
+
+    def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
+        """As FFN.c_tail: the thresholded tail, or the dense one for a dense forward."""
+        if dense:
+            return self._dense_c_tail(wo)
+        plan = self.plan
+        if plan is None or not self._tail_ready(wo) or not cpu.runs_c_kernel(plan.weights[0], 1):
+            return None
+        wo_struct = hc_weight(wo)
+        if wo_struct.rows != plan.d:
+            return None
+        norm_w, eps = cpu.norm_weight(self.norm.c_args, plan.d)
+        fields = dict(wo=wo_struct, score=plan.score, scale=cpu.ptr(plan.scale), thr=plan.threshold)
+        fields.update(
+            up=plan.up, gate=plan.gate, down=plan.down_t, sparse=2, ffn_norm=norm_w.data_ptr(), ffn_eps=eps
+        )
+        return dict(fields=fields, keep=(plan, wo, wo_struct, norm_w))
+
+    def _record(self, ctx: Batch, p: torch.Tensor, mask: torch.Tensor, kept: int | None) -> None:
+        ctx.count(self.layer, mask, kept)
         if ctx.keep_masks:
             ctx.keep(self.layer, p, mask)
-        return out
+
+    def _dense_down(self) -> tuple[Weight, bool]:
+        return (self.down, False) if self.down is not None else (self.weights.down_t, True)
 
     def _down_dense(self, a: torch.Tensor, device: torch.device) -> torch.Tensor:
         if self.down is not None:
