@@ -1,6 +1,6 @@
 """Decode speed of a `hotcold sparsify` file: hotcold thresholded vs hotcold dense on the same file vs
-upstream llama.cpp dense (llama-bench) on the dense input (the same weights; llama.cpp refuses the extra
-ffn_down_t tensors), interleaved rounds, medians, JSON.
+hotcold dense on the dense input file vs upstream llama.cpp dense (llama-bench) on that input (the same weights;
+llama.cpp refuses the extra ffn_down_t tensors), interleaved rounds, medians, JSON.
 
 The model is a synthetic SwiGLU LLaMA (benchmarks/synth.py, random weights, --shape 1b: n_embd 2048,
 n_ff 5632, 22 layers, GQA 32/4) whose gate magnitudes follow the distribution calibration finds on a
@@ -152,10 +152,11 @@ def main(argv=None) -> int:
         )
     got = reference_curve(str(sparse))
 
-    samples = {"hotcold_sparse": [], "hotcold_dense": [], "llama_dense": []}
+    samples = {"hotcold_sparse": [], "hotcold_dense": [], "hotcold_dense_input": [], "llama_dense": []}
     for _ in range(args.rounds):  # interleaved: machine noise hits every column alike
         samples["hotcold_sparse"].append(hotcold_tg(str(sparse), "sparse", args.threads, args.n_gen, None))
         samples["hotcold_dense"].append(hotcold_tg(str(sparse), "dense", args.threads, args.n_gen, None))
+        samples["hotcold_dense_input"].append(hotcold_tg(str(dense), "dense", args.threads, args.n_gen, None))
         if args.llama_bench:
             samples["llama_dense"].append(llama_tg(args.llama_bench, str(dense), args.threads, args.n_gen))
     med = {k: statistics.median(v) for k, v in samples.items() if v}
@@ -179,6 +180,8 @@ def main(argv=None) -> int:
         "tokens_per_s": med,
         "tokens_per_s_all": samples,
         "speedup_vs_hotcold_dense": med["hotcold_sparse"] / med["hotcold_dense"],
+        # the same weights as the input file a user would otherwise run (no ffn_down_t, no probe)
+        "speedup_vs_hotcold_dense_input": med["hotcold_sparse"] / med["hotcold_dense_input"],
         "speedup_vs_llama_dense": med["hotcold_sparse"] / med["llama_dense"]
         if "llama_dense" in med
         else None,

@@ -2147,48 +2147,63 @@ const char *hc_simd(void) { return HC_SIMD; }
 
 /* out[t, i] = dot(W[i], x[t]) where mask is NULL or mask[t, i]; exactly 0 elsewhere.
  * Returns 0, or -1 if memory ran out. */
-/* hc_gather_matvec with the tokens' quantized activations given (xq, for block weights) or made here. */
-static int gather_matvec_xq(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *x, int64_t T,
-                            const uint8_t *mask, float *out, int nth, const hc_xq *xq) {
-    hc_args A = {W, stride, F, D, T, x, mask, out, NULL, NULL, F, NULL};
+/* The rows some token of mask [T, F] wants, ascending, into idx [F]: their count, or -1 if memory ran out. */
+static int64_t mask_rows(const uint8_t *mask, int64_t T, int64_t F, int32_t *idx) {
+    if (T == 1) return mask_to_idx(mask, F, idx);
+    uint8_t *u = (uint8_t *)calloc((size_t)(F > 0 ? F : 1), 1);
+    if (!u) return -1;
+    for (int64_t t = 0; t < T; t++) {
+        const uint8_t *m = mask + t * F;
+        for (int64_t i = 0; i < F; i++) u[i] |= m[i];
+    }
+    const int64_t n = mask_to_idx(u, F, idx);
+    free(u);
+    return n;
+}
+
+/* hc_gather_matvec of nmat (1 or 2) matrices of F rows and D columns over one mask (NULL: every row), in one
+ * parallel region (a thresholded FFN's gate and up); the tokens' quantized activations given (xq, for block
+ * weights) or made here. Each matrix's results are those of its own call. */
+static int gather_masked_xq(int nmat, const int *wts, const uint8_t *const *Ws, const int64_t *strides, int64_t F,
+                            int64_t D, const float *x, int64_t T, const uint8_t *mask, float *const *outs, int nth,
+                            const hc_xq *xq) {
     hc_xq_set own = {NULL, NULL};
-    if (wt_is_block(wt)) {
-        if (!xq) {
-            if (xq_make(x, T, D, &own) != 0) return -1;
-            xq = own.tok;
-        }
-        A.xq = xq;
+    int block = 0;
+    for (int m = 0; m < nmat; m++) block |= wt_is_block(wts[m]);
+    if (block && !xq) {
+        if (xq_make(x, T, D, &own) != 0) return -1;
+        xq = own.tok;
     }
     int32_t *idx = NULL;
+    int64_t n = F;
     if (mask) { /* outputs are zeroed by the work items that own them (gather_part) */
         idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
-        if (!idx) {
+        n = idx ? mask_rows(mask, T, F, idx) : -1;
+        if (n < 0) {
+            free(idx);
             xq_free(&own);
             return -1;
         }
-        if (T == 1) {
-            A.n = mask_to_idx(mask, F, idx);
-        } else {
-            uint8_t *u = (uint8_t *)calloc((size_t)(F > 0 ? F : 1), 1);
-            if (!u) {
-                free(idx);
-                xq_free(&own);
-                return -1;
-            }
-            for (int64_t t = 0; t < T; t++) {
-                const uint8_t *m = mask + t * F;
-                for (int64_t i = 0; i < F; i++) u[i] |= m[i];
-            }
-            A.n = mask_to_idx(u, F, idx);
-            free(u);
-        }
-        A.idx = idx;
-        if (A.n == 0) memset(out, 0, sizeof(float) * (size_t)(T * F));
     }
-    gather_parallel(1, &wt, &A, nth);
+    hc_args A[2];
+    for (int m = 0; m < nmat; m++) {
+        const hc_args a = {Ws[m], strides[m], F, D, T, x, mask, outs[m], idx, NULL, n,
+                           wt_is_block(wts[m]) ? xq : NULL};
+        A[m] = a;
+        if (mask && n == 0) memset(outs[m], 0, sizeof(float) * (size_t)(T * F));
+    }
+    gather_parallel(nmat, wts, A, nth);
     free(idx);
     xq_free(&own);
     return 0;
+}
+
+static int gather_matvec_xq(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *x, int64_t T,
+                            const uint8_t *mask, float *out, int nth, const hc_xq *xq) {
+    const uint8_t *Ws[1] = {W};
+    const int64_t strides[1] = {stride};
+    float *outs[1] = {out};
+    return gather_masked_xq(1, &wt, Ws, strides, F, D, x, T, mask, outs, nth, xq);
 }
 
 /* out[t, i] = dot(W[i], x[t]) where mask is NULL or mask[t, i]; exactly 0 elsewhere (block weights:
@@ -3035,7 +3050,7 @@ int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const 
  * gate probe, or the gate itself when gate is NULL: weight_matvec, as the matmul of few tokens); neuron i
  * of token t is kept (mask[t, i] = 1) iff |silu(s)| (times scale[i] if scale) > thr, all in float32 as
  * torch computes it. On the kept rows only: the exact gate (gate not NULL; else silu(s) is the activation)
- * and up (row gathers, x quantized once for both), a = silu(gate) * up, 0 elsewhere, and out [T, D] = the
+ * and up (row gathers in one parallel pass, x quantized once for both), a = silu(gate) * up, 0 elsewhere, and out [T, D] = the
  * axpy of a over down_t. Returns the number of kept (token, neuron) pairs, or -1 if memory ran out. */
 int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr, const hc_weight *up,
                            const hc_weight *gate, const hc_weight *down_t, int64_t T, const float *x,
@@ -3062,12 +3077,17 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr
             }
     hc_xq_set xq = {NULL, NULL}; /* block gate / up: x quantized once for both */
     if (rc == 0 && (wt_is_block(up->wt) || (gate && wt_is_block(gate->wt))) && xq_make(x, T, D, &xq) != 0) rc = -1;
-    if (rc == 0 && gate) { /* the exact gate of the kept rows replaces the probe's */
-        rc = gather_matvec_xq(gate->wt, gate->data, gate->stride, F, D, x, T, mask, act, nth, xq.tok);
+    if (rc == 0 && gate) { /* the exact gate of the kept rows replaces the probe's; up's rows in the same pass */
+        const int wts[2] = {gate->wt, up->wt};
+        const uint8_t *Ws[2] = {gate->data, up->data};
+        const int64_t strides[2] = {gate->stride, up->stride};
+        float *outs[2] = {act, u};
+        rc = gather_masked_xq(2, wts, Ws, strides, F, D, x, T, mask, outs, nth, xq.tok);
         if (rc == 0)
             for (int64_t j = 0; j < T * F; j++) act[j] = silu1(act[j]); /* silu(0) = 0 where not kept */
+    } else if (rc == 0) {
+        rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, mask, u, nth, xq.tok);
     }
-    if (rc == 0) rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, mask, u, nth, xq.tok);
     xq_free(&xq);
     if (rc == 0) {
         for (int64_t j = 0; j < T * F; j++) u[j] = mask[j] ? act[j] * u[j] : 0.0f;
