@@ -2145,8 +2145,6 @@ int hc_abi_version(void) { return HC_ABI_VERSION; }
 
 const char *hc_simd(void) { return HC_SIMD; }
 
-/* out[t, i] = dot(W[i], x[t]) where mask is NULL or mask[t, i]; exactly 0 elsewhere.
- * Returns 0, or -1 if memory ran out. */
 /* The rows some token of mask [T, F] wants, ascending, into idx [F]: their count, or -1 if memory ran out. */
 static int64_t mask_rows(const uint8_t *mask, int64_t T, int64_t F, int32_t *idx) {
     if (T == 1) return mask_to_idx(mask, F, idx);
@@ -2185,7 +2183,7 @@ static int gather_masked_xq(int nmat, const int *wts, const uint8_t *const *Ws, 
             return -1;
         }
     }
-    hc_args A[2];
+    hc_args A[2]; /* nmat <= 2 */
     for (int m = 0; m < nmat; m++) {
         const hc_args a = {Ws[m], strides[m], F, D, T, x, mask, outs[m], idx, NULL, n,
                            wt_is_block(wts[m]) ? xq : NULL};
@@ -2198,6 +2196,8 @@ static int gather_masked_xq(int nmat, const int *wts, const uint8_t *const *Ws, 
     return 0;
 }
 
+/* out[t, i] = dot(W[i], x[t]) where mask is NULL or mask[t, i]; exactly 0 elsewhere (hc_gather_matvec with
+ * the tokens' quantized activations given or made here). Returns 0, or -1 if memory ran out. */
 static int gather_matvec_xq(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *x, int64_t T,
                             const uint8_t *mask, float *out, int nth, const hc_xq *xq) {
     const uint8_t *Ws[1] = {W};
@@ -3050,8 +3050,9 @@ int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const 
  * gate probe, or the gate itself when gate is NULL: weight_matvec, as the matmul of few tokens); neuron i
  * of token t is kept (mask[t, i] = 1) iff |silu(s)| (times scale[i] if scale) > thr, all in float32 as
  * torch computes it. On the kept rows only: the exact gate (gate not NULL; else silu(s) is the activation)
- * and up (row gathers in one parallel pass, x quantized once for both), a = silu(gate) * up, 0 elsewhere, and out [T, D] = the
- * axpy of a over down_t. Returns the number of kept (token, neuron) pairs, or -1 if memory ran out. */
+ * and up (row gathers in one parallel pass, x quantized once for both), a = silu(gate) * up, 0 elsewhere,
+ * and out [T, D] = the axpy of a over down_t. Returns the number of kept (token, neuron) pairs, or -1 if
+ * memory ran out. */
 int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr, const hc_weight *up,
                            const hc_weight *gate, const hc_weight *down_t, int64_t T, const float *x,
                            const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {

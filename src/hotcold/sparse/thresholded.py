@@ -148,9 +148,14 @@ class ThresholdedFFN(FFN):
         self.plan = self._c_plan()
 
     def _c_plan(self) -> ffn_calls.ThresholdedPlan | None:
+        """The C step's plan where its weights can run in C (the row kernels on the CPU), else None."""
         w = self.weights
         score = self.probe if self.probe is not None else w.gate
-        if not self.gathers or not uses_c_kernels(score) or (self.scale is not None and self.scale.is_cuda):
+        if (
+            not self.gathers
+            or not uses_c_kernels(score)
+            or (self.scale is not None and self.scale.device.type != "cpu")
+        ):
             return None
         try:
             return ffn_calls.ThresholdedPlan(
@@ -213,22 +218,22 @@ class ThresholdedFFN(FFN):
         if ctx.dense:
             return self._dense_tail(attn, x, wo, ctx)
         plan = self._plan_for(x, ctx)
-        if plan is None or not self._tail_ready(wo) or not self.norm.folds_into_c(x):
+        if plan is None or not self._tail_ready(wo, x.shape[0]) or not self.norm.folds_into_c(x):
             return None
         y1, y2, mask, kept = plan.tail(wo, attn, x, norm=self.norm.c_args, threads=self.threads)
         self._record(ctx, y1, mask, kept)
         return y2
 
-    def _tail_ready(self, wo: Weight) -> bool:
-        """An RMS norm to fold and a wo `matmul` multiplies in C (a float32 wo goes to torch)."""
-        return self.norm is not None and self.norm.rms and uses_c_kernels(wo) and cpu.runs_c_kernel(wo, 1)
+    def _tail_ready(self, wo: Weight, t: int) -> bool:
+        """An RMS norm to fold and a wo `matmul` multiplies in C for t rows (a float32 wo goes to torch)."""
+        return self.norm is not None and self.norm.rms and uses_c_kernels(wo) and cpu.runs_c_kernel(wo, t)
 
     def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
         """As FFN.c_tail: the thresholded tail, or the dense one for a dense forward."""
         if dense:
             return self._dense_c_tail(wo)
         plan = self.plan
-        if plan is None or not self._tail_ready(wo) or not cpu.runs_c_kernel(plan.weights[0], 1):
+        if plan is None or not self._tail_ready(wo, 1) or not cpu.runs_c_kernel(plan.weights[0], 1):
             return None
         wo_struct = hc_weight(wo)
         if wo_struct.rows != plan.d:
