@@ -2907,6 +2907,19 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
     return rc == 0 ? fired : -1;
 }
 
+/* A decode tail's first step: o = attn @ wo.T into a new buffer [T, D] (the caller frees it; the FFN's output
+ * goes there next), y1 = x + o. NULL if memory ran out. */
+static float *o_residual(const hc_weight *wo, const float *attn, const float *x, int64_t T, float *y1, int nth) {
+    const int64_t D = wo->rows;
+    float *o = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
+    if (!o || weight_matvec(wo, attn, T, o, nth) != 0) {
+        free(o);
+        return NULL;
+    }
+    for (int64_t j = 0; j < T * D; j++) y1[j] = x[j] + o[j];
+    return o;
+}
+
 /* The rest of a decode layer after attention, for T tokens (rows of x): y1 = x + attn @ wo.T (the
  * residual after attention, also the predictor's input), then y2 = y1 + hc_sparse_ffn(y1, p = y1, the
  * RMS norm folded): two float adds and the same calls as op by op, so the same bits, without the
@@ -2917,12 +2930,8 @@ int64_t hc_decode_tail(const hc_weight *wo, const float *attn, const float *x, c
                        const hc_weight *down_t, const float *up_bias, int kind, int64_t T, const float *norm_w,
                        float eps, uint8_t *mask, float *y1, float *y2, int nth) {
     const int64_t D = wo->rows;
-    float *o = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
-    if (!o || weight_matvec(wo, attn, T, o, nth) != 0) {
-        free(o);
-        return -1;
-    }
-    for (int64_t j = 0; j < T * D; j++) y1[j] = x[j] + o[j];
+    float *o = o_residual(wo, attn, x, T, y1, nth);
+    if (!o) return -1;
     const int64_t fired =
         hc_sparse_ffn(fc1, fc2, thr, y1, up, gate, down_t, up_bias, kind, T, y1, norm_w, eps, mask, o, nth);
     if (fired >= 0)
@@ -3105,12 +3114,8 @@ int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float 
                             const hc_weight *down_t, int64_t T, const float *norm_w, float eps, uint8_t *mask,
                             float *y1, float *y2, int nth) {
     const int64_t D = wo->rows;
-    float *o = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
-    if (!o || weight_matvec(wo, attn, T, o, nth) != 0) {
-        free(o);
-        return -1;
-    }
-    for (int64_t j = 0; j < T * D; j++) y1[j] = x[j] + o[j];
+    float *o = o_residual(wo, attn, x, T, y1, nth);
+    if (!o) return -1;
     const int64_t kept = hc_thresholded_ffn(score, scale, thr, up, gate, down_t, T, y1, norm_w, eps, mask, o, nth);
     if (kept >= 0)
         for (int64_t j = 0; j < T * D; j++) y2[j] = y1[j] + o[j];

@@ -30,7 +30,27 @@ def tail_io(attn: torch.Tensor, x: torch.Tensor, attn_cols: int, d: int, norm: t
     return a2, x2, norm_w, eps, torch.empty(t, d, dtype=torch.float32), torch.empty(t, d, dtype=torch.float32)
 
 
-class SparseFFNPlan:
+class _LayerTail:
+    """What the plans' decode tails share: the attention output matrix's struct (built once per layer: a plan
+    serves one layer) and the tail's checked inputs and fresh outputs."""
+
+    f: int
+    d: int
+    _wo: Weight | None = None
+    _wo_struct = None
+
+    def _tail_io(self, wo: Weight, attn: torch.Tensor, x: torch.Tensor, norm: tuple[torch.Tensor, float]):
+        """(wo struct reference, attn, x as [T, n] float32, norm weight, eps, y1, y2 [T, D], mask [T, F])."""
+        if self._wo is not wo:
+            self._wo, self._wo_struct = wo, hc_weight(wo)
+        if self._wo_struct.rows != self.d:
+            raise ValueError(f"wo has {self._wo_struct.rows} rows, the FFN takes {self.d}")
+        a2, x2, norm_w, eps, y1, y2 = tail_io(attn, x, self._wo_struct.cols, self.d, norm)
+        mask = torch.empty(x2.shape[0], self.f, dtype=torch.bool)
+        return ctypes.byref(self._wo_struct), a2, x2, norm_w, eps, y1, y2, mask
+
+
+class SparseFFNPlan(_LayerTail):
     """One ReLU sparse FFN step: the predictor (fc1/fc2 on pred_input, firing iff the logit >= threshold)
     or a given bool mask, the row gathers (gate first; up only where relu(gate) != 0), the activation (with
     v = up + up_bias: relu(gate) * v, relu(gate) * relu(v), or relu(v) for "plain") and the axpy over
@@ -76,7 +96,6 @@ class SparseFFNPlan:
         self.threshold = threshold
         structs = (self.fc1, self.fc2, self.up, self.gate, self.down_t)
         self._args = tuple(None if w is None else ctypes.byref(w) for w in structs)
-        self._wo, self._wo_struct = None, None  # tail(): the attention output matrix it was last given
 
     def __call__(
         self,
@@ -131,17 +150,12 @@ class SparseFFNPlan:
         lib = build.get_lib()
         if lib is None or self.fc1 is None:
             return None
-        if self._wo is not wo:  # one layer's wo: its struct built once
-            self._wo, self._wo_struct = wo, hc_weight(wo)
-        if self._wo_struct.rows != self.d:
-            raise ValueError(f"wo has {self._wo_struct.rows} rows, the FFN takes {self.d}")
-        a2, x2, norm_w, eps, y1, y2 = tail_io(attn, x, self._wo_struct.cols, self.d, norm)
+        wo_ref, a2, x2, norm_w, eps, y1, y2, mask = self._tail_io(wo, attn, x, norm)
         t = x2.shape[0]
-        mask = torch.empty(t, self.f, dtype=torch.bool)
         fc1, fc2, up, gate, down_t = self._args
         ffn = (fc1, fc2, self.threshold, up, gate, down_t, ptr(self.bias), self.kind, t)
         fired = lib.hc_decode_tail(
-            ctypes.byref(self._wo_struct), a2.data_ptr(), x2.data_ptr(), *ffn, ptr(norm_w), eps,
+            wo_ref, a2.data_ptr(), x2.data_ptr(), *ffn, ptr(norm_w), eps,
             mask.data_ptr(), y1.data_ptr(), y2.data_ptr(), nthreads(threads),
         )  # fmt: skip
         if fired < 0:
@@ -249,7 +263,7 @@ class DenseTail:
         return y1, y2
 
 
-class ThresholdedPlan:
+class ThresholdedPlan(_LayerTail):
     """One thresholded SwiGLU FFN step (sparse/thresholded.py) in one C call: s = matmul(score, h) (the gate
     probe, or the gate itself when `gate` is None), neuron i of a token kept iff |silu(s)| (* scale[i]) >
     threshold in float32, then on the kept rows the exact gate (with a probe), up, silu(gate) * up and the
@@ -278,7 +292,6 @@ class ThresholdedPlan:
         self.threshold = float(threshold)
         structs = (self.score, self.up, self.gate, self.down_t)
         self._args = tuple(None if w is None else ctypes.byref(w) for w in structs)
-        self._wo, self._wo_struct = None, None  # tail(): the attention output matrix it was last given
 
     def __call__(
         self, h: torch.Tensor, *, norm: tuple[torch.Tensor, float] | None = None, threads: int | None = None
@@ -316,16 +329,11 @@ class ThresholdedPlan:
         lib = build.get_lib()
         if lib is None:
             return None
-        if self._wo is not wo:  # one layer's wo: its struct built once
-            self._wo, self._wo_struct = wo, hc_weight(wo)
-        if self._wo_struct.rows != self.d:
-            raise ValueError(f"wo has {self._wo_struct.rows} rows, the FFN takes {self.d}")
-        a2, x2, norm_w, eps, y1, y2 = tail_io(attn, x, self._wo_struct.cols, self.d, norm)
+        wo_ref, a2, x2, norm_w, eps, y1, y2, mask = self._tail_io(wo, attn, x, norm)
         t = x2.shape[0]
-        mask = torch.empty(t, self.f, dtype=torch.bool)
         score, up, gate, down_t = self._args
         kept = lib.hc_thresholded_tail(
-            ctypes.byref(self._wo_struct), a2.data_ptr(), x2.data_ptr(), score, ptr(self.scale), self.threshold,
+            wo_ref, a2.data_ptr(), x2.data_ptr(), score, ptr(self.scale), self.threshold,
             up, gate, down_t, t, ptr(norm_w), eps, mask.data_ptr(), y1.data_ptr(), y2.data_ptr(), nthreads(threads),
         )  # fmt: skip
         if kept < 0:
