@@ -207,19 +207,28 @@ def thresholded_ops(score, up, gate, down_t, scale, threshold, h):
 
 @pytest.mark.parametrize("probe", [False, True])
 @pytest.mark.parametrize("wina", [False, True])
-@pytest.mark.parametrize("t", [1, 3])
-def test_thresholded_plan_equals_op_by_op(backend, probe, wina, t):
+@pytest.mark.parametrize(
+    "t, up_type, thr",
+    [
+        (1, "q8_0", 0.3),
+        (3, "q8_0", 0.3),
+        (12, "q8_0", 0.3),
+        (12, "f16", 0.3),  # about half kept
+        (12, "f16", 10.0),  # about a third kept
+    ],
+)
+def test_thresholded_plan_equals_op_by_op(backend, probe, wina, t, up_type, thr):
     """hc_thresholded_ffn / hc_thresholded_tail (score matvec, kept rows, exact gate with a probe, up, SiLU
     product, axpy; the o projection and residuals around it) have the bits of the ops one by one."""
     gen = torch.Generator().manual_seed(41 + t)
     f, d = 320, D_QUANT
     gate = torch.randn(f, d, generator=gen).half() * 2
-    up = QuantTensor.from_float(torch.randn(f, d, generator=gen), Q.Q8_0)
+    up = torch.randn(f, d, generator=gen)
+    up = up.half() if up_type == "f16" else QuantTensor.from_float(up, Q.Q8_0)
     down_t = torch.randn(f, d, generator=gen).bfloat16()
     score = cpu.pack(QuantTensor.from_float(gate.float(), Q.Q4_0)) if probe else gate
     scale = torch.rand(f, generator=gen) + 0.5 if wina else None
     h = torch.randn(t, d, generator=gen)
-    thr = 0.3
     plan = ffn_calls.ThresholdedPlan(score, up, gate if probe else None, down_t, threshold=thr, scale=scale)
     wo = cpu.pack(QuantTensor.from_float(torch.randn(d, d, generator=gen) / 4, Q.Q4_0))
     norm = (torch.rand(d, generator=gen) + 0.5, 1e-5)
