@@ -623,9 +623,44 @@ def test_packed_matmul(backend, fmt, t):
 
 def test_pack_leaves_other_weights_alone(backend):
     gen = torch.Generator().manual_seed(22)
-    for fmt in ("f16", "q5_0", "q5_k"):
+    for fmt in ("q5_0", "q5_k"):
         w, _ = make_weight(fmt, 64, gen)
         assert cpu.pack(w) is w
+    bf = torch.randn(8, 64, generator=gen).bfloat16()
+    assert cpu.pack(bf) is bf
+
+
+@pytest.mark.parametrize("t", [1, 5, 13])
+def test_packed_f16_is_one_chain_per_output(backend, t):
+    """A float16 matrix packs too (rows in vector blocks, tokens broadcast): each (row, token) is one fma chain
+    over the columns in order, so a token's result is the same bits alone, in any batch, with any thread count;
+    the values are the matrix product; a group mixing it with a packed block type is one call, same bits."""
+    gen = torch.Generator().manual_seed(23)
+    f, d = 70, 96  # a short last block of rows
+    w = torch.randn(f, d, generator=gen).half()
+    p = cpu.pack(w)
+    if backend == "torch":
+        assert p is w
+        return
+    assert isinstance(p, QuantTensor) and p.packed is not None and torch.equal(p.data.view(torch.float16), w)
+    x = torch.randn(t, d, generator=gen)
+    out = {n: cpu.matmul(p, x, threads=n) for n in (1, 2, 3)}
+    want = x.double() @ w.double().T
+    torch.testing.assert_close(out[1].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
+    assert torch.equal(torch.stack([cpu.matmul(p, x[i]) for i in range(t)]), out[1])
+    chain = torch.zeros(t, f)  # the chain itself, in float32 with a fused multiply-add per column
+    for k in range(d):
+        chain = torch.addcmul(chain, x[:, k : k + 1], w[:, k].float().unsqueeze(0))
+    torch.testing.assert_close(out[1], chain, rtol=0, atol=1e-5 * want.abs().max().item())
+    q4 = cpu.pack(make_weight("q4_0", 36, gen, d=d)[0])
+    norm = (torch.rand(d, generator=gen) + 0.5, 1e-5)
+    h = cpu.rms_norm(x, *norm)
+    for threads in (1, 2):
+        got = cpu.MatvecGroup([p, q4, p])(x, norm=norm, threads=threads)
+        want_g = [cpu.matmul(q, h, threads=3) for q in (p, q4, p)]
+        assert all(torch.equal(g, e) for g, e in zip(got, want_g, strict=True))
+    assert p.select_rows(torch.tensor([0, 5])).packed is None
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise / mincore are Linux's")

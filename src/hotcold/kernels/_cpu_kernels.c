@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 20
+#define HC_ABI_VERSION 21
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -2451,11 +2451,28 @@ int hc_dequantize(int wt, const uint8_t *W, int64_t stride, const int32_t *rows,
 #define PK_Q8_0_CHUNK (16 + 256)
 
 HC_INLINE int packable(int wt, int64_t D) {
-    return ((wt == WT_Q4_0 || wt == WT_Q8_0) && D % 32 == 0) || ((wt == WT_Q4_K || wt == WT_Q6_K) && D % 256 == 0);
+    return ((wt == WT_Q4_0 || wt == WT_Q8_0) && D % 32 == 0) || ((wt == WT_Q4_K || wt == WT_Q6_K) && D % 256 == 0) ||
+           (wt == WT_F16 && D > 0);
 }
+
+/* Packed half-precision rows: blocks of PKF_ROWS rows, column by column ([k][PKF_ROWS] halves, the last block
+ * padded with zero rows), so a product broadcasts x[t, k] against PKF_V vectors of rows: one fma chain per
+ * (row, token) over the columns in order, whatever the token count or the tile, so a token's bits never depend
+ * on the batch (and do not on the vector width either). PKF_T tokens a tile. */
+#if VL == 16
+#define PKF_V 4
+#define PKF_T 6
+#else
+#define PKF_V 2
+#define PKF_T 4
+#endif
+#define PKF_ROWS (PKF_V * VL)
+#define PKF_KSEG 256 /* columns a pass: PKF_ROWS x 256 halves (32 KB with 512-bit vectors) stay in L1 for the tokens */
+#define PKF_PF (32 * PKF_ROWS) /* prefetch distance in halves: 32 columns (4 KB with 512-bit vectors) */
 
 int64_t hc_packed_nbytes(int wt, int64_t F, int64_t D) {
     if (!packable(wt, D)) return -1;
+    if (wt == WT_F16) return (F + PKF_ROWS - 1) / PKF_ROWS * PKF_ROWS * D * 2;
     const int64_t ng = (F + PK_ROWS - 1) / PK_ROWS;
     return wt == WT_Q4_0   ? ng * (D / 32) * PK_Q4_0_CHUNK
            : wt == WT_Q8_0 ? ng * (D / 32) * PK_Q8_0_CHUNK
@@ -2475,6 +2492,21 @@ static void pack_nibbles(const uint8_t u[PK_ROWS][32], uint8_t *dst) {
  * (scales 0). Returns 0, or -1 for a type that has no packed form. */
 int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint8_t *P) {
     if (!packable(wt, D)) return -1;
+    if (wt == WT_F16) {
+        const int64_t nb = (F + PKF_ROWS - 1) / PKF_ROWS;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static)
+#endif
+        for (int64_t b = 0; b < nb; b++) {
+            uint16_t *dst = (uint16_t *)P + b * PKF_ROWS * D;
+            for (int64_t i = 0; i < PKF_ROWS; i++) {
+                const int64_t r = b * PKF_ROWS + i;
+                const uint16_t *row = (const uint16_t *)(W + r * stride);
+                for (int64_t k = 0; k < D; k++) dst[k * PKF_ROWS + i] = r < F ? row[k] : 0;
+            }
+        }
+        return 0;
+    }
     const int64_t nc = D / 32, ng = (F + PK_ROWS - 1) / PK_ROWS;
     memset(P, 0, (size_t)hc_packed_nbytes(wt, F, D));
 #ifdef _OPENMP
@@ -2753,11 +2785,117 @@ HC_INLINE void packed_group_q6_k(const uint8_t *Pg, const hc_xq *x, int64_t nc, 
  * region (work items of 32 rows, claimed in order), each group's result as in a call of its own. With
  * norm_w the matrices multiply hc_rms_norm(x). Returns 0, or -1 (memory, or a type or width with no
  * packed form). */
+/* NT tokens (x rows at xt, D apart) against packed block Pb over columns [k0, k1): acc [PKF_V][NT] carried in. */
+HC_INLINE void pkf_tile(const int NT, const uint16_t *Pb, const float *xt, int64_t D, int64_t k0, int64_t k1,
+                        vf (*acc)[PKF_T], const uint16_t *pf_end) {
+    vf a[PKF_V][PKF_T];
+    for (int v = 0; v < PKF_V; v++)
+        for (int t = 0; t < NT; t++) a[v][t] = acc[v][t];
+    const uint16_t *p = Pb + k0 * PKF_ROWS;
+    for (int64_t k = k0; k < k1; k++, p += PKF_ROWS) {
+        if (p + PKF_PF < pf_end) /* the block streams from memory once (the first token tile): ahead of it */
+            for (int l = 0; l < PKF_ROWS * 2; l += 64) vprefetch((const uint8_t *)(p + PKF_PF) + l);
+        vf w[PKF_V];
+        for (int v = 0; v < PKF_V; v++) w[v] = vload_f16(p + v * VL);
+        for (int t = 0; t < NT; t++) {
+            const vf xb = vset1(xt[t * D + k]);
+            for (int v = 0; v < PKF_V; v++) a[v][t] = vfma(w[v], xb, a[v][t]);
+        }
+    }
+    for (int v = 0; v < PKF_V; v++)
+        for (int t = 0; t < NT; t++) acc[v][t] = a[v][t];
+}
+
+/* out [T, F] rows [b * PKF_ROWS, +PKF_ROWS) of one packed F16 block: the columns in passes of PKF_KSEG (the
+ * block's pass stays in L1 for every token tile), each (row, token) one fma chain over the columns in order. */
+static void pkf_block(const uint16_t *Pb, const float *x, int64_t T, int64_t D, float *out, int64_t F, int64_t b,
+                      vf *accs) {
+    const int64_t ntile = (T + PKF_T - 1) / PKF_T;
+    for (int64_t j = 0; j < ntile * PKF_V * PKF_T; j++) accs[j] = vzero();
+    for (int64_t k0 = 0; k0 < D; k0 += PKF_KSEG) {
+        const int64_t k1 = k0 + PKF_KSEG < D ? k0 + PKF_KSEG : D;
+        for (int64_t i = 0; i < ntile; i++) {
+            const int64_t t0 = i * PKF_T, nt = T - t0 < PKF_T ? T - t0 : PKF_T;
+            vf(*acc)[PKF_T] = (vf(*)[PKF_T])(accs + i * PKF_V * PKF_T);
+            const float *xt = x + t0 * D;
+            const uint16_t *pe = i == 0 ? Pb + D * PKF_ROWS : Pb; /* prefetch on the first tile only */
+            switch (nt) { /* constant counts: registers */
+            case 1: pkf_tile(1, Pb, xt, D, k0, k1, acc, pe); break;
+            case 2: pkf_tile(2, Pb, xt, D, k0, k1, acc, pe); break;
+            case 3: pkf_tile(3, Pb, xt, D, k0, k1, acc, pe); break;
+#if PKF_T > 4
+            case 4: pkf_tile(4, Pb, xt, D, k0, k1, acc, pe); break;
+            case 5: pkf_tile(5, Pb, xt, D, k0, k1, acc, pe); break;
+#endif
+            default: pkf_tile(PKF_T, Pb, xt, D, k0, k1, acc, pe); break;
+            }
+        }
+    }
+    const int64_t r0 = b * PKF_ROWS, nr = F - r0 < PKF_ROWS ? F - r0 : PKF_ROWS;
+    for (int64_t t = 0; t < T; t++) {
+        vf(*acc)[PKF_T] = (vf(*)[PKF_T])(accs + (t / PKF_T) * PKF_V * PKF_T);
+        float o[PKF_ROWS];
+        for (int v = 0; v < PKF_V; v++) vstoreu(o + v * VL, acc[v][t % PKF_T]);
+        memcpy(out + t * F + r0, o, sizeof(float) * (size_t)nr);
+    }
+}
+
+/* The packed F16 matrices of a hc_packed_matvec_multi call: blocks of all of them handed out as work items. */
+static int pkf_multi(int nmat, const uint8_t *const *Ps, const int64_t *Fs, int64_t D, const float *x, int64_t T,
+                     float *const *outs, int nth) {
+    int64_t first[9] = {0};
+    for (int m = 0; m < nmat; m++) first[m + 1] = first[m] + (Fs[m] + PKF_ROWS - 1) / PKF_ROWS;
+    const int64_t items = first[nmat];
+    nth = clamp_threads(nth, items);
+    int64_t next = 0;
+    int failed = 0;
+#ifdef _OPENMP
+#pragma omp parallel num_threads(nth) reduction(| : failed)
+#endif
+    {
+        const size_t nacc = (size_t)(((T + PKF_T - 1) / PKF_T) * PKF_V * PKF_T), bytes = sizeof(vf) * nacc;
+        vf *accs = (vf *)aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+        failed = accs == NULL;
+        for (int64_t it = claim(&next); it < items && accs; it = claim(&next)) {
+            int m = 0;
+            while (it >= first[m + 1]) m++;
+            const int64_t b = it - first[m];
+            pkf_block((const uint16_t *)Ps[m] + b * PKF_ROWS * D, x, T, D, outs[m], Fs[m], b, accs);
+        }
+        free(accs);
+    }
+    return failed ? -1 : 0;
+}
+
 int hc_packed_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ps, const int64_t *Fs, int64_t D,
                            const float *x, int64_t T, const float *norm_w, float eps, float *const *outs, int nth) {
     if (nmat < 1 || nmat > 8) return -1;
-    for (int m = 0; m < nmat; m++)
+    int nf16 = 0;
+    for (int m = 0; m < nmat; m++) {
         if (!packable(wts[m], D)) return -1;
+        nf16 += wts[m] == WT_F16;
+    }
+    if (nf16) { /* the F16 matrices in their own pass (a group mixing them with block types: two passes) */
+        const uint8_t *fP[8], *bP[8];
+        int64_t fF[8], bF[8];
+        float *fo[8], *bo[8];
+        int bw[8], nb = 0, nf = 0;
+        for (int m = 0; m < nmat; m++) {
+            if (wts[m] == WT_F16) fP[nf] = Ps[m], fF[nf] = Fs[m], fo[nf++] = outs[m];
+            else bP[nb] = Ps[m], bF[nb] = Fs[m], bo[nb] = outs[m], bw[nb++] = wts[m];
+        }
+        float *xn = NULL;
+        if (norm_w) {
+            xn = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
+            if (!xn) return -1;
+            hc_rms_norm(x, norm_w, eps, T, D, xn);
+            x = xn;
+        }
+        int rc = pkf_multi(nf, fP, fF, D, x, T, fo, nth);
+        if (rc == 0 && nb) rc = hc_packed_matvec_multi(nb, bw, bP, bF, D, x, T, NULL, 0.0f, bo, nth);
+        free(xn);
+        return rc;
+    }
     int64_t first[9] = {0}, gbytes[8], ngs[8], total = 0;
     for (int m = 0; m < nmat; m++) total += (Fs[m] + PK_ROWS - 1) / PK_ROWS;
     /* groups per work item: about HC_PK_ITEMS items a thread (at least 4 groups, 32 rows). Long runs of
