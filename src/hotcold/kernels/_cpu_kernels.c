@@ -2499,11 +2499,20 @@ int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint
 #endif
         for (int64_t b = 0; b < nb; b++) {
             uint16_t *dst = (uint16_t *)P + b * PKF_ROWS * D;
+            const uint16_t *rows[PKF_ROWS];
             for (int64_t i = 0; i < PKF_ROWS; i++) {
                 const int64_t r = b * PKF_ROWS + i;
-                const uint16_t *row = (const uint16_t *)(W + r * stride);
-                for (int64_t k = 0; k < D; k++) dst[k * PKF_ROWS + i] = r < F ? row[k] : 0;
+                rows[i] = r < F ? (const uint16_t *)(W + r * stride) : NULL;
             }
+            int64_t k = 0;
+            for (; k + 4 <= D; k += 4) /* four columns of a row in one (little-endian) read, four lines written */
+                for (int64_t i = 0; i < PKF_ROWS; i++) {
+                    uint64_t v = 0;
+                    if (rows[i]) memcpy(&v, rows[i] + k, 8);
+                    for (int j = 0; j < 4; j++) dst[(k + j) * PKF_ROWS + i] = (uint16_t)(v >> (16 * j));
+                }
+            for (; k < D; k++)
+                for (int64_t i = 0; i < PKF_ROWS; i++) dst[k * PKF_ROWS + i] = rows[i] ? rows[i][k] : 0;
         }
         return 0;
     }
