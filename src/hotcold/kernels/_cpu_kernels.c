@@ -2215,6 +2215,18 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
 
 void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D, float *out);
 
+/* With norm_w, *x replaced by hc_rms_norm(*x) in a new buffer *xn (the caller frees it; NULL without norm_w).
+ * Returns 0, or -1 if memory ran out. */
+static int with_norm(const float **x, const float *norm_w, float eps, int64_t T, int64_t D, float **xn) {
+    *xn = NULL;
+    if (!norm_w) return 0;
+    *xn = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
+    if (!*xn) return -1;
+    hc_rms_norm(*x, norm_w, eps, T, D, *xn);
+    *x = *xn;
+    return 0;
+}
+
 /* Several dense matrices that multiply the same x (a layer's q, k and v): out_m [T, F_m] = x @ W_m.T,
  * rows of all of them in one parallel region. Each row's arithmetic is hc_gather_matvec's, so the
  * results equal separate calls bit for bit. At most 8 matrices; all have D columns. With norm_w, x is
@@ -2224,12 +2236,7 @@ int hc_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ws, const in
                     int nth) {
     if (nmat < 1 || nmat > 8) return -1;
     float *xn = NULL;
-    if (norm_w) {
-        xn = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
-        if (!xn) return -1;
-        hc_rms_norm(x, norm_w, eps, T, D, xn);
-        x = xn;
-    }
+    if (with_norm(&x, norm_w, eps, T, D, &xn) != 0) return -1;
     hc_xq_set xq = {NULL, NULL}; /* quantized once for every block matrix */
     for (int m = 0; m < nmat; m++)
         if (wt_is_block(wts[m]) && !xq.tok && xq_make(x, T, D, &xq) != 0) {
@@ -2894,12 +2901,7 @@ int hc_packed_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ps, c
             else bP[nb] = Ps[m], bF[nb] = Fs[m], bo[nb] = outs[m], bw[nb++] = wts[m];
         }
         float *xn = NULL;
-        if (norm_w) {
-            xn = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
-            if (!xn) return -1;
-            hc_rms_norm(x, norm_w, eps, T, D, xn);
-            x = xn;
-        }
+        if (with_norm(&x, norm_w, eps, T, D, &xn) != 0) return -1;
         int rc = pkf_multi(nf, fP, fF, D, x, T, fo, nth);
         if (rc == 0 && nb) rc = hc_packed_matvec_multi(nb, bw, bP, bF, D, x, T, NULL, 0.0f, bo, nth);
         free(xn);
@@ -2918,12 +2920,7 @@ int hc_packed_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ps, c
     }
     const int64_t items = first[nmat], nc = D / 32;
     float *xn = NULL;
-    if (norm_w) {
-        xn = (float *)malloc(sizeof(float) * (size_t)(T * D > 0 ? T * D : 1));
-        if (!xn) return -1;
-        hc_rms_norm(x, norm_w, eps, T, D, xn);
-        x = xn;
-    }
+    if (with_norm(&x, norm_w, eps, T, D, &xn) != 0) return -1;
     hc_xq_set xq = {NULL, NULL};
     if (xq_make(x, T, D, &xq) != 0) {
         free(xn);
