@@ -626,23 +626,24 @@ def test_pack_leaves_other_weights_alone(backend):
     for fmt in ("q5_0", "q5_k"):
         w, _ = make_weight(fmt, 64, gen)
         assert cpu.pack(w) is w
-    bf = torch.randn(8, 64, generator=gen).bfloat16()
-    assert cpu.pack(bf) is bf
+    f32 = torch.randn(8, 64, generator=gen)
+    assert cpu.pack(f32) is f32  # float32 goes to torch's own products
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("t", [1, 5, 13])
-def test_packed_f16_is_one_chain_per_output(backend, t):
-    """A float16 matrix packs too (rows in vector blocks, tokens broadcast): each (row, token) is one fma chain
+def test_packed_f16_is_one_chain_per_output(backend, t, dtype):
+    """A float16 / bfloat16 matrix packs too (rows in vector blocks, tokens broadcast): each (row, token) is one fma chain
     over the columns in order, so a token's result is the same bits alone, in any batch, with any thread count;
     the values are the matrix product; a group mixing it with a packed block type is one call, same bits."""
     gen = torch.Generator().manual_seed(23)
     f, d = 70, 96  # a short last block of rows
-    w = torch.randn(f, d, generator=gen).half()
+    w = torch.randn(f, d, generator=gen).to(dtype)
     p = cpu.pack(w)
     if backend == "torch":
         assert p is w
         return
-    assert isinstance(p, QuantTensor) and p.packed is not None and torch.equal(p.data.view(torch.float16), w)
+    assert isinstance(p, QuantTensor) and p.packed is not None and torch.equal(p.data.view(dtype), w)
     x = torch.randn(t, d, generator=gen)
     out = {n: cpu.matmul(p, x, threads=n) for n in (1, 2, 3)}
     want = x.double() @ w.double().T

@@ -2459,10 +2459,10 @@ int hc_dequantize(int wt, const uint8_t *W, int64_t stride, const int32_t *rows,
 
 HC_INLINE int packable(int wt, int64_t D) {
     return ((wt == WT_Q4_0 || wt == WT_Q8_0) && D % 32 == 0) || ((wt == WT_Q4_K || wt == WT_Q6_K) && D % 256 == 0) ||
-           (wt == WT_F16 && D > 0);
+           ((wt == WT_F16 || wt == WT_BF16) && D > 0);
 }
 
-/* Packed half-precision rows: blocks of PKF_ROWS rows, column by column ([k][PKF_ROWS] halves, the last block
+/* Packed 16-bit float rows (F16, BF16): blocks of PKF_ROWS rows, column by column ([k][PKF_ROWS] halves, the last block
  * padded with zero rows), so a product broadcasts x[t, k] against PKF_V vectors of rows: one fma chain per
  * (row, token) over the columns in order, whatever the token count or the tile, so a token's bits never depend
  * on the batch (and do not on the vector width either). PKF_T tokens a tile. */
@@ -2479,7 +2479,7 @@ HC_INLINE int packable(int wt, int64_t D) {
 
 int64_t hc_packed_nbytes(int wt, int64_t F, int64_t D) {
     if (!packable(wt, D)) return -1;
-    if (wt == WT_F16) return (F + PKF_ROWS - 1) / PKF_ROWS * PKF_ROWS * D * 2;
+    if (wt == WT_F16 || wt == WT_BF16) return (F + PKF_ROWS - 1) / PKF_ROWS * PKF_ROWS * D * 2;
     const int64_t ng = (F + PK_ROWS - 1) / PK_ROWS;
     return wt == WT_Q4_0   ? ng * (D / 32) * PK_Q4_0_CHUNK
            : wt == WT_Q8_0 ? ng * (D / 32) * PK_Q8_0_CHUNK
@@ -2499,7 +2499,7 @@ static void pack_nibbles(const uint8_t u[PK_ROWS][32], uint8_t *dst) {
  * (scales 0). Returns 0, or -1 for a type that has no packed form. */
 int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint8_t *P) {
     if (!packable(wt, D)) return -1;
-    if (wt == WT_F16) {
+    if (wt == WT_F16 || wt == WT_BF16) { /* 16-bit values moved as they are */
         const int64_t nb = (F + PKF_ROWS - 1) / PKF_ROWS;
 #ifdef _OPENMP
 #pragma omp parallel for schedule(static)
@@ -2802,8 +2802,8 @@ HC_INLINE void packed_group_q6_k(const uint8_t *Pg, const hc_xq *x, int64_t nc, 
  * norm_w the matrices multiply hc_rms_norm(x). Returns 0, or -1 (memory, or a type or width with no
  * packed form). */
 /* NT tokens (x rows at xt, D apart) against packed block Pb over columns [k0, k1): acc [PKF_V][NT] carried in. */
-HC_INLINE void pkf_tile(const int NT, const uint16_t *Pb, const float *xt, int64_t D, int64_t k0, int64_t k1,
-                        vf (*acc)[PKF_T], const uint16_t *pf_end) {
+HC_INLINE void pkf_tile(const int BF, const int NT, const uint16_t *Pb, const float *xt, int64_t D, int64_t k0,
+                        int64_t k1, vf (*acc)[PKF_T], const uint16_t *pf_end) {
     vf a[PKF_V][PKF_T];
     for (int v = 0; v < PKF_V; v++)
         for (int t = 0; t < NT; t++) a[v][t] = acc[v][t];
@@ -2812,7 +2812,7 @@ HC_INLINE void pkf_tile(const int NT, const uint16_t *Pb, const float *xt, int64
         if (p + PKF_PF < pf_end) /* the block streams from memory once (the first token tile): ahead of it */
             for (int l = 0; l < PKF_ROWS * 2; l += 64) vprefetch((const uint8_t *)(p + PKF_PF) + l);
         vf w[PKF_V];
-        for (int v = 0; v < PKF_V; v++) w[v] = vload_f16(p + v * VL);
+        for (int v = 0; v < PKF_V; v++) w[v] = BF ? vload_bf16(p + v * VL) : vload_f16(p + v * VL);
         for (int t = 0; t < NT; t++) {
             const vf xb = vset1(xt[t * D + k]);
             for (int v = 0; v < PKF_V; v++) a[v][t] = vfma(w[v], xb, a[v][t]);
@@ -2824,8 +2824,8 @@ HC_INLINE void pkf_tile(const int NT, const uint16_t *Pb, const float *xt, int64
 
 /* out [T, F] rows [b * PKF_ROWS, +PKF_ROWS) of one packed F16 block: the columns in passes of PKF_KSEG (the
  * block's pass stays in L1 for every token tile), each (row, token) one fma chain over the columns in order. */
-static void pkf_block(const uint16_t *Pb, const float *x, int64_t T, int64_t D, float *out, int64_t F, int64_t b,
-                      vf *accs) {
+HC_INLINE void pkf_block(const int BF, const uint16_t *Pb, const float *x, int64_t T, int64_t D, float *out,
+                         int64_t F, int64_t b, vf *accs) {
     const int64_t ntile = (T + PKF_T - 1) / PKF_T;
     for (int64_t j = 0; j < ntile * PKF_V * PKF_T; j++) accs[j] = vzero();
     for (int64_t k0 = 0; k0 < D; k0 += PKF_KSEG) {
@@ -2836,14 +2836,14 @@ static void pkf_block(const uint16_t *Pb, const float *x, int64_t T, int64_t D, 
             const float *xt = x + t0 * D;
             const uint16_t *pe = i == 0 ? Pb + D * PKF_ROWS : Pb; /* prefetch on the first tile only */
             switch (nt) { /* constant counts: registers */
-            case 1: pkf_tile(1, Pb, xt, D, k0, k1, acc, pe); break;
-            case 2: pkf_tile(2, Pb, xt, D, k0, k1, acc, pe); break;
-            case 3: pkf_tile(3, Pb, xt, D, k0, k1, acc, pe); break;
+            case 1: pkf_tile(BF, 1, Pb, xt, D, k0, k1, acc, pe); break;
+            case 2: pkf_tile(BF, 2, Pb, xt, D, k0, k1, acc, pe); break;
+            case 3: pkf_tile(BF, 3, Pb, xt, D, k0, k1, acc, pe); break;
 #if PKF_T > 4
-            case 4: pkf_tile(4, Pb, xt, D, k0, k1, acc, pe); break;
-            case 5: pkf_tile(5, Pb, xt, D, k0, k1, acc, pe); break;
+            case 4: pkf_tile(BF, 4, Pb, xt, D, k0, k1, acc, pe); break;
+            case 5: pkf_tile(BF, 5, Pb, xt, D, k0, k1, acc, pe); break;
 #endif
-            default: pkf_tile(PKF_T, Pb, xt, D, k0, k1, acc, pe); break;
+            default: pkf_tile(BF, PKF_T, Pb, xt, D, k0, k1, acc, pe); break;
             }
         }
     }
@@ -2856,9 +2856,10 @@ static void pkf_block(const uint16_t *Pb, const float *x, int64_t T, int64_t D, 
     }
 }
 
-/* The packed F16 matrices of a hc_packed_matvec_multi call: blocks of all of them handed out as work items. */
-static int pkf_multi(int nmat, const uint8_t *const *Ps, const int64_t *Fs, int64_t D, const float *x, int64_t T,
-                     float *const *outs, int nth) {
+/* The packed 16-bit float matrices (F16, BF16) of a hc_packed_matvec_multi call: blocks of all of them handed out
+ * as work items. */
+static int pkf_multi(int nmat, const int *wts, const uint8_t *const *Ps, const int64_t *Fs, int64_t D, const float *x,
+                     int64_t T, float *const *outs, int nth) {
     int64_t first[9] = {0};
     for (int m = 0; m < nmat; m++) first[m + 1] = first[m] + (Fs[m] + PKF_ROWS - 1) / PKF_ROWS;
     const int64_t items = first[nmat];
@@ -2876,7 +2877,9 @@ static int pkf_multi(int nmat, const uint8_t *const *Ps, const int64_t *Fs, int6
             int m = 0;
             while (it >= first[m + 1]) m++;
             const int64_t b = it - first[m];
-            pkf_block((const uint16_t *)Ps[m] + b * PKF_ROWS * D, x, T, D, outs[m], Fs[m], b, accs);
+            const uint16_t *Pb = (const uint16_t *)Ps[m] + b * PKF_ROWS * D;
+            if (wts[m] == WT_BF16) pkf_block(1, Pb, x, T, D, outs[m], Fs[m], b, accs);
+            else pkf_block(0, Pb, x, T, D, outs[m], Fs[m], b, accs);
         }
         free(accs);
     }
@@ -2889,20 +2892,20 @@ int hc_packed_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ps, c
     int nf16 = 0;
     for (int m = 0; m < nmat; m++) {
         if (!packable(wts[m], D)) return -1;
-        nf16 += wts[m] == WT_F16;
+        nf16 += wts[m] == WT_F16 || wts[m] == WT_BF16;
     }
     if (nf16) { /* the F16 matrices in their own pass (a group mixing them with block types: two passes) */
         const uint8_t *fP[8], *bP[8];
         int64_t fF[8], bF[8];
         float *fo[8], *bo[8];
-        int bw[8], nb = 0, nf = 0;
+        int bw[8], fw[8], nb = 0, nf = 0;
         for (int m = 0; m < nmat; m++) {
-            if (wts[m] == WT_F16) fP[nf] = Ps[m], fF[nf] = Fs[m], fo[nf++] = outs[m];
+            if (wts[m] == WT_F16 || wts[m] == WT_BF16) fP[nf] = Ps[m], fF[nf] = Fs[m], fo[nf] = outs[m], fw[nf++] = wts[m];
             else bP[nb] = Ps[m], bF[nb] = Fs[m], bo[nb] = outs[m], bw[nb++] = wts[m];
         }
         float *xn = NULL;
         if (with_norm(&x, norm_w, eps, T, D, &xn) != 0) return -1;
-        int rc = pkf_multi(nf, fP, fF, D, x, T, fo, nth);
+        int rc = pkf_multi(nf, fw, fP, fF, D, x, T, fo, nth);
         if (rc == 0 && nb) rc = hc_packed_matvec_multi(nb, bw, bP, bF, D, x, T, NULL, 0.0f, bo, nth);
         free(xn);
         return rc;

@@ -180,12 +180,12 @@ def pack(weight: Weight) -> Weight:
     """`weight` with a repacked copy for whole-matrix products (`matmul` then uses it for few tokens:
     about twice the speed of the row kernel for Q4_0; a float16 matrix becomes a QuantTensor over its own
     memory, packed in row blocks with one fma chain per output, 1.6-1.9x the row layout at 8 tokens and
-    about the same at one), or `weight` itself where there is no packed form (other types, bfloat16 /
+    about the same at one; bfloat16 alike), or `weight` itself where there is no packed form (other types,
     float32, no C kernels, not on the CPU). For matrices that are never gathered row by row: the copy is as
     large as the matrix, and the file's rows stay as they are."""
     lib = build.get_lib()
-    if lib is not None and isinstance(weight, torch.Tensor) and weight.dtype == torch.float16:
-        weight = _as_quant(weight)  # half-precision rows have a packed form too
+    if lib is not None and isinstance(weight, torch.Tensor) and weight.dtype in _QTYPE_16:
+        weight = _as_quant(weight)  # 16-bit float rows have a packed form too
     if (
         lib is None
         or not isinstance(weight, QuantTensor)
@@ -204,8 +204,11 @@ def pack(weight: Weight) -> Weight:
     return QuantTensor(weight.data, weight.qtype, weight.shape, packed=packed)
 
 
+_QTYPE_16 = {torch.float16: GGMLQuantizationType.F16, torch.bfloat16: GGMLQuantizationType.BF16}
+
+
 def _as_quant(weight: torch.Tensor) -> Weight:
-    """A CPU float16 matrix as a QuantTensor over the same memory (no copy), which can carry a packed copy; the
+    """A CPU float16 / bfloat16 matrix as a QuantTensor over the same memory (no copy), which can carry a packed copy; the
     tensor itself where it is not one (not 2-D, on another device, rows not contiguous)."""
     if weight.dim() != 2 or not weight.is_cpu or (weight.shape[0] > 1 and weight.stride(1) != 1):
         return weight
@@ -213,7 +216,7 @@ def _as_quant(weight: torch.Tensor) -> Weight:
     if f > 1 and weight.stride(0) != d:  # QuantTensor rows: a uint8 view of [F, 2 D] bytes
         return weight
     return QuantTensor(
-        weight.contiguous().view(torch.uint8).reshape(f, 2 * d), GGMLQuantizationType.F16, (f, d)
+        weight.contiguous().view(torch.uint8).reshape(f, 2 * d), _QTYPE_16[weight.dtype], (f, d)
     )
 
 
