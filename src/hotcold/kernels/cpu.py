@@ -208,16 +208,12 @@ _QTYPE_16 = {torch.float16: GGMLQuantizationType.F16, torch.bfloat16: GGMLQuanti
 
 
 def _as_quant(weight: torch.Tensor) -> Weight:
-    """A CPU float16 / bfloat16 matrix as a QuantTensor over the same memory (no copy), which can carry a packed copy; the
-    tensor itself where it is not one (not 2-D, on another device, rows not contiguous)."""
-    if weight.dim() != 2 or not weight.is_cpu or (weight.shape[0] > 1 and weight.stride(1) != 1):
+    """A CPU float16 / bfloat16 matrix as a QuantTensor over the same memory (no copy), which can carry a
+    packed copy; the tensor itself where it is not a contiguous 2-D CPU matrix."""
+    if weight.dim() != 2 or not weight.is_cpu or not weight.is_contiguous():
         return weight
     f, d = weight.shape
-    if f > 1 and weight.stride(0) != d:  # QuantTensor rows: a uint8 view of [F, 2 D] bytes
-        return weight
-    return QuantTensor(
-        weight.contiguous().view(torch.uint8).reshape(f, 2 * d), _QTYPE_16[weight.dtype], (f, d)
-    )
+    return QuantTensor(weight.view(torch.uint8).reshape(f, 2 * d), _QTYPE_16[weight.dtype], (f, d))
 
 
 class MatvecGroup:

@@ -268,7 +268,8 @@ class ThresholdedPlan(_LayerTail):
     probe, or the gate itself when `gate` is None), neuron i of a token kept iff |silu(s)| (* scale[i]) >
     threshold in float32, then on the kept rows the exact gate (with a probe), up, silu(gate) * up and the
     axpy over down_t. Equal bit for bit to those ops one by one for a score weight `matmul` multiplies in C
-    (the caller checks `cpu.runs_c_kernel`). ValueError for shapes it cannot take; keeps its weights alive."""
+    (the caller checks `ops.uses_c_kernels`; below GEMM_MIN_TOKENS rows every such weight runs in C). ValueError
+    for shapes it cannot take; keeps its weights alive."""
 
     def __init__(
         self,

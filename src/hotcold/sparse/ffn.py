@@ -186,6 +186,23 @@ class FFN:
         observed). None here: a subclass with a C tail says so."""
         return None
 
+    def _record(self, ctx: Batch, p: torch.Tensor, mask: torch.Tensor, fired: int | None) -> None:
+        """A sparse step's computed neurons (fired: the mask's sum when the kernel counted it) and, when
+        profiling keeps them, its masks with the predictor input p."""
+        ctx.count(self.layer, mask, fired)
+        if ctx.keep_masks and self.expert is None:
+            ctx.keep(self.layer, p, mask)
+
+    def _c_tail_fields(self, wo: Weight, d: int, keep: object, **fields) -> dict | None:
+        """c_tail's result for a tail plan `keep` taking D = d: wo's struct (None if wo does not map d), the
+        FFN norm, the given fields; "keep" holds what the fields point into."""
+        wo_struct = hc_weight(wo)
+        if wo_struct.rows != d:
+            return None
+        norm_w, eps = cpu.norm_weight(self.norm.c_args, d)
+        fields.update(wo=wo_struct, ffn_norm=norm_w.data_ptr(), ffn_eps=eps)
+        return dict(fields=fields, keep=(keep, wo, wo_struct, norm_w))
+
     def _dense_c_tail(self, wo: Weight) -> dict | None:
         """c_tail's fields for the dense tail (ffn_calls.DenseTail)."""
         tail = self._dense_tail_plan(wo, 1)
@@ -384,16 +401,10 @@ class SparseFFN(FFN):
         if self.expert is not None or not self._sparse_tail_ready(wo):
             return None
         plan = self.fused_plan
-        wo_struct = hc_weight(wo)
-        if wo_struct.rows != plan.d:
-            return None
-        norm_w, eps = cpu.norm_weight(self.norm.c_args, plan.d)
-        fields = dict(
-            wo=wo_struct, fc1=plan.fc1, fc2=plan.fc2, thr=plan.threshold, up=plan.up, gate=plan.gate
-        )
-        fields.update(down=plan.down_t, sparse=1, up_bias=cpu.ptr(plan.bias), kind=plan.kind)
-        fields.update(ffn_norm=norm_w.data_ptr(), ffn_eps=eps)
-        return dict(fields=fields, keep=(plan, wo, wo_struct, norm_w))
+        return self._c_tail_fields(
+            wo, plan.d, plan, fc1=plan.fc1, fc2=plan.fc2, thr=plan.threshold, up=plan.up, gate=plan.gate,
+            down=plan.down_t, sparse=1, up_bias=cpu.ptr(plan.bias), kind=plan.kind,
+        )  # fmt: skip
 
     def _apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, *, fuses: bool, norm: Norm | None):
         """h: the FFN input, or with `norm` the residual it is the RMS norm of (folded into the C call);
@@ -409,8 +420,3 @@ class SparseFFN(FFN):
             out, fired = sparse_step(w, h, mask, self.rows_plan, self.threads), int(mask.sum())
         self._record(ctx, p, mask, fired)
         return w.add_down_bias(out)
-
-    def _record(self, ctx: Batch, p: torch.Tensor, mask: torch.Tensor, fired: int) -> None:
-        ctx.count(self.layer, mask, fired)
-        if ctx.keep_masks and self.expert is None:
-            ctx.keep(self.layer, p, mask)

@@ -29,7 +29,6 @@ from hotcold import names
 from hotcold.device import place
 from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.kernels import cpu, ffn_calls
-from hotcold.kernels.build import hc_weight
 from hotcold.ops import Norm, Weight, linear, uses_c_kernels
 from hotcold.sparse.ffn import FFN, FFNWeights, silu
 from hotcold.state import Batch
@@ -166,12 +165,12 @@ class ThresholdedFFN(FFN):
             return None
 
     def _plan_for(self, x: torch.Tensor, ctx: Batch) -> ffn_calls.ThresholdedPlan | None:
-        """The one-call step where it has the op-by-op bits: a few CPU rows, a score matmul in C."""
+        """The one-call step where it has the op-by-op bits: a few CPU rows (below GEMM_MIN_TOKENS `matmul`
+        multiplies every weight of the C kernels' types in C, the score matrix included)."""
         t = x.shape[0] if x.dim() == 2 else 0
-        plan = self.plan
-        if plan is None or ctx.dense or x.device.type != "cpu" or not 0 < t < cpu.GEMM_MIN_TOKENS:
+        if ctx.dense or x.device.type != "cpu" or not 0 < t < cpu.GEMM_MIN_TOKENS:
             return None
-        return plan if cpu.runs_c_kernel(plan.weights[0], t) else None
+        return self.plan
 
     def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
         plan = self._plan_for(x, ctx)
@@ -218,37 +217,27 @@ class ThresholdedFFN(FFN):
         if ctx.dense:
             return self._dense_tail(attn, x, wo, ctx)
         plan = self._plan_for(x, ctx)
-        if plan is None or not self._tail_ready(wo, x.shape[0]) or not self.norm.folds_into_c(x):
+        if plan is None or not self._tail_ready(wo) or not self.norm.folds_into_c(x):
             return None
         y1, y2, mask, kept = plan.tail(wo, attn, x, norm=self.norm.c_args, threads=self.threads)
         self._record(ctx, y1, mask, kept)
         return y2
 
-    def _tail_ready(self, wo: Weight, t: int) -> bool:
-        """An RMS norm to fold and a wo `matmul` multiplies in C for t rows (a float32 wo goes to torch)."""
-        return self.norm is not None and self.norm.rms and uses_c_kernels(wo) and cpu.runs_c_kernel(wo, t)
+    def _tail_ready(self, wo: Weight) -> bool:
+        """An RMS norm to fold and a wo `matmul` multiplies in C (a float32 wo goes to torch)."""
+        return self.norm is not None and self.norm.rms and uses_c_kernels(wo)
 
     def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
         """As FFN.c_tail: the thresholded tail, or the dense one for a dense forward."""
         if dense:
             return self._dense_c_tail(wo)
         plan = self.plan
-        if plan is None or not self._tail_ready(wo, 1) or not cpu.runs_c_kernel(plan.weights[0], 1):
+        if plan is None or not self._tail_ready(wo):
             return None
-        wo_struct = hc_weight(wo)
-        if wo_struct.rows != plan.d:
-            return None
-        norm_w, eps = cpu.norm_weight(self.norm.c_args, plan.d)
-        fields = dict(wo=wo_struct, score=plan.score, scale=cpu.ptr(plan.scale), thr=plan.threshold)
-        fields.update(
-            up=plan.up, gate=plan.gate, down=plan.down_t, sparse=2, ffn_norm=norm_w.data_ptr(), ffn_eps=eps
-        )
-        return dict(fields=fields, keep=(plan, wo, wo_struct, norm_w))
-
-    def _record(self, ctx: Batch, p: torch.Tensor, mask: torch.Tensor, kept: int | None) -> None:
-        ctx.count(self.layer, mask, kept)
-        if ctx.keep_masks:
-            ctx.keep(self.layer, p, mask)
+        return self._c_tail_fields(
+            wo, plan.d, plan, score=plan.score, scale=cpu.ptr(plan.scale), thr=plan.threshold, up=plan.up,
+            gate=plan.gate, down=plan.down_t, sparse=2,
+        )  # fmt: skip
 
     def _dense_down(self) -> tuple[Weight, bool]:
         return (self.down, False) if self.down is not None else (self.weights.down_t, True)
