@@ -31,13 +31,45 @@ def tail_io(attn: torch.Tensor, x: torch.Tensor, attn_cols: int, d: int, norm: t
 
 
 class _LayerTail:
-    """What the plans' decode tails share: the attention output matrix's struct (built once per layer: a plan
-    serves one layer) and the tail's checked inputs and fresh outputs."""
+    """A plan's decode tail: the rest of a layer after attention in one C call (`_tail_fn`, taking wo, attn, x,
+    the plan's own arguments, T, the norm, mask, y1, y2, threads). The attention output matrix's struct is
+    built once per layer (a plan serves one layer)."""
 
     f: int
     d: int
+    _tail_fn: str
     _wo: Weight | None = None
     _wo_struct = None
+
+    def _tail_ffn_args(self) -> tuple | None:
+        """The plan's own arguments of `_tail_fn`, or None where it has no tail."""
+        raise NotImplementedError
+
+    def tail(
+        self,
+        wo: Weight,
+        attn: torch.Tensor,
+        x: torch.Tensor,
+        *,
+        norm: tuple[torch.Tensor, float],
+        threads=None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
+        """y1 = x + matmul(wo, attn) (the residual, also a predictor's input), y2 = y1 + this plan's step on y1
+        with the RMS norm folded -> (y1, y2, mask, computed count); the same bits as those calls and adds one
+        by one, for a wo that `matmul` multiplies in C (`ops.uses_c_kernels`: the caller checks). None
+        without the C kernels or where the plan has no tail."""
+        lib = build.get_lib()
+        ffn = None if lib is None else self._tail_ffn_args()
+        if ffn is None:
+            return None
+        wo_ref, a2, x2, norm_w, eps, y1, y2, mask = self._tail_io(wo, attn, x, norm)
+        n = getattr(lib, self._tail_fn)(
+            wo_ref, a2.data_ptr(), x2.data_ptr(), *ffn, x2.shape[0], ptr(norm_w), eps, mask.data_ptr(),
+            y1.data_ptr(), y2.data_ptr(), nthreads(threads),
+        )  # fmt: skip
+        if n < 0:
+            raise MemoryError(f"{self._tail_fn}: out of memory")
+        return y1, y2, mask, int(n)
 
     def _tail_io(self, wo: Weight, attn: torch.Tensor, x: torch.Tensor, norm: tuple[torch.Tensor, float]):
         """(wo struct reference, attn, x as [T, n] float32, norm weight, eps, y1, y2 [T, D], mask [T, F])."""
@@ -134,33 +166,14 @@ class SparseFFNPlan(_LayerTail):
             raise MemoryError("hc_sparse_ffn: out of memory")
         return out, mask, int(fired)
 
-    def tail(
-        self,
-        wo: Weight,
-        attn: torch.Tensor,
-        x: torch.Tensor,
-        *,
-        norm: tuple[torch.Tensor, float],
-        threads=None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
-        """The rest of a decode layer after attention in one C call: y1 = x + matmul(wo, attn) (the residual,
-        also the predictor's input), y2 = y1 + this plan on y1 with the RMS norm folded -> (y1, y2, mask,
-        firing count); the same bits as those calls and adds one by one, for a wo that `matmul` multiplies
-        in C (`ops.uses_c_kernels`: the caller checks). None without the C kernels or a predictor."""
-        lib = build.get_lib()
-        if lib is None or self.fc1 is None:
+    _tail_fn = "hc_decode_tail"
+
+    def _tail_ffn_args(self) -> tuple | None:
+        """The tail (`_LayerTail.tail`) needs the predictor: its output is the mask."""
+        if self.fc1 is None:
             return None
-        wo_ref, a2, x2, norm_w, eps, y1, y2, mask = self._tail_io(wo, attn, x, norm)
-        t = x2.shape[0]
         fc1, fc2, up, gate, down_t = self._args
-        ffn = (fc1, fc2, self.threshold, up, gate, down_t, ptr(self.bias), self.kind, t)
-        fired = lib.hc_decode_tail(
-            wo_ref, a2.data_ptr(), x2.data_ptr(), *ffn, ptr(norm_w), eps,
-            mask.data_ptr(), y1.data_ptr(), y2.data_ptr(), nthreads(threads),
-        )  # fmt: skip
-        if fired < 0:
-            raise MemoryError("hc_decode_tail: out of memory")
-        return y1, y2, mask, int(fired)
+        return fc1, fc2, self.threshold, up, gate, down_t, ptr(self.bias), self.kind
 
     def _torch_step(self, x, p, mask, norm_w, eps, threads) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The C step's arithmetic in this module's ops (the torch fallback)."""
@@ -316,27 +329,8 @@ class ThresholdedPlan(_LayerTail):
             raise MemoryError("hc_thresholded_ffn: out of memory")
         return out, mask, int(kept)
 
-    def tail(
-        self,
-        wo: Weight,
-        attn: torch.Tensor,
-        x: torch.Tensor,
-        *,
-        norm: tuple[torch.Tensor, float],
-        threads=None,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int] | None:
-        """SparseFFNPlan.tail with this step: y1 = x + matmul(wo, attn), y2 = y1 + this plan on y1 with the RMS
-        norm folded -> (y1, y2, mask, kept count), for a wo `matmul` multiplies in C; None without C kernels."""
-        lib = build.get_lib()
-        if lib is None:
-            return None
-        wo_ref, a2, x2, norm_w, eps, y1, y2, mask = self._tail_io(wo, attn, x, norm)
-        t = x2.shape[0]
+    _tail_fn = "hc_thresholded_tail"
+
+    def _tail_ffn_args(self) -> tuple:
         score, up, gate, down_t = self._args
-        kept = lib.hc_thresholded_tail(
-            wo_ref, a2.data_ptr(), x2.data_ptr(), score, ptr(self.scale), self.threshold,
-            up, gate, down_t, t, ptr(norm_w), eps, mask.data_ptr(), y1.data_ptr(), y2.data_ptr(), nthreads(threads),
-        )  # fmt: skip
-        if kept < 0:
-            raise MemoryError("hc_thresholded_tail: out of memory")
-        return y1, y2, mask, int(kept)
+        return score, ptr(self.scale), self.threshold, up, gate, down_t
