@@ -611,14 +611,19 @@ def test_packed_matmul(backend, fmt, t):
     # another packed type as wide; 36 rows: a short last group
     other = {"q4_0": "q8_0", "q8_0": "q4_0", "q4_k": "q6_k", "q6_k": "q4_k"}[fmt]
     p2 = cpu.pack(make_weight(other, 36, gen)[0])
-    norm = (torch.rand(d, generator=gen) + 0.5, 1e-5)
-    h = cpu.rms_norm(x, *norm)
-    for threads in (1, 2):
-        got = cpu.MatvecGroup([p, p2, p])(x, norm=norm, threads=threads)
-        want = [cpu.matmul(q, h, threads=3) for q in (p, p2, p)]
-        assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True))
+    assert_group_is_separate_calls([p, p2, p], x, (torch.rand(d, generator=gen) + 0.5, 1e-5))
     with pytest.raises(ValueError, match="all packed or none"):
         cpu.MatvecGroup([p, w])
+
+
+def assert_group_is_separate_calls(mats, x, norm):
+    """A group of packed matrices (q, k, v) is one C call with the bits of separate calls, its norm included,
+    for 1 and 2 threads."""
+    h = cpu.rms_norm(x, *norm)
+    for threads in (1, 2):
+        got = cpu.MatvecGroup(mats)(x, norm=norm, threads=threads)
+        want = [cpu.matmul(q, h, threads=3) for q in mats]
+        assert all(torch.equal(g, e) for g, e in zip(got, want, strict=True))
 
 
 def test_pack_leaves_other_weights_alone(backend):
@@ -650,17 +655,12 @@ def test_packed_f16_is_one_chain_per_output(backend, t, dtype):
     torch.testing.assert_close(out[1].double(), want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     assert torch.equal(out[1], out[2]) and torch.equal(out[1], out[3])
     assert torch.equal(torch.stack([cpu.matmul(p, x[i]) for i in range(t)]), out[1])
-    chain = torch.zeros(t, f)  # the chain itself, in float32 with a fused multiply-add per column
+    chain = torch.zeros(t, f)  # the chain in column order, float32 (addcmul need not fuse: a tolerance)
     for k in range(d):
         chain = torch.addcmul(chain, x[:, k : k + 1], w[:, k].float().unsqueeze(0))
     torch.testing.assert_close(out[1], chain, rtol=0, atol=1e-5 * want.abs().max().item())
     q4 = cpu.pack(make_weight("q4_0", 36, gen, d=d)[0])
-    norm = (torch.rand(d, generator=gen) + 0.5, 1e-5)
-    h = cpu.rms_norm(x, *norm)
-    for threads in (1, 2):
-        got = cpu.MatvecGroup([p, q4, p])(x, norm=norm, threads=threads)
-        want_g = [cpu.matmul(q, h, threads=3) for q in (p, q4, p)]
-        assert all(torch.equal(g, e) for g, e in zip(got, want_g, strict=True))
+    assert_group_is_separate_calls([p, q4, p], x, (torch.rand(d, generator=gen) + 0.5, 1e-5))
     assert p.select_rows(torch.tensor([0, 5])).packed is None
 
 
