@@ -2870,8 +2870,10 @@ static int pkf_multi(int nmat, const int *wts, const uint8_t *const *Ps, const i
 #pragma omp parallel num_threads(nth) reduction(| : failed)
 #endif
     {
+        /* a decode token's few rows use the stack: no allocation on the hottest path */
+        vf local[4 * PKF_V * PKF_T];
         const size_t nacc = (size_t)(((T + PKF_T - 1) / PKF_T) * PKF_V * PKF_T), bytes = sizeof(vf) * nacc;
-        vf *accs = (vf *)aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+        vf *accs = nacc <= 4 * PKF_V * PKF_T ? local : (vf *)aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
         failed = accs == NULL;
         for (int64_t it = claim(&next); it < items && accs; it = claim(&next)) {
             int m = 0;
@@ -2881,7 +2883,7 @@ static int pkf_multi(int nmat, const int *wts, const uint8_t *const *Ps, const i
             if (wts[m] == WT_BF16) pkf_block(1, Pb, x, T, D, outs[m], Fs[m], b, accs);
             else pkf_block(0, Pb, x, T, D, outs[m], Fs[m], b, accs);
         }
-        free(accs);
+        if (accs != local) free(accs);
     }
     return failed ? -1 : 0;
 }
