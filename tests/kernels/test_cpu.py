@@ -157,6 +157,28 @@ def test_deterministic_across_threads_and_batching(backend, fmt):
         torch.testing.assert_close(y[1], y_tok, rtol=1e-5, atol=1e-5 * y[1].abs().max().item())
 
 
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("t", [4, 8, 17, 52])
+def test_gather_rows_most_tokens_want(backend, fmt, t):
+    """Masks whose rows range from wanted by no token to wanted by all (row i by about i / F of them), as a
+    batch's hot and cold neurons: float rows that most tokens want take the every-token tile and set the
+    others back to 0, the rest a pass over their own tokens. The float64 answer, exact zeros where not
+    wanted (rows no token wants are NaN), and with the C backend the bits of 1 and 2 threads and of each
+    token alone."""
+    gen = torch.Generator().manual_seed(t)
+    share = torch.arange(F, dtype=torch.float64) / F
+    m = torch.rand(t, F, generator=gen, dtype=torch.float64) < share
+    w, w64 = make_weight(fmt, F, gen, ~m.any(0), d=130)
+    x = torch.randn(t, 130, generator=gen)
+    out = {n: cpu.gather_matvec(w, x, m, threads=n) for n in (1, 2)}
+    assert (out[1][~m] == 0).all()
+    assert_close(out[1], ref_gather(w64, x, m), ref_gather(w64.abs(), x.abs(), m))
+    if backend == "c":
+        assert torch.equal(out[1], out[2])
+        alone = torch.stack([cpu.gather_matvec(w, x[i], m[i], threads=2) for i in range(t)])
+        assert torch.equal(out[1], alone)
+
+
 @pytest.mark.parametrize("fmt", ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"])
 @pytest.mark.parametrize("d", [768, 1024])
 def test_kquant_rows_over_several_super_blocks(backend, fmt, d):
