@@ -1,8 +1,9 @@
-"""hotcold.ops: the q/k/v group with its norm folded in, against norm then separate linears."""
+"""hotcold.ops: the q/k/v group with its norm folded in, against norm then separate linears; prompt-chunk attention in C rows against SDPA."""
 
 import pytest
 import torch
 
+from hotcold import ops
 from hotcold.kernels import cpu
 from hotcold.ops import LinearGroup, Norm, linear, rms_norm
 
@@ -39,3 +40,34 @@ def test_layer_norm_matches_torch():
     rms = Norm(w, 1e-5)  # and the RMS norm, in C for a few tokens
     ref_rms = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()
     assert torch.allclose(rms(x).double(), ref_rms, atol=1e-5)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_prompt_chunk_attention_in_rows_equals_sdpa(monkeypatch, window):
+    """A CPU prompt chunk small enough for `attends_in_rows` runs as decode rows in C: every row equals
+    rope + SDPA with the causal (and sliding-window) mask to float32 rounding, the caches hold the same rotated
+    keys and values, and the rule follows rows x context alone."""
+    if cpu.backend() != "c":
+        pytest.skip("the C kernels did not build")
+    gen = torch.Generator().manual_seed(3)
+    t, pos, h, hkv, dh = 9, 4, 8, 2, 16
+    q, k, v = (torch.randn(t, n, dh, generator=gen) for n in (h, hkv, hkv))
+    cos, sin = torch.randn(t, dh // 2, generator=gen), torch.randn(t, dh // 2, generator=gen)
+    history_k, history_v = torch.randn(pos, hkv, dh, generator=gen), torch.randn(pos, hkv, dh, generator=gen)
+    results = {}
+    for rows in (True, False):
+        monkeypatch.setattr(ops, "ROWS_ATTENTION_MAX_WORK", 1 << 17 if rows else 0)
+        kc, vc = torch.zeros(32, hkv, dh), torch.zeros(32, hkv, dh)
+        kc[:pos], vc[:pos] = history_k, history_v
+        out = ops.rope_attention(
+            q.clone(), k.clone(), v, kc, vc, pos, cos, sin, neox=False, sliding_window=window
+        )
+        results[rows] = (out, kc, vc)
+    (got, kc, vc), (want, kc_ref, vc_ref) = results[True], results[False]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kc, kc_ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(vc, vc_ref)
+    monkeypatch.undo()
+    cache = torch.zeros(600, hkv, dh)
+    assert ops.attends_in_rows(52, 0, cache) and ops.attends_in_rows(128, 896, cache)
+    assert not ops.attends_in_rows(129, 896, cache) and not ops.attends_in_rows(8, 0, cache.half())

@@ -21,6 +21,7 @@ from hotcold.ops import (
     Norm,
     RopeTables,
     Weight,
+    attends_in_rows,
     check_context,
     linear,
     rope_attention,
@@ -72,12 +73,20 @@ def rope_attention_segments(
     sliding_window=None,
 ) -> torch.Tensor:
     """RoPE attention of every segment over its own sequence's layer cache (q [T, H, Dh], k/v [T, Hkv, Dh])
-    -> [T, H*Dh]. A batched decode step on the CPU (every segment one token) is one call for all rows."""
-    if len(ctx.seqs) > 1 and ctx.rows == len(ctx.seqs) and device.type == "cpu":
-        cos, sin = rope.rows(ctx.starts, device)
-        kcs, vcs = [s.kv.k[layer] for s in ctx.seqs], [s.kv.v[layer] for s in ctx.seqs]
+    -> [T, H*Dh]. A batch on the CPU whose segments are decode tokens, or prompt chunks that rope_attention
+    runs as decode rows (`attends_in_rows`), is one call for all rows: each row as its segment alone."""
+    segments = list(ctx.segments())
+    if (
+        len(segments) > 1
+        and device.type == "cpu"
+        and all(b - a == 1 or attends_in_rows(b - a, pos, seq.kv.k[layer]) for a, b, seq, pos in segments)
+    ):
+        positions = [p for a, b, _, pos in segments for p in range(pos, pos + b - a)]
+        kcs = [seq.kv.k[layer] for a, b, seq, _ in segments for _ in range(b - a)]
+        vcs = [seq.kv.v[layer] for a, b, seq, _ in segments for _ in range(b - a)]
+        cos, sin = rope.rows(positions, device)
         return rope_attention_rows(
-            q, k, v, kcs, vcs, ctx.starts, cos, sin, neox=neox, sliding_window=sliding_window
+            q, k, v, kcs, vcs, positions, cos, sin, neox=neox, sliding_window=sliding_window
         )
 
     def attend(a, b, seq, pos):
