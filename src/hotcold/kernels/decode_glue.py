@@ -112,9 +112,10 @@ def attention_decode_rows(
     CPU, else torch row by row."""
     n = q.shape[0] if q.dim() == 3 else 0
     h, dh, hkv = (q.shape[1], q.shape[2], k.shape[1]) if n and k.dim() == 3 else (0, 0, 0)
+    # a prompt chunk's rows share one cache pair: each distinct pair is checked once
+    pairs = {(id(kc), id(vc)): (kc, vc) for kc, vc in zip(k_caches, v_caches)}.values()
     caches_ok = len(k_caches) == len(v_caches) == len(positions) == n and all(
-        kc.dim() == 3 and kc.shape[1:] == (hkv, dh) and vc.shape == kc.shape
-        for kc, vc in zip(k_caches, v_caches)
+        kc.dim() == 3 and kc.shape[1:] == (hkv, dh) and vc.shape == kc.shape for kc, vc in pairs
     )
     if not (h and hkv) or k.shape != (n, hkv, dh) or v.shape != k.shape or not caches_ok or h % hkv:
         got = [tuple(t.shape) for t in (q, k, v, *k_caches[:1], *v_caches[:1])]
@@ -130,7 +131,7 @@ def attention_decode_rows(
     window = sliding_window if sliding_window and sliding_window > 0 else 0
     lib = build.get_lib()
     cos, sin = cos.contiguous(), sin.contiguous()
-    if lib is None or not all(f32_contiguous(t) for t in (q, k, v, cos, sin, *k_caches, *v_caches)):
+    if lib is None or not all(f32_contiguous(t) for t in (q, k, v, cos, sin, *(c for p in pairs for c in p))):
         return torch.cat(
             [
                 _torch_attention_decode(
