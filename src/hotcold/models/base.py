@@ -75,15 +75,21 @@ def rope_attention_segments(
     """RoPE attention of every segment over its own sequence's layer cache (q [T, H, Dh], k/v [T, Hkv, Dh])
     -> [T, H*Dh]. A batch on the CPU whose segments are decode tokens, or prompt chunks that rope_attention
     runs as decode rows (`attends_in_rows`), is one call for all rows: each row as its segment alone."""
-    segments = list(ctx.segments())
-    if (
-        len(segments) > 1
-        and device.type == "cpu"
-        and all(b - a == 1 or attends_in_rows(b - a, pos, seq.kv.k[layer]) for a, b, seq, pos in segments)
-    ):
-        positions = [p for a, b, _, pos in segments for p in range(pos, pos + b - a)]
-        kcs = [seq.kv.k[layer] for a, b, seq, _ in segments for _ in range(b - a)]
-        vcs = [seq.kv.v[layer] for a, b, seq, _ in segments for _ in range(b - a)]
+    rows = None
+    if len(ctx.seqs) > 1 and device.type == "cpu":
+        if ctx.rows == len(ctx.seqs):  # a decode step: one token a sequence
+            rows = ctx.starts, [s.kv.k[layer] for s in ctx.seqs], [s.kv.v[layer] for s in ctx.seqs]
+        elif all(
+            b - a == 1 or attends_in_rows(b - a, pos, seq.kv.k[layer]) for a, b, seq, pos in ctx.segments()
+        ):
+            segments = list(ctx.segments())
+            rows = (
+                [p for a, b, _, pos in segments for p in range(pos, pos + b - a)],
+                [seq.kv.k[layer] for a, b, seq, _ in segments for _ in range(b - a)],
+                [seq.kv.v[layer] for a, b, seq, _ in segments for _ in range(b - a)],
+            )
+    if rows is not None:
+        positions, kcs, vcs = rows
         cos, sin = rope.rows(positions, device)
         return rope_attention_rows(
             q, k, v, kcs, vcs, positions, cos, sin, neox=neox, sliding_window=sliding_window
