@@ -2195,20 +2195,27 @@ int hc_abi_version(void) { return HC_ABI_VERSION; }
 
 const char *hc_simd(void) { return HC_SIMD; }
 
-/* The rows some token of mask [T, F] wants, ascending, into idx [F]: their count, or -1 if memory ran out. */
-static int64_t mask_rows(const uint8_t *mask, int64_t T, int64_t F, int32_t *idx, int nth) {
-    if (T == 1) return mask_to_idx(mask, F, idx);
+/* The rows i that some token t wants, ascending, into idx [F]: (mask NULL or mask[t, i]) and (a NULL or
+ * a[t, i] != 0), mask and a [T, F] (not both NULL). Their count, or -1 if memory ran out. */
+static int64_t union_rows(const uint8_t *mask, const float *a, int64_t T, int64_t F, int32_t *idx, int nth) {
+    if (T == 1 && !a) return mask_to_idx(mask, F, idx);
     uint8_t *u = (uint8_t *)calloc((size_t)(F > 0 ? F : 1), 1);
     if (!u) return -1;
-    nth = T * F < (1 << 16) ? 1 : nth; /* a prompt chunk's mask: columns of it in parallel */
+    nth = T * F < (1 << 16) ? 1 : nth; /* a prompt chunk's rows: columns in parallel */
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(nth) schedule(static)
 #endif
     for (int64_t i0 = 0; i0 < F; i0 += 512) {
         const int64_t i1 = i0 + 512 < F ? i0 + 512 : F;
         for (int64_t t = 0; t < T; t++) {
-            const uint8_t *m = mask + t * F;
-            for (int64_t i = i0; i < i1; i++) u[i] |= m[i];
+            const uint8_t *m = mask ? mask + t * F : NULL;
+            const float *at = a ? a + t * F : NULL;
+            if (m && at)
+                for (int64_t i = i0; i < i1; i++) u[i] |= (uint8_t)((m[i] != 0) & (at[i] != 0.0f));
+            else if (m)
+                for (int64_t i = i0; i < i1; i++) u[i] |= (uint8_t)(m[i] != 0);
+            else
+                for (int64_t i = i0; i < i1; i++) u[i] |= (uint8_t)(at[i] != 0.0f);
         }
     }
     const int64_t n = mask_to_idx(u, F, idx);
@@ -2233,7 +2240,7 @@ static int gather_masked_xq(int nmat, const int *wts, const uint8_t *const *Ws, 
     int64_t n = F;
     if (mask) { /* outputs are zeroed by the work items that own them (gather_part) */
         idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
-        n = idx ? mask_rows(mask, T, F, idx, nth) : -1;
+        n = idx ? union_rows(mask, NULL, T, F, idx, nth) : -1;
         if (n < 0) {
             free(idx);
             xq_free(&own);
@@ -2320,30 +2327,12 @@ int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t 
     memset(out, 0, sizeof(float) * (size_t)(T * D));
     int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
     float *coef = (float *)malloc(sizeof(float) * (size_t)(F > 0 ? F : 1));
-    uint8_t *u = (uint8_t *)calloc((size_t)(F > 0 ? F : 1), 1);
-    if (!idx || !coef || !u) {
+    A.n = idx && coef ? union_rows(mask, a, T, F, idx, nth) : -1;
+    if (A.n < 0) {
         free(idx);
         free(coef);
-        free(u);
         return -1;
     }
-    const int uth = T * F < (1 << 16) ? 1 : nth; /* a prompt chunk's rows: columns in parallel */
-#ifdef _OPENMP
-#pragma omp parallel for num_threads(uth) schedule(static)
-#endif
-    for (int64_t i0 = 0; i0 < F; i0 += 512) {
-        const int64_t i1 = i0 + 512 < F ? i0 + 512 : F;
-        for (int64_t t = 0; t < T; t++) {
-            const float *at = a + t * F;
-            const uint8_t *m = mask ? mask + t * F : NULL;
-            if (m)
-                for (int64_t i = i0; i < i1; i++) u[i] |= (uint8_t)((m[i] != 0) & (at[i] != 0.0f));
-            else
-                for (int64_t i = i0; i < i1; i++) u[i] |= (uint8_t)(at[i] != 0.0f);
-        }
-    }
-    A.n = mask_to_idx(u, F, idx);
-    free(u);
     for (int64_t k = 0; k < A.n; k++) coef[k] = a[idx[k]]; /* used when T == 1 */
     A.idx = idx;
     A.coef = coef;
