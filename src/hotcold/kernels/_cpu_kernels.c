@@ -3283,6 +3283,7 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr
                            const hc_weight *gate, const hc_weight *down_t, int64_t T, const float *x,
                            const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {
     const int64_t F = up->rows, D = up->cols;
+    const int pth = T * F < (1 << 16) ? 1 : nth; /* a prompt chunk's passes over [T, F] on the step's threads */
     float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * F + (norm_w ? T * D : 0) + 1));
     if (!buf) return -1;
     float *act = buf, *u = buf + T * F;
@@ -3293,7 +3294,10 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr
     }
     int rc = weight_matvec(score, x, T, act, nth);
     int64_t kept = 0;
-    if (rc == 0)
+    if (rc == 0) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(pth) schedule(static) reduction(+ : kept)
+#endif
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < F; i++) {
                 const int64_t j = t * F + i;
@@ -3302,6 +3306,7 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr
                 mask[j] = (scale ? a * scale[i] : a) > thr; /* NaN: not kept, as torch's comparison */
                 kept += mask[j];
             }
+    }
     hc_xq_set xq = {NULL, NULL}; /* block gate / up: x quantized once for both */
     if (rc == 0 && (wt_is_block(up->wt) || (gate && wt_is_block(gate->wt))) && xq_make(x, T, D, &xq) != 0) rc = -1;
     if (rc == 0 && gate) { /* the exact gate of the kept rows replaces the probe's; up's rows in the same pass */
@@ -3310,13 +3315,20 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr
         const int64_t strides[2] = {gate->stride, up->stride};
         float *outs[2] = {act, u};
         rc = gather_masked_xq(2, wts, Ws, strides, F, D, x, T, mask, outs, nth, xq.tok);
-        if (rc == 0)
+        if (rc == 0) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(pth) schedule(static)
+#endif
             for (int64_t j = 0; j < T * F; j++) act[j] = silu1(act[j]); /* silu(0) = 0 where not kept */
+        }
     } else if (rc == 0) {
         rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, mask, u, nth, xq.tok);
     }
     xq_free(&xq);
     if (rc == 0) {
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(pth) schedule(static)
+#endif
         for (int64_t j = 0; j < T * F; j++) u[j] = mask[j] ? act[j] * u[j] : 0.0f;
         rc = hc_sparse_axpy(down_t->wt, down_t->data, down_t->stride, F, D, u, T, mask, out, nth);
     }
