@@ -3055,6 +3055,7 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
     const int64_t F = up->rows, D = up->cols;
     /* the passes over [T, F] run in parallel for a prompt chunk (serial they were ~2% of a 52-token step) */
     const int pth = T * F < (1 << 16) ? 1 : nth;
+    (void)pth; /* unused without OpenMP */
     float *buf = (float *)malloc(sizeof(float) * (size_t)(T * F * (gate ? 2 : 1) + (norm_w ? T * D : 0)));
     if (!buf) return -1;
     float *u = buf, *g = gate ? buf + T * F : NULL;
@@ -3284,6 +3285,7 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr
                            const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {
     const int64_t F = up->rows, D = up->cols;
     const int pth = T * F < (1 << 16) ? 1 : nth; /* a prompt chunk's passes over [T, F] on the step's threads */
+    (void)pth; /* unused without OpenMP */
     float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * F + (norm_w ? T * D : 0) + 1));
     if (!buf) return -1;
     float *act = buf, *u = buf + T * F;
