@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import hotcold
-from hotcold import batching
+from hotcold import batching, ops
 from hotcold.engine import Engine
 from hotcold.generation import Generation
 
@@ -63,7 +63,12 @@ def test_a_prefill_joins_only_when_it_fits(llm, forwards):
     assert forwards[1] == [1, len(ids[1])]  # the long one's first token, then the short prompt
 
 
-def test_tokens_equal_each_generation_alone(llm):
+@pytest.mark.parametrize("rows_work", [None, 0, 12])
+def test_tokens_equal_each_generation_alone(llm, monkeypatch, rows_work):
+    """Also where prompt chunks attend through SDPA (rows_work 0) or some do and some as C rows (12: the
+    shortest prompts' chunks only) beside decode rows: the rule follows each chunk, so alone is the same."""
+    if rows_work is not None:
+        monkeypatch.setattr(ops, "ROWS_ATTENTION_MAX_WORK", rows_work)
     _, gens = _generations(llm, SHORT, max_tokens=12)
     texts = [""] * len(gens)
     while any(not g.done for g in gens):
