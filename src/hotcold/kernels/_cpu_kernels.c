@@ -1674,22 +1674,25 @@ HC_INLINE void row_dot_tokens(const int wt, const int NT, const uint8_t *row, co
 #define HC_HOT_MIN_T 4 /* fewer tokens: every masked row its own pass (not part of the arithmetic) */
 #endif
 
-/* Masked float rows rows_i[0..nr) (their bytes at rows[]) against every token through dot_rows_tokens, then
- * 0 where the mask does not want them; the index list entries from position k on are prefetched meanwhile. */
-HC_INLINE void hot_tile_rows(const int wt, const hc_args *A, int nr, const uint8_t *const *rows, const int64_t *rows_i,
-                             int64_t k, int64_t k1, int64_t kn) {
+/* Float rows rows_i[0..nr) (nr <= TILE_R) against every token through dot_rows_tokens (a short tile repeats its
+ * last row); with a mask, 0 again where it does not want them. The index list entries from position k on are
+ * prefetched meanwhile. */
+HC_INLINE void tile_rows(const int wt, const hc_args *A, int nr, const int64_t *rows_i, int64_t k, int64_t k1,
+                         int64_t kn) {
     const int64_t F = A->F, T = A->T;
-    const uint8_t *tr[TILE_R], *pf[TILE_R] = {NULL, NULL, NULL, NULL};
+    const uint8_t *rows[TILE_R], *pf[TILE_R] = {NULL, NULL, NULL, NULL};
     int64_t ti[TILE_R];
-    for (int r = 0; r < TILE_R; r++) { /* a short tile repeats its last row */
-        tr[r] = rows[r < nr ? r : nr - 1], ti[r] = rows_i[r < nr ? r : nr - 1];
+    for (int r = 0; r < TILE_R; r++) {
+        ti[r] = rows_i[r < nr ? r : nr - 1];
+        rows[r] = A->W + ti[r] * A->stride;
         const int64_t q = next_pos(k + r, k1, kn, A->n);
         if (q >= 0) pf[r] = A->W + (A->idx ? (int64_t)A->idx[q] : q) * A->stride;
     }
-    dot_rows_tokens(wt, nr, tr, ti, A->x, T, A->D, A->out, F, pf);
-    for (int r = 0; r < nr; r++)
-        for (int64_t t = 0; t < T; t++)
-            if (!A->mask[t * F + ti[r]]) A->out[t * F + ti[r]] = 0.0f;
+    dot_rows_tokens(wt, nr, rows, ti, A->x, T, A->D, A->out, F, pf);
+    if (A->mask)
+        for (int r = 0; r < nr; r++)
+            for (int64_t t = 0; t < T; t++)
+                if (!A->mask[t * F + ti[r]]) A->out[t * F + ti[r]] = 0.0f;
 }
 
 /* gather_matvec over index list entries [k0, k1); kn: see next_pos. */
@@ -1724,16 +1727,9 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
     if (!wt_is_block(wt) && !A->mask) { /* every token needs every row: tiles of rows x tokens */
         for (int64_t k = k0; k < k1; k += TILE_R) {
             const int nr = k1 - k < TILE_R ? (int)(k1 - k) : TILE_R;
-            const uint8_t *rows[TILE_R];
             int64_t rows_i[TILE_R];
-            const uint8_t *pf[TILE_R] = {NULL, NULL, NULL, NULL};
-            for (int r = 0; r < TILE_R; r++) { /* a short tile repeats its last row */
-                rows_i[r] = ROW_OF(k + (r < nr ? r : nr - 1));
-                rows[r] = A->W + rows_i[r] * A->stride;
-                const int64_t q = next_pos(k + TILE_R + r, k1, kn, A->n);
-                if (q >= 0) pf[r] = A->W + ROW_OF(q) * A->stride;
-            }
-            dot_rows_tokens(wt, nr, rows, rows_i, A->x, T, D, A->out, F, pf);
+            for (int r = 0; r < nr; r++) rows_i[r] = ROW_OF(k + r);
+            tile_rows(wt, A, nr, rows_i, k + TILE_R, k1, kn);
         }
         return;
     }
@@ -1746,7 +1742,6 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
      * masks: T = 52 half wanted 1.0x, 70% 1.5x, all 2.4x; T = 8 all 1.5x). Each result keeps dot_row's bits. */
     const int hot_tile = !wt_is_block(wt) && A->mask && T >= HC_HOT_MIN_T;
     const int64_t hot_min = T >= 16 ? (T + 1) / 2 : T - T / 8;
-    const uint8_t *hot_rows[TILE_R];
     int64_t hot_i[TILE_R];
     int nhot = 0;
     for (int64_t k = k0; k < k1; k++) {
@@ -1761,9 +1756,9 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
             int64_t want = 0;
             for (int64_t t = 0; t < T; t++) want += A->mask[t * F + i] != 0;
             if (want >= hot_min) {
-                hot_rows[nhot] = row, hot_i[nhot] = i;
+                hot_i[nhot] = i;
                 if (++nhot == TILE_R) {
-                    hot_tile_rows(wt, A, nhot, hot_rows, hot_i, k + 1, k1, kn);
+                    tile_rows(wt, A, nhot, hot_i, k + 1, k1, kn);
                     nhot = 0;
                 }
                 continue;
@@ -1796,7 +1791,7 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
         }
         for (int j = 0; j < cnt; j++) A->out[ts[j] * F + i] = res[j];
     }
-    if (nhot) hot_tile_rows(wt, A, nhot, hot_rows, hot_i, k1, k1, kn);
+    if (nhot) tile_rows(wt, A, nhot, hot_i, k1, k1, kn);
 #undef ROW_OF
 }
 
@@ -2926,7 +2921,7 @@ static int pkf_multi(int nmat, const int *wts, const uint8_t *const *Ps, const i
         /* a decode token's few rows use the stack: no allocation on the hottest path */
         vf local[4 * PKF_V * PKF_T];
         const size_t nacc = (size_t)(((T + PKF_T - 1) / PKF_T) * PKF_V * PKF_T), bytes = sizeof(vf) * nacc;
-        vf *accs = nacc <= 4 * PKF_V * PKF_T ? local : (vf *)aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+        vf *accs = nacc <= 4 * PKF_V * PKF_T ? local : (vf *)aligned_alloc(64, (bytes + 63) / 64 * 64);
         failed = accs == NULL;
         for (int64_t it = claim(&next); it < items && accs; it = claim(&next)) {
             int m = 0;
