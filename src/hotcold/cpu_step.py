@@ -96,6 +96,13 @@ class _Plan:
             for name in ("wo", "fc1", "fc2", "up", "gate", "down", "score"):
                 w = fields.get(name)
                 fields[name] = ctypes.pointer(w) if w is not None else None
+            inputs = None if dense else getattr(layer, "inputs", None)
+            if inputs is not None:  # input-sparse q/k/v and o (attention_inputs.py)
+                extra = inputs.c_fields()
+                if extra is None or fields.get("sparse") != 2:
+                    return None
+                fields.update(extra["fields"])
+                keep.append(extra["keep"])
             layers.append(
                 HCLayer(
                     **group.c_fields, attn_norm=attn_w.data_ptr(), attn_eps=norm.eps,

@@ -173,13 +173,24 @@ def load_model(
     src = TensorSource(model_file, config, devices)
     make_ffn = ffn_maker(devices, dense=dense, threads=threads)
     if thresholded is not None:
+        from hotcold.sparse.attention_inputs import InputAssets
         from hotcold.sparse.thresholded import thresholded_maker
 
         assets, level = thresholded
         src.thresholded = True
         make_ffn = thresholded_maker(src, assets, level, threads=threads)
+        inputs = InputAssets.from_file(
+            model_file,
+            assets.grid,
+            assets.method,
+            config.n_layer,
+            config.n_embd,
+            config.n_head * config.head_dim,
+        )
+        src.sparse_inputs = None if inputs is None else (inputs, level, threads)
+        also = " and of attention inputs" if inputs is not None else ""
         notes.append(
-            f"sparsify ({assets.method}): skipping {100 * level:.0f}% of FFN neurons per token "
+            f"sparsify ({assets.method}): skipping {100 * level:.0f}% of FFN neurons{also} per token "
             f"(the file was calibrated for {100 * assets.sparsity:.0f}%)"
         )
     model = module.build(src, make_ffn)

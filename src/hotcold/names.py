@@ -128,6 +128,12 @@ SPARSIFY_QUANTILES = "hotcold.sparsify.quantiles"  # tensor F32 [L, G]: score qu
 SPARSIFY_FREQUENCY = "hotcold.sparsify.frequency"  # tensor F32 [L, F]: share of tokens keeping neuron i
 SPARSIFY_SCALE = "hotcold.sparsify.scale"  # tensor F32 [L, F]: per-neuron score weight (wina only)
 FFN_GATE_PROBE = "blk.{bid}.ffn_gate_probe"  # [F, D] Q4_0 copy of ffn_gate: the mask's score, read whole
+# `hotcold sparsify --attention`: input sparsity of the attention products (sparse/attention_inputs.py)
+ATTN_QKV_T = "blk.{bid}.attn_qkv_t"  # [D, q + k + v]: row i = input channel i's q, k, v directions
+ATTN_OUT_T = "blk.{bid}.attn_output_t"  # [H*Dh, D]: attn_output transposed
+SPARSIFY_ATTN_QUANTILES = "hotcold.sparsify.attn_quantiles"  # tensor F32 [L, 2, G]: q/k/v input, o input
+SPARSIFY_ATTN_SCALE_QKV = "hotcold.sparsify.attn_scale_qkv"  # tensor F32 [L, D]: wina channel weights
+SPARSIFY_ATTN_SCALE_O = "hotcold.sparsify.attn_scale_o"  # tensor F32 [L, H*Dh]
 MODEL_SIZE = "hotcold.model_size"
 MODEL_MTIME_NS = "hotcold.model_mtime_ns"
 ACTIVATION_SHA256 = "hotcold.activation_sha256"

@@ -27,6 +27,8 @@ class TensorSource:
         self.path = model_file.path
         # a `hotcold sparsify` file run thresholded: its FFN read from ffn_down_t, rows gathered (not packed)
         self.thresholded = False
+        # and with input-sparse attention: (attention_inputs.InputAssets, sparsity, threads)
+        self.sparse_inputs = None
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors

@@ -37,6 +37,12 @@ def add_args(p) -> None:
         help="q4_0: score neurons with a Q4_0 copy of the gate (read whole) and gather the exact gate of the "
         "kept rows only: fewer bytes per token; auto (default): q4_0 for F32/F16/BF16 gates",
     )
+    p.add_argument(
+        "--attention",
+        action="store_true",
+        help="also skip input channels of q/k/v and o per token (TEAL's rule, weighted as --method says): "
+        "adds transposed copies of the attention matrices; --sparsity at load sets both shares",
+    )
     p.add_argument("--json", action="store_true", help="print what was written as JSON")
 
 
@@ -54,6 +60,7 @@ def run(args) -> int:
         threads=args.threads,
         down=args.down_type,
         probe=args.gate_probe,
+        attention=args.attention,
         progress=not args.json,
     )
     if args.json:
@@ -62,7 +69,8 @@ def run(args) -> int:
     print(
         f"hotcold: wrote {result['file']}: {result['method']} thresholds for sparsity {result['sparsity']:g} "
         f"from {result['calibration_tokens']} tokens (kept on the calibration text: "
-        f"{100 * (1 - result['calibration_sparsity']):.1f}% of FFN neurons), ffn_down_t {result['ffn_down_t_type']}, "
+        f"{100 * (1 - result['calibration_sparsity']):.1f}% of FFN neurons)"
+        f"{', attention inputs too' if result['attention_inputs'] else ''}, ffn_down_t {result['ffn_down_t_type']}, "
         f"{result['seconds']:.1f} s",
         file=sys.stderr,
     )

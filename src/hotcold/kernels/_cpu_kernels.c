@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 21
+#define HC_ABI_VERSION 22
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -3349,6 +3349,21 @@ int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float 
     return kept;
 }
 
+/* Input sparsity of one product (TEAL; WINA with scale): out [T, Fo] = x' @ W.T where x' is x with each
+ * token's input channels i kept iff |x[t, i]| (times scale[i] if scale) > thr, all in float32 as torch
+ * computes it, the others 0: the axpy over w_t [Din, Fo] (row i = input channel i's output direction) of
+ * the kept channels. mask [T, Din] receives them. Returns 0, or -1 if memory ran out. */
+int hc_input_sparse_matvec(const hc_weight *w_t, const float *scale, float thr, const float *x, int64_t T,
+                           uint8_t *mask, float *out, int nth) {
+    const int64_t Din = w_t->rows;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < Din; i++) {
+            const float a = fabsf(x[t * Din + i]);
+            mask[t * Din + i] = (scale ? a * scale[i] : a) > thr; /* NaN: not kept */
+        }
+    return hc_sparse_axpy(w_t->wt, w_t->data, w_t->stride, Din, w_t->cols, x, T, mask, out, nth);
+}
+
 /* The attention half of a decode layer for one token of one sequence: q, k, v = the group's matvecs of
  * the RMS-normed x (the packed or the row layout: the call LinearGroup makes), then hc_attn_decode_rows of
  * that one row; qkv [3] are the caller's buffers (q and k are left rotated, as op by op). The same calls,
@@ -3391,7 +3406,39 @@ typedef struct {
     float ffn_eps;
     const hc_weight *score; /* thresholded tail: the score matrix (probe or gate), per-neuron weights or NULL */
     const float *scale;
+    /* thresholded layers with input-sparse attention (else NULL): q/k/v as hc_input_sparse_matvec over
+     * qkv_t [D, q + k + v] of the normed x, o over wo_t [H * Dh, D] of the attention output */
+    const hc_weight *qkv_t, *wo_t;
+    const float *qkv_scale, *wo_scale;
+    float qkv_thr, wo_thr;
 } hc_layer;
+
+/* q/k/v of an input-sparse layer (hc_layer.qkv_t) for one token, then attention as hc_decode_head. */
+static int input_sparse_head(const hc_layer *a, int64_t D, const float *x, int64_t pos, const float *cos,
+                             const float *sin, float *xn, float *qkv, uint8_t *smask, float *out, int nth) {
+    hc_rms_norm(x, a->attn_norm, a->attn_eps, 1, D, xn);
+    if (hc_input_sparse_matvec(a->qkv_t, a->qkv_scale, a->qkv_thr, xn, 1, smask, qkv, nth) != 0) return -1;
+    float *kcs[1] = {a->kc}, *vcs[1] = {a->vc};
+    return hc_attn_decode_rows(1, qkv, qkv + a->Fs[0], qkv + a->Fs[0] + a->Fs[1], kcs, vcs, &pos, a->H, a->Hkv,
+                               a->Dh, a->R, cos, sin, a->neox, a->window, out, nth);
+}
+
+/* The tail of an input-sparse thresholded layer for one token: y1 = x + o (o over wo_t), y2 = y1 +
+ * hc_thresholded_ffn(y1, the RMS norm folded). Returns its kept count, or -1 if memory ran out. */
+static int64_t input_sparse_tail(const hc_layer *a, const float *attn, const float *x, int64_t D, uint8_t *smask,
+                                 uint8_t *mask, float *y1, float *y2, int nth) {
+    float *o = (float *)malloc(sizeof(float) * (size_t)D);
+    int64_t kept = o && hc_input_sparse_matvec(a->wo_t, a->wo_scale, a->wo_thr, attn, 1, smask, o, nth) == 0 ? 0 : -1;
+    if (kept == 0) {
+        for (int64_t j = 0; j < D; j++) y1[j] = x[j] + o[j];
+        kept = hc_thresholded_ffn(a->score, a->scale, a->thr, a->up, a->gate, a->down, 1, y1, a->ffn_norm,
+                                  a->ffn_eps, mask, o, nth);
+        if (kept >= 0)
+            for (int64_t j = 0; j < D; j++) y2[j] = y1[j] + o[j];
+    }
+    free(o);
+    return kept;
+}
 
 /* A whole decode token of one sequence through n layers: x [D] (the embedding in, the last layer's
  * residual out, in place) at position pos, cos / sin the RoPE row of pos; per layer hc_decode_head then
@@ -3406,17 +3453,26 @@ int hc_decode_layers(int n, const hc_layer *L, float *x, int64_t D, int64_t pos,
         kvmax = L[l].Fs[1] > kvmax ? L[l].Fs[1] : kvmax;
         fmax = L[l].up->rows > fmax ? L[l].up->rows : fmax;
     }
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * qmax + 2 * kvmax + 2 * D));
-    uint8_t *mask = (uint8_t *)malloc((size_t)fmax);
+    const int64_t smax = qmax > D ? qmax : D; /* an input-sparse product's input channels */
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * qmax + 2 * kvmax + 3 * D));
+    uint8_t *mask = (uint8_t *)malloc((size_t)(fmax + smax));
     int rc = buf && mask ? 0 : -1;
-    float *q = buf, *k = q + qmax, *v = k + kvmax, *attn = v + kvmax, *y1 = attn + qmax, *y2 = y1 + D;
+    float *q = buf, *k = q + qmax, *v = k + kvmax, *attn = v + kvmax, *y1 = attn + qmax, *y2 = y1 + D, *xn = y2 + D;
+    uint8_t *smask = mask ? mask + fmax : NULL;
     for (int l = 0; l < n && rc == 0; l++) {
         const hc_layer *a = &L[l];
         float *const qkv[3] = {q, k, v};
-        rc = hc_decode_head(3, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, x, a->attn_norm, a->attn_eps, qkv,
-                            a->kc, a->vc, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox, a->window, attn, nth);
+        if (a->qkv_t) /* q, k, v side by side in q's and k's buffers: q + k + v <= qmax + 2 * kvmax */
+            rc = input_sparse_head(a, D, x, pos, cos, sin, xn, q, smask, attn, nth);
+        else
+            rc = hc_decode_head(3, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, x, a->attn_norm, a->attn_eps,
+                                qkv, a->kc, a->vc, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox, a->window,
+                                attn, nth);
         if (rc != 0) break;
-        if (a->sparse == 2) {
+        if (a->sparse == 2 && a->wo_t) {
+            fired[l] = input_sparse_tail(a, attn, x, D, smask, mask, y1, y2, nth);
+            rc = fired[l] < 0 ? -1 : 0;
+        } else if (a->sparse == 2) {
             fired[l] = hc_thresholded_tail(a->wo, attn, x, a->score, a->scale, a->thr, a->up, a->gate, a->down, 1,
                                            a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
             rc = fired[l] < 0 ? -1 : 0;

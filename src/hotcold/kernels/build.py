@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-ABI_VERSION = 21  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
+ABI_VERSION = 22  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -106,6 +106,12 @@ class HCLayer(ctypes.Structure):
         ("ffn_eps", ctypes.c_float),
         ("score", _w),
         ("scale", ctypes.c_void_p),
+        ("qkv_t", _w),
+        ("wo_t", _w),
+        ("qkv_scale", ctypes.c_void_p),
+        ("wo_scale", ctypes.c_void_p),
+        ("qkv_thr", ctypes.c_float),
+        ("wo_thr", ctypes.c_float),
     ]
 
 

@@ -17,6 +17,7 @@ from hotcold.cpu_step import CPUDecoder
 from hotcold.device import DevicePlan
 from hotcold.models.base import FFNMaker, Head, decode_attention, new_sequence, rope_attention_segments
 from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear
+from hotcold.sparse.attention_inputs import SparseInputs, sparse_inputs
 from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
@@ -28,6 +29,7 @@ class LlamaLayer:
     wo: Weight  # [D, H*Dh]
     ffn: object  # an FFN (dense, sparse, hybrid or MoE): ffn(x, seq), owns ffn_norm
     device: torch.device  # where this layer's attention and KV cache live
+    inputs: SparseInputs | None = None  # a sparsified file's input-sparse q/k/v and o (attention_inputs.py)
 
 
 class Llama:
@@ -53,27 +55,33 @@ class Llama:
         if T == 1 and (y := self.cpu_decode(x, ctx)) is not None:  # every layer in one C call
             return self.head(y, ctx, last_only=last_only)
         heads = (c.n_head, c.n_head_kv, c.head_dim)
+        watch = getattr(ctx.observe, "attention", None)  # calibration of input sparsity (sparsify.py)
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
-            attn = decode_attention(  # one C call for a CPU decode token, else the ops below
-                ctx,
-                i,
-                layer.qkv,
-                layer.attn_norm,
-                x,
-                self.rope,
-                layer.device,
-                heads=heads,
-                neox=False,
-                sliding_window=c.sliding_window,
-            )
+            inputs = None if ctx.dense else layer.inputs
+            if watch is not None:
+                watch(i, 0, layer.attn_norm(x))
+            attn = None
+            if inputs is None:  # one C call for a CPU decode token, else the ops below
+                attn = decode_attention(
+                    ctx, i, layer.qkv, layer.attn_norm, x, self.rope, layer.device, heads=heads, neox=False,
+                    sliding_window=c.sliding_window,
+                )  # fmt: skip
             if attn is None:
-                q, k, v = layer.qkv(x, layer.attn_norm)
+                q, k, v = (
+                    inputs.qkv(x, layer.attn_norm, layer.qkv) if inputs else layer.qkv(x, layer.attn_norm)
+                )
                 q = q.view(T, c.n_head, c.head_dim)
                 k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
                 attn = rope_attention_segments(
                     ctx, i, q, k, v, self.rope, layer.device, neox=False, sliding_window=c.sliding_window
                 )
+            if watch is not None:
+                watch(i, 1, attn)
+            if inputs is not None:
+                x = x + inputs.o(attn, layer.wo)
+                x = x + layer.ffn(x, ctx)
+                continue
             fused = getattr(layer.ffn, "decode_tail", None)  # MoE layers have none
             tail = fused(attn, x, layer.wo, ctx) if fused is not None else None  # one C call, CPU decode
             if tail is not None:
@@ -91,11 +99,16 @@ def attention_block(src: TensorSource, i: int) -> dict:
     wq, wk, wv = (
         src.attention(t, i, (n, D)) for t, n in ((names.ATTN_Q, qd), (names.ATTN_K, kvd), (names.ATTN_V, kvd))
     )
+    inputs = None
+    if src.sparse_inputs is not None:
+        assets, sparsity, threads = src.sparse_inputs
+        inputs = sparse_inputs(src, i, assets, sparsity, threads)
     return dict(
         attn_norm=src.norm(names.ATTN_NORM, i, rms=True),
         qkv=LinearGroup([wq, wk, wv], stack_on_gpu=True),  # one matrix for the fused decode kernels
         wo=src.attention(names.ATTN_OUT, i, (D, qd)),
         device=src.layer_device(i),
+        inputs=inputs,
     )
 
 

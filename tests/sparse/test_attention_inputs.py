@@ -1,0 +1,138 @@
+"""sparse/attention_inputs.py: `hotcold sparsify --attention` files. The transposed matrices are the file's own
+(checked with the gguf package), each product keeps exactly the input channels over its threshold (a float64
+oracle from the file), sparsity 0 is dense bit for bit, and the one-call decode token, batches and thread
+counts give the bits of the ops one by one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+
+import hotcold
+from hotcold import names
+from hotcold.sparse.attention_inputs import OUT, QKV
+from tests.sparse.test_thresholded import PROMPT
+
+
+@pytest.fixture(scope="module")
+def attn_files(tiny_swiglu, tmp_path_factory):
+    """The tiny SwiGLU model sparsified at 0.5 with attention inputs: F16 with wina, Q8_0 with cats."""
+    from hotcold.convert.sparsify import sparsify_file
+
+    folder = tmp_path_factory.mktemp("attn_inputs")
+    files = {}
+    for outtype, method in (("f16", "wina"), ("q8_0", "cats")):
+        files[outtype] = folder / f"{outtype}.gguf"
+        sparsify_file(
+            tiny_swiglu.dense[outtype], files[outtype], tiny_swiglu.corpus, sparsity=0.5, max_tokens=1500,
+            method=method, probe="none", attention=True,
+        )  # fmt: skip
+    return files
+
+
+def _floats(path):
+    r = GGUFReader(path)
+
+    def get(name):
+        x = next(t for t in r.tensors if t.name == name)
+        shape = tuple(int(s) for s in reversed(x.shape.tolist()))
+        return torch.from_numpy(np.asarray(dequantize(x.data, x.tensor_type), dtype=np.float64)).reshape(
+            shape
+        )
+
+    return get
+
+
+def test_transposes_are_the_files_matrices(attn_files, tiny_swiglu):
+    get, src = _floats(attn_files["f16"]), _floats(tiny_swiglu.dense["f16"])
+    for i in range(2):
+        qkv = torch.cat([src(f"blk.{i}.attn_{x}.weight") for x in "qkv"])
+        assert torch.equal(get(names.tensor(names.ATTN_QKV_T, i)), qkv.T)  # F16: exact
+        assert torch.equal(get(names.tensor(names.ATTN_OUT_T, i)), src(f"blk.{i}.attn_output.weight").T)
+    get8, src8 = _floats(attn_files["q8_0"]), _floats(tiny_swiglu.dense["q8_0"])
+    qkv8 = torch.cat([src8(f"blk.0.attn_{x}.weight") for x in "qkv"]).T
+    err = (get8(names.tensor(names.ATTN_QKV_T, 0)) - qkv8).abs().max()
+    assert 0 < err <= qkv8.abs().max() / 100  # re-quantized along the new rows: Q8_0's rounding
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("n_tokens", [1, 9, 60])  # one-token axpy, batch axpy, masked GEMM
+def test_products_keep_exactly_the_channels_over_the_threshold(attn_files, outtype, n_tokens):
+    llm = hotcold.load(attn_files[outtype], threads=1)
+    get = _floats(attn_files[outtype])
+    torch.manual_seed(n_tokens)
+    for i, layer in enumerate(llm.loaded.model.layers):
+        inputs = layer.inputs
+        assert inputs is not None and inputs.rows
+        for which in (QKV, OUT):
+            w_t = get(names.tensor(names.ATTN_QKV_T if which == QKV else names.ATTN_OUT_T, i))
+            din = w_t.shape[0]
+            h = torch.randn(n_tokens, din) * 0.5
+            mask = inputs.mask(h, which)
+            score = h.double().abs()
+            if inputs.scales[which] is not None:
+                score = score * inputs.scales[which].double()
+            clear = (score - inputs.thresholds[which]).abs() > 1e-6
+            assert torch.equal(mask[clear], (score > inputs.thresholds[which])[clear])
+            assert 0 < mask.float().mean() < 1
+            want = torch.where(mask, h.double(), 0.0) @ w_t
+            if which == QKV:
+                got = torch.cat(inputs.qkv(h, _identity(), layer.qkv), dim=-1)
+            else:
+                got = inputs.o(h, layer.wo)
+            tol = 1e-4 if outtype == "f16" else 3e-2  # Q8_0: the GEMM path quantizes the activations
+            assert torch.allclose(got.double(), want, atol=tol * float(want.abs().max()), rtol=0), (i, which)
+
+
+class _identity:
+    def __call__(self, x):
+        return x
+
+
+def test_sparsity_zero_is_dense_bit_for_bit(attn_files, tiny_swiglu):
+    dense = hotcold.load(tiny_swiglu.dense["f16"], threads=1)
+    ids = dense.tokenize(PROMPT)
+    llm = hotcold.load(attn_files["f16"], threads=1, sparsity=0)
+    assert torch.equal(llm.logits(ids), dense.logits(ids))
+
+
+def test_attention_inputs_change_the_output_and_follow_the_sparsity(attn_files, tiny_swiglu):
+    ffn_only = hotcold.load(tiny_swiglu.sparse["f16"], threads=1, sparsity=0.5)
+    both = hotcold.load(attn_files["f16"], threads=1, sparsity=0.5)
+    ids = both.tokenize(PROMPT)
+    assert not torch.equal(both.logits(ids), ffn_only.logits(ids))
+    shares = []
+    for s in (0.3, 0.6):
+        layer = hotcold.load(attn_files["f16"], threads=1, sparsity=s).loaded.model.layers[0]
+        h = layer.attn_norm(torch.randn(64, layer.inputs.qkv_t.shape[0]))
+        shares.append(float(layer.inputs.mask(h, QKV).float().mean()))
+    assert shares[0] > shares[1]
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+def test_one_call_decode_batches_and_threads_give_the_ops_bits(attn_files, monkeypatch, outtype):
+    from hotcold.cpu_step import CPUDecoder
+
+    path = attn_files[outtype]
+    prompts = [PROMPT, "The quick brown fox", "Line 12: 84 jumps over"]
+
+    def run(threads=1):
+        llm = hotcold.load(path, threads=threads, sparsity=0.5)
+        alone = [llm.generate(p, max_tokens=8, ignore_eos=True) for p in prompts]
+        return llm, alone, llm.logits(llm.tokenize(PROMPT))
+
+    used = []
+    real = CPUDecoder.__call__
+    monkeypatch.setattr(
+        CPUDecoder, "__call__", lambda self, x, ctx: used.append(got := real(self, x, ctx)) or got
+    )
+    llm, whole, logits = run()
+    assert used and all(u is not None for u in used)  # every decode token in one C call
+    assert llm.generate_batch(prompts, max_tokens=8, ignore_eos=True) == whole
+    assert torch.equal(run(threads=2)[2], logits)
+    monkeypatch.setattr(CPUDecoder, "__call__", lambda self, x, ctx: None)
+    _, ops, ops_logits = run()
+    assert ops == whole and torch.equal(ops_logits, logits)
