@@ -72,6 +72,9 @@ def main(argv=None) -> int:
         "--down-types", default="auto", help="ffn_down_t types to compare (stepwise), e.g. auto,same"
     )
     ap.add_argument("--probes", default="none", help="gate probes to compare, e.g. none,q4_0")
+    ap.add_argument(
+        "--attention", default="off", help="input sparsity of q/k/v and o too (sparsify --attention): off,on"
+    )
     ap.add_argument("-t", "--threads", type=int, default=1)
     args = ap.parse_args(argv)
     work = Path(args.work)
@@ -88,8 +91,14 @@ def main(argv=None) -> int:
         ids = corpus_tokens(first.tokenizer, read_corpus(args.heldout), max_tokens=args.heldout_tokens)
         del first
         for method in args.methods.split(","):
-            for down, probe in [(d, p) for d in args.down_types.split(",") for p in args.probes.split(",")]:
-                out = work / f"sparse.{qtype}.{method}.{down}.{probe}.gguf"
+            variants = [
+                (d, p, a == "on")
+                for d in args.down_types.split(",")
+                for p in args.probes.split(",")
+                for a in args.attention.split(",")
+            ]
+            for down, probe, attention in variants:
+                out = work / f"sparse.{qtype}.{method}.{down}.{probe}{'.attn' if attention else ''}.gguf"
                 t0 = time.perf_counter()
                 cal = sparsify_file(
                     dense,
@@ -101,6 +110,7 @@ def main(argv=None) -> int:
                     threads=args.threads,
                     down=down,
                     probe=probe,
+                    attention=attention,
                 )
                 seconds = time.perf_counter() - t0
                 for s in levels:
@@ -112,6 +122,7 @@ def main(argv=None) -> int:
                         "ffn_down_t": cal["ffn_down_t_type"],
                         "down_choice": down,
                         "gate_probe": probe,
+                        "attention_inputs": attention,
                         "sparsity": s,
                         "perplexity": r["perplexity"],
                         "computed_rate": r.get("firing_rate", 1.0),

@@ -104,6 +104,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--gate-probe", choices=("auto", "none", "q4_0"), default="auto", help="see hotcold sparsify"
     )
+    ap.add_argument(
+        "--attention", action="store_true", help="sparsify --attention: input sparsity of q/k/v and o too"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-gen", type=int, default=32)
@@ -135,7 +138,8 @@ def main(argv=None) -> int:
         if not quantized.exists():
             quantize_file(dense, quantized, args.quant)
         dense = quantized
-    sparse = dense.with_name(dense.stem + f".sparse{args.sparsity:g}.{args.gate_probe}.gguf")
+    attn = ".attn" if args.attention else ""
+    sparse = dense.with_name(dense.stem + f".sparse{args.sparsity:g}.{args.gate_probe}{attn}.gguf")
     corpus = work / "calib.txt"
     corpus.write_text(calibration_text())
     if not sparse.exists():
@@ -149,6 +153,7 @@ def main(argv=None) -> int:
             max_tokens=args.calib_tokens,
             threads=args.threads,
             probe=args.gate_probe,
+            attention=args.attention,
         )
     got = reference_curve(str(sparse))
 
@@ -170,6 +175,7 @@ def main(argv=None) -> int:
         "sparse_file": str(sparse),
         "sparsity": args.sparsity,
         "gate_probe": args.gate_probe,
+        "attention_inputs": args.attention,
         "threads": args.threads,
         "n_gen": args.n_gen,
         "rounds": args.rounds,
@@ -185,6 +191,12 @@ def main(argv=None) -> int:
         "speedup_vs_llama_dense": med["hotcold_sparse"] / med["llama_dense"]
         if "llama_dense" in med
         else None,
+        # each round's columns run back to back: the median of the rounds' own ratios is the steadier figure
+        "round_ratio_medians": {
+            k: statistics.median(a / b for a, b in zip(samples["hotcold_sparse"], v))
+            for k, v in samples.items()
+            if v and k != "hotcold_sparse"
+        },
         "dense_weight_gb": bytes_dense / 1e9,
         "dense_effective_gb_s": med["hotcold_dense"] * bytes_dense / 1e9,
         "copy_gb_s": copy_gbps(args.threads),

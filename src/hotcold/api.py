@@ -209,8 +209,8 @@ def load(
 
     vram_budget: GiB of GPU memory to use (None: all free VRAM minus a margin; 0: CPU only).
     n_gpu_layers: for dense files, offload the last N layers as llama.cpp's -ngl does.
-    sparsity: for a file written by `hotcold sparsify`, the share of FFN neurons skipped per token, in
-    [0, 1) (None: the file's own target; 0: dense).
+    sparsity: for a file written by `hotcold sparsify`, the share of FFN neurons (with --attention: and of
+    the attention products' input channels) skipped per token, in [0, 1) (None: the file's own target; 0: dense).
     kv_sequences: KV caches the program will hold at once (the Model's own, plus one per server slot or
     thread engine), so a VRAM budget charges each of them."""
     start = time.perf_counter()

@@ -94,7 +94,8 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         "--sparsity",
         type=float,
         default=None,
-        help="`hotcold sparsify` files: share of FFN neurons to skip, in [0, 1) (default: the file's; 0: dense)",
+        help="`hotcold sparsify` files: share of FFN neurons (files written with --attention: and of attention "
+        "input channels) to skip, in [0, 1) (default: the file's; 0: dense)",
     )
 
 

@@ -64,15 +64,16 @@ def add_args(p) -> None:
 def weight_bytes(model_file) -> dict[str, int]:
     """Bytes a decode step reads, split by role: FFN matrices (what sparsity saves), predictors, the rest.
     The token embedding is excluded: a step reads one row of it. A `hotcold sparsify` file reads its gate
-    whole (counted as "other") and one of ffn_down / ffn_down_t (counted once)."""
+    whole (counted as "other") and one of ffn_down / ffn_down_t, of q/k/v / attn_qkv_t and of attn_output /
+    attn_output_t (each counted once)."""
     parts = {"ffn": 0, "predictor": 0, "other": 0}
     sparsified = names.SPARSIFY_SPARSITY in model_file.metadata
     for entry in model_file.tensors.values():
         name = entry.name
         if name == names.tensor(names.TOKEN_EMBD) and names.tensor(names.OUTPUT) in model_file.tensors:
             continue
-        if sparsified and names.template_of(name, (names.FFN_DOWN_T,)):
-            continue
+        if sparsified and names.template_of(name, (names.FFN_DOWN_T, names.ATTN_QKV_T, names.ATTN_OUT_T)):
+            continue  # a second copy of matrices counted once
         if sparsified and names.template_of(name, (names.FFN_GATE,)):
             parts["other"] += entry.n_bytes
         elif names.template_of(name, names.FFN_MATRICES):

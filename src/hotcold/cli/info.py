@@ -159,6 +159,11 @@ def _sparsify(mf, c) -> str | None:
         f"{a.method}, target sparsity {a.sparsity:g} (override: --sparsity), thresholds {min(t):.3g}..{max(t):.3g}"
         f" over {c.n_layer} layers, quantiles at {len(a.grid)} levels from {a.tokens} calibration tokens, "
         f"ffn_down_t {down.qtype.name if down else '-'}, keep frequencies {'yes' if a.frequency is not None else 'no'}"
+        + (
+            ", attention inputs too (attn_qkv_t, attn_output_t)"
+            if names.SPARSIFY_ATTN_QUANTILES in mf.tensors
+            else ""
+        )
     )
 
 
