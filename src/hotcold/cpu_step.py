@@ -93,7 +93,7 @@ class _Plan:
                 return None
             attn_w = norm.weight.to(torch.float32).contiguous()
             fields = dict(tail["fields"])
-            for name in ("wo", "fc1", "fc2", "up", "gate", "down", "score"):
+            for name in ("wo", "fc1", "fc2", "up", "gate", "down", "score", "score_in"):
                 w = fields.get(name)
                 fields[name] = ctypes.pointer(w) if w is not None else None
             inputs = None if dense else getattr(layer, "inputs", None)

@@ -134,6 +134,10 @@ ATTN_OUT_T = "blk.{bid}.attn_output_t"  # [H*Dh, D]: attn_output transposed
 SPARSIFY_ATTN_QUANTILES = "hotcold.sparsify.attn_quantiles"  # tensor F32 [L, 2, G]: q/k/v input, o input
 SPARSIFY_ATTN_SCALE_QKV = "hotcold.sparsify.attn_scale_qkv"  # tensor F32 [L, D]: wina channel weights
 SPARSIFY_ATTN_SCALE_O = "hotcold.sparsify.attn_scale_o"  # tensor F32 [L, H*Dh]
+# `hotcold sparsify --gate-probe inputs`: the gate from the FFN input's kept channels (sparse/thresholded.py)
+FFN_GATE_T = "blk.{bid}.ffn_gate_t"  # [D, F]: ffn_gate transposed
+SPARSIFY_GATE_IN_QUANTILES = "hotcold.sparsify.gate_in_quantiles"  # tensor F32 [L, G]
+SPARSIFY_GATE_IN_SCALE = "hotcold.sparsify.gate_in_scale"  # tensor F32 [L, D]: wina channel weights
 MODEL_SIZE = "hotcold.model_size"
 MODEL_MTIME_NS = "hotcold.model_mtime_ns"
 ACTIVATION_SHA256 = "hotcold.activation_sha256"

@@ -19,16 +19,21 @@ from tests.sparse.test_thresholded import PROMPT
 
 @pytest.fixture(scope="module")
 def attn_files(tiny_swiglu, tmp_path_factory):
-    """The tiny SwiGLU model sparsified at 0.5 with attention inputs: F16 with wina, Q8_0 with cats."""
+    """The tiny SwiGLU model sparsified at 0.5 with attention inputs: F16 with wina, Q8_0 with cats; "gate": F16
+    with the gate from the input channels too (--gate-probe inputs)."""
     from hotcold.convert.sparsify import sparsify_file
 
     folder = tmp_path_factory.mktemp("attn_inputs")
     files = {}
-    for outtype, method in (("f16", "wina"), ("q8_0", "cats")):
-        files[outtype] = folder / f"{outtype}.gguf"
+    for name, outtype, method, probe in (
+        ("f16", "f16", "wina", "none"),
+        ("q8_0", "q8_0", "cats", "none"),
+        ("gate", "f16", "wina", "inputs"),
+    ):
+        files[name] = folder / f"{name}.gguf"
         sparsify_file(
-            tiny_swiglu.dense[outtype], files[outtype], tiny_swiglu.corpus, sparsity=0.5, max_tokens=1500,
-            method=method, probe="none", attention=True,
+            tiny_swiglu.dense[outtype], files[name], tiny_swiglu.corpus, sparsity=0.5, max_tokens=1500,
+            method=method, probe=probe, attention=True,
         )  # fmt: skip
     return files
 
@@ -59,7 +64,7 @@ def test_transposes_are_the_files_matrices(attn_files, tiny_swiglu):
 
 
 @pytest.mark.parametrize("outtype", ["f16", "q8_0"])
-@pytest.mark.parametrize("n_tokens", [1, 9, 60])  # one-token axpy, batch axpy, masked GEMM
+@pytest.mark.parametrize("n_tokens", [1, 9, 120])  # one-token axpy, batch axpy, masked GEMM
 def test_products_keep_exactly_the_channels_over_the_threshold(attn_files, outtype, n_tokens):
     llm = hotcold.load(attn_files[outtype], threads=1)
     get = _floats(attn_files[outtype])
@@ -92,11 +97,40 @@ class _identity:
         return x
 
 
-def test_sparsity_zero_is_dense_bit_for_bit(attn_files, tiny_swiglu):
+@pytest.mark.parametrize("name", ["f16", "gate"])
+def test_sparsity_zero_is_dense_bit_for_bit(attn_files, tiny_swiglu, name):
     dense = hotcold.load(tiny_swiglu.dense["f16"], threads=1)
     ids = dense.tokenize(PROMPT)
-    llm = hotcold.load(attn_files["f16"], threads=1, sparsity=0)
+    llm = hotcold.load(attn_files[name], threads=1, sparsity=0)
     assert torch.equal(llm.logits(ids), dense.logits(ids))
+
+
+@pytest.mark.parametrize("n_tokens", [1, 9, 120])  # one-token axpy (the C step), batch axpy, masked GEMM
+def test_gate_from_the_kept_input_channels(attn_files, tiny_swiglu, n_tokens):
+    """--gate-probe inputs: the kept neurons are those whose |silu(gate of the kept channels)| * scale is over
+    the threshold, and their activation is that gate's, against a float64 oracle from the files."""
+    llm = hotcold.load(attn_files["gate"], threads=1)
+    get, src = _floats(attn_files["gate"]), _floats(tiny_swiglu.dense["f16"])
+    torch.manual_seed(n_tokens)
+    for i, layer in enumerate(llm.loaded.model.layers):
+        ffn, g = layer.ffn, layer.ffn.gate_in
+        assert g is not None and ffn.probe is None
+        gate_t = get(names.tensor(names.FFN_GATE_T, i))
+        assert torch.equal(gate_t, src(f"blk.{i}.ffn_gate.weight").T)
+        h = torch.randn(n_tokens, gate_t.shape[0])
+        keep_in = h.double().abs() * g.scale.double() > g.threshold
+        gate = torch.where(keep_in, h.double(), 0.0) @ gate_t
+        act = torch.nn.functional.silu(gate)
+        score = act.abs() * ffn.scale.double()
+        up = h.double() @ src(f"blk.{i}.ffn_up.weight").T
+        seq_ctx = _ctx()
+        out = ffn.apply(h, h, seq_ctx)
+        mask = seq_ctx.recorded
+        clear = (score - ffn.threshold).abs() > 1e-5
+        assert torch.equal(mask[clear], (score > ffn.threshold)[clear]), i
+        assert 0 < mask.float().mean() < 1
+        want = torch.where(mask, act * up, 0.0) @ src(f"blk.{i}.ffn_down.weight").T
+        assert torch.allclose(out.double(), want, atol=1e-3 * float(want.abs().max()), rtol=0), i
 
 
 def test_attention_inputs_change_the_output_and_follow_the_sparsity(attn_files, tiny_swiglu):
@@ -112,7 +146,7 @@ def test_attention_inputs_change_the_output_and_follow_the_sparsity(attn_files, 
     assert shares[0] > shares[1]
 
 
-@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "gate"])
 def test_one_call_decode_batches_and_threads_give_the_ops_bits(attn_files, monkeypatch, outtype):
     from hotcold.cpu_step import CPUDecoder
 
@@ -136,3 +170,12 @@ def test_one_call_decode_batches_and_threads_give_the_ops_bits(attn_files, monke
     monkeypatch.setattr(CPUDecoder, "__call__", lambda self, x, ctx: None)
     _, ops, ops_logits = run()
     assert ops == whole and torch.equal(ops_logits, logits)
+
+
+class _ctx:
+    """The parts of a Batch an FFN step reads: not dense, not observed; records the step's mask."""
+
+    dense, observe, keep_masks, recorded = False, None, False, None
+
+    def count(self, layer, mask, fired):
+        self.recorded = mask

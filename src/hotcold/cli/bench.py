@@ -72,7 +72,9 @@ def weight_bytes(model_file) -> dict[str, int]:
         name = entry.name
         if name == names.tensor(names.TOKEN_EMBD) and names.tensor(names.OUTPUT) in model_file.tensors:
             continue
-        if sparsified and names.template_of(name, (names.FFN_DOWN_T, names.ATTN_QKV_T, names.ATTN_OUT_T)):
+        if sparsified and names.template_of(
+            name, (names.FFN_DOWN_T, names.FFN_GATE_T, names.ATTN_QKV_T, names.ATTN_OUT_T)
+        ):
             continue  # a second copy of matrices counted once
         if sparsified and names.template_of(name, (names.FFN_GATE,)):
             parts["other"] += entry.n_bytes

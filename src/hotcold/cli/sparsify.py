@@ -32,10 +32,12 @@ def add_args(p) -> None:
     )
     p.add_argument(
         "--gate-probe",
-        choices=("auto", "none", "q4_0"),
+        choices=("auto", "none", "q4_0", "inputs"),
         default="auto",
         help="q4_0: score neurons with a Q4_0 copy of the gate (read whole) and gather the exact gate of the "
-        "kept rows only: fewer bytes per token; auto (default): q4_0 for F32/F16/BF16 gates",
+        "kept rows only: fewer bytes per token; inputs: the gate from each token's input channels over a "
+        "threshold (TEAL), its product the score and the activation: fewer bytes still, a little less "
+        "accurate; auto (default): q4_0 for F32/F16/BF16 gates",
     )
     p.add_argument(
         "--attention",

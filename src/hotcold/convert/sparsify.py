@@ -41,67 +41,29 @@ from tqdm import tqdm
 from hotcold import names, quants
 from hotcold.atomic import check_output
 from hotcold.config import ModelConfig, config_from_file
-from hotcold.convert import encode
-from hotcold.gguf_io import ModelFile, TensorSpec, as_torch, metadata_items, write_model_file
+from hotcold.convert.sparsify_inputs import (
+    GRID,
+    InputCalibration,
+    InputTables,
+    ScoreHistograms,
+    input_specs,
+    transposed,
+)
+from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
 from hotcold.kernels import cpu
 from hotcold.ops import linear
-from hotcold.sparse.attention_inputs import attention_scales
 from hotcold.sparse.thresholded import METHODS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_TOKENS = 16384  # calibration tokens (evenly spread pieces of the corpus)
-GRID = tuple(round(i / 100, 2) for i in range(101))  # quantile levels 0, 0.01, .., 1
-LOG_LO, LOG_HI, BINS = -12.0, 4.0, 16384  # layer histograms over log10(score)
-NEURON_BINS = 256  # per-neuron histograms: 1/16 decade each
 DOWN_TYPES = ("auto", "same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
-PROBES = ("auto", "none", "q4_0")  # the gate probe: a Q4_0 copy of the gate the score is computed from
+# the gate probe: a Q4_0 copy of the gate the score is computed from; "inputs": the gate itself from each
+# token's input channels over a threshold (convert/sparsify_inputs.py), its product the score and activation
+PROBES = ("auto", "none", "q4_0", "inputs")
 # "auto": a probe where it saves bytes at sparsity 0.5: 0.56 bytes a weight for the probe + (1 - s) of the
 # gate's own bytes against all of them; a Q8_0 gate (1.06 bytes) breaks even only from s = 0.53
 PROBED_GATES = (Q.F32, Q.F16, Q.BF16)
-
-
-class ScoreHistograms:
-    """Per-layer fine and per-neuron coarse histograms of log10(score); scores <= 1e-12 in the first bin."""
-
-    def __init__(self, n_layer: int, n_ff: int):
-        """n_ff 0: the layer histograms only."""
-        self.n_ff = n_ff
-        self.layer = torch.zeros(n_layer, BINS, dtype=torch.int64)
-        self.neuron = torch.zeros(n_layer, n_ff * NEURON_BINS, dtype=torch.int32)
-        self.tokens = [0] * n_layer
-        self._offsets = torch.arange(n_ff) * NEURON_BINS
-
-    def add(self, layer: int, score: torch.Tensor) -> None:
-        """score [T, F] >= 0."""
-        pos = (score.float().clamp_min(10.0**LOG_LO).log10() - LOG_LO) * (BINS / (LOG_HI - LOG_LO))
-        b = pos.long().clamp_(0, BINS - 1)
-        self.layer[layer] += torch.bincount(b.flatten(), minlength=BINS)
-        self.tokens[layer] += score.shape[0]
-        if not self.n_ff:
-            return
-        coarse = b // (BINS // NEURON_BINS) + self._offsets  # [T, F]
-        self.neuron[layer] += torch.bincount(coarse.flatten(), minlength=self.n_ff * NEURON_BINS).int()
-
-    def quantile(self, layer: int, q: float) -> float:
-        """The score below which a share q of the layer's scores lie (log-linear inside a bin)."""
-        hist = self.layer[layer].double()
-        cdf = hist.cumsum(0)
-        target = q * float(cdf[-1])
-        j = int(torch.searchsorted(cdf, torch.tensor(target, dtype=torch.float64)))
-        j = min(j, BINS - 1)
-        below = float(cdf[j - 1]) if j else 0.0
-        frac = 0.0 if hist[j] == 0 else min(max((target - below) / float(hist[j]), 0.0), 1.0)
-        return 10.0 ** (LOG_LO + (j + frac) * (LOG_HI - LOG_LO) / BINS)
-
-    def kept_frequency(self, layer: int, threshold: float) -> torch.Tensor:
-        """[F]: share of the layer's tokens whose score exceeds threshold, per neuron (coarse bins)."""
-        width = (LOG_HI - LOG_LO) / NEURON_BINS
-        pos = (np.log10(max(threshold, 10.0**LOG_LO)) - LOG_LO) / width
-        k = min(int(pos), NEURON_BINS - 1)
-        h = self.neuron[layer].view(self.n_ff, NEURON_BINS).double()
-        kept = h[:, k + 1 :].sum(1) + (1.0 - (pos - k)) * h[:, k]
-        return (kept / max(1, self.tokens[layer])).float()
 
 
 @dataclass
@@ -114,8 +76,7 @@ class Calibration:
     scale: torch.Tensor | None  # [L, F] (wina)
     tokens: int
     measured: list[float]  # [L]: share of calibration scores <= the threshold (the sparsity reached)
-    attn_quantiles: torch.Tensor | None = None  # [L, 2, G]: q/k/v input, o input (--attention)
-    attn_scales: tuple[torch.Tensor, torch.Tensor] | None = None  # wina: [L, D], [L, H*Dh]
+    inputs: InputTables | None = None  # --attention, --gate-probe inputs (sparsify_inputs.py)
 
 
 def check_swiglu(mf: ModelFile, config: ModelConfig) -> None:
@@ -168,12 +129,13 @@ def calibrate(
     ctx: int | None = None,
     probes: Sequence | None = None,
     attention: bool = False,
+    gate_inputs: bool = False,
     progress: bool = False,
 ) -> Calibration:
     """Thresholds for `sparsity` from the dense model's scores on `ids` (corpus tokens without BOS), run in
     windows of ctx tokens (BOS first). `llm` is a hotcold Model loaded dense; probes: per layer the gate
-    copy the score is computed from at run time (None: the gate); attention: also the quantiles of the
-    attention products' input scores (attention_inputs.py)."""
+    copy the score is computed from at run time (None: the gate); attention, gate_inputs: also the
+    quantiles of those products' input scores (sparsify_inputs.py)."""
     from hotcold.placement.profile import run_windows, token_windows, window_ctx
 
     if method not in METHODS:
@@ -185,22 +147,18 @@ def calibrate(
     scale = torch.stack([neuron_scale(mf, i, c) for i in range(c.n_layer)]) if method == "wina" else None
     hist = ScoreHistograms(c.n_layer, c.n_ff)
 
+    inputs = None
+    if attention or gate_inputs:
+        inputs = InputCalibration(mf, c, attention=attention, gate=gate_inputs, wina=method == "wina")
+
     def observe(layer: int, h: torch.Tensor, _p: torch.Tensor, _a: torch.Tensor) -> None:
         score = F.silu(linear(h, gates[layer])).abs()  # [T, F]
         hist.add(layer, score if scale is None else score * scale[layer])
-
-    inputs = [ScoreHistograms(c.n_layer, 0) for _ in range(2)] if attention else None
-    in_scales = None
-    if attention and method == "wina":
-        pairs = [attention_scales(mf, i, c) for i in range(c.n_layer)]
-        in_scales = (torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs]))
-
-    def observe_attention(layer: int, which: int, h: torch.Tensor) -> None:
-        score = h.float().abs()
-        inputs[which].add(layer, score if in_scales is None else score * in_scales[which][layer])
+        if inputs is not None:
+            inputs.ffn_input(layer, h)
 
     if attention:
-        observe.attention = observe_attention  # the llama family's forward calls it (models/llama.py)
+        observe.attention = inputs.attention  # the llama family's forward calls it (models/llama.py)
 
     ctx = window_ctx(ctx, c.n_ctx_train)
     if ctx > llm.ctx_size:
@@ -216,20 +174,10 @@ def calibrate(
     for i, t in enumerate(thresholds):
         log.info("layer %d: threshold %.4g for sparsity %.2f", i, t, sparsity)
         measured.append(1.0 - float(frequency[i].mean()))
-    attn_quantiles = None
-    if attention:
-        if not inputs[0].tokens[0]:
-            raise ValueError(
-                f"{mf.path}: --attention needs a llama-family file (no attention inputs were seen)"
-            )
-        attn_quantiles = torch.tensor(
-            [[[h.quantile(i, q) for q in GRID] for h in inputs] for i in range(c.n_layer)],
-            dtype=torch.float32,
-        )
+    tables = None if inputs is None else inputs.tables()
     return Calibration(
-        method, sparsity, thresholds, quantiles, frequency, scale, hist.tokens[0], measured, attn_quantiles,
-        in_scales,
-    )  # fmt: skip
+        method, sparsity, thresholds, quantiles, frequency, scale, hist.tokens[0], measured, tables
+    )
 
 
 def down_type(source: Q, choice: str, n_embd: int) -> Q:
@@ -245,52 +193,7 @@ def down_type(source: Q, choice: str, n_embd: int) -> Q:
 
 
 def _down_t(mf: ModelFile, layer: int, config: ModelConfig, qtype: Q) -> np.ndarray:
-    return _transposed(mf, [(names.tensor(names.FFN_DOWN, layer), (config.n_embd, config.n_ff))], qtype)
-
-
-def _transposed(mf: ModelFile, parts: list[tuple[str, tuple[int, int]]], qtype: Q) -> np.ndarray:
-    """The named matrices [F_j, D] stacked, transposed to [D, sum F_j], in qtype: float types exactly, block
-    types re-quantized along the new rows."""
-    values = [as_torch(mf.entry(name, shape), mf.path) for name, shape in parts]
-    if all(isinstance(v, torch.Tensor) for v in values) and {mf.entry(n).qtype for n, _ in parts} == {qtype}:
-        stacked = torch.cat(values).t().contiguous()  # float: an exact transpose
-        return stacked.numpy() if qtype != Q.BF16 else encode(stacked.float(), qtype)
-    floats = [cpu.dequantize_rows(v) if isinstance(v, quants.QuantTensor) else v.float() for v in values]
-    return encode(torch.cat(floats).t().contiguous(), qtype)
-
-
-def attention_specs(mf: ModelFile, config: ModelConfig, cal: Calibration) -> list[TensorSpec]:
-    """attn_qkv_t, attn_output_t per layer (in wq's / wo's type, F16 where a block does not divide the row)
-    and the input-score tables, for a calibration with attention inputs."""
-    c = config
-    d, dq, dkv = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    specs = []
-    for i in range(c.n_layer):
-        qkv = [
-            (names.tensor(t, i), (n, d))
-            for t, n in ((names.ATTN_Q, dq), (names.ATTN_K, dkv), (names.ATTN_V, dkv))
-        ]
-        o = [(names.tensor(names.ATTN_OUT, i), (d, dq))]
-        for template, parts, shape in (
-            (names.ATTN_QKV_T, qkv, (d, dq + 2 * dkv)),
-            (names.ATTN_OUT_T, o, (dq, d)),
-        ):
-            qtype = down_type(mf.entry(parts[0][0]).qtype, "same", shape[1])
-            specs.append(
-                TensorSpec(
-                    names.tensor(template, i), shape, qtype, lambda p=parts, q=qtype: _transposed(mf, p, q)
-                )
-            )
-    tables = [(names.SPARSIFY_ATTN_QUANTILES, cal.attn_quantiles)]
-    if cal.attn_scales is not None:
-        tables += [
-            (names.SPARSIFY_ATTN_SCALE_QKV, cal.attn_scales[0]),
-            (names.SPARSIFY_ATTN_SCALE_O, cal.attn_scales[1]),
-        ]
-    for name, t in tables:
-        t = t.float().contiguous()
-        specs.append(TensorSpec(name, tuple(t.shape), Q.F32, lambda t=t: t.numpy()))
-    return specs
+    return transposed(mf, [(names.tensor(names.FFN_DOWN, layer), (config.n_embd, config.n_ff))], qtype)
 
 
 def gate_probe(mf: ModelFile, layer: int, config: ModelConfig) -> quants.QuantTensor:
@@ -341,8 +244,8 @@ def write_sparsified(
         t = t.float().contiguous()
         return TensorSpec(name, tuple(t.shape), Q.F32, lambda t=t: t.numpy())
 
-    if cal.attn_quantiles is not None:
-        specs += attention_specs(mf, c, cal)
+    if cal.inputs is not None:
+        specs += input_specs(mf, c, cal.inputs)
     specs.append(table(names.SPARSIFY_QUANTILES, cal.quantiles))
     specs.append(table(names.SPARSIFY_FREQUENCY, cal.frequency))
     if cal.scale is not None:
@@ -381,7 +284,8 @@ def sparsify_file(
     """Calibrate `src` on `corpus` for `sparsity` and write `dst`; what was done, as a dict.
     probe "q4_0": also write a Q4_0 copy of every gate, the score's source at run time; "auto": so for
     16/32-bit gates (PROBED_GATES; benchmarks/RESULTS.md: +0.01-0.03 points of perplexity, 12% less FFN
-    time on a 1B-shaped F16 layer). attention: also the input sparsity of q/k/v and o (attention_inputs.py)."""
+    time on a 1B-shaped F16 layer); "inputs": the gate from each token's input channels over a threshold,
+    no probe and no exact gate (sparsify_inputs.py). attention: also the input sparsity of q/k/v and o."""
     import hotcold
     from hotcold.placement.profile import corpus_tokens, read_corpus
     from hotcold.registry import require
@@ -406,9 +310,9 @@ def sparsify_file(
     if probe == "auto":
         gate_type = mf.entry(names.tensor(names.FFN_GATE, 0)).qtype
         probe = "q4_0" if gate_type in PROBED_GATES and c.n_embd % 32 == 0 else "none"
-    if probe != "none" and c.n_embd % 32:
+    if probe == "q4_0" and c.n_embd % 32:
         raise ValueError(f"{src}: a Q4_0 gate probe needs n_embd divisible by 32, got {c.n_embd}")
-    probes = [gate_probe(mf, i, c) for i in range(c.n_layer)] if probe != "none" else None
+    probes = [gate_probe(mf, i, c) for i in range(c.n_layer)] if probe == "q4_0" else None
     cal = calibrate(
         llm,
         ids,
@@ -417,6 +321,7 @@ def sparsify_file(
         ctx=ctx,
         probes=probes,
         attention=attention,
+        gate_inputs=probe == "inputs",
         progress=progress,
     )
     del llm

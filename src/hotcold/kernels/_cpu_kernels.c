@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 22
+#define HC_ABI_VERSION 23
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -3268,16 +3268,27 @@ int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const 
  * interpreter between them. Built from the kernels above, so its results equal theirs bit for bit.
  * ---------------------------------------------------------------------------------------------- */
 
+/* The input rule of an input-sparse score (sparsify --gate-probe inputs): channel i of a token's FFN input
+ * is kept iff |h_i| (times scale[i] if scale) > thr. */
+typedef struct {
+    const float *scale;
+    float thr;
+} hc_in_rule;
+
 /* With norm_w the FFN input is h = hc_rms_norm(x), else x. s [T, F] = h @ score.T over every row (the
- * gate probe, or the gate itself when gate is NULL: weight_matvec, as the matmul of few tokens); neuron i
+ * gate probe, or the gate itself when gate is NULL: weight_matvec, as the matmul of few tokens; with
+ * score_in, score is gate_t [D, F] and s the gate of the kept input channels: hc_input_sparse_matvec); neuron i
  * of token t is kept (mask[t, i] = 1) iff |silu(s)| (times scale[i] if scale) > thr, all in float32 as
  * torch computes it. On the kept rows only: the exact gate (gate not NULL; else silu(s) is the activation)
  * and up (row gathers in one parallel pass, x quantized once for both), a = silu(gate) * up, 0 elsewhere,
  * and out [T, D] = the axpy of a over down_t. Returns the number of kept (token, neuron) pairs, or -1 if
  * memory ran out. */
-int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr, const hc_weight *up,
-                           const hc_weight *gate, const hc_weight *down_t, int64_t T, const float *x,
-                           const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {
+int hc_input_sparse_matvec(const hc_weight *w_t, const float *scale, float thr, const float *x, int64_t T,
+                           uint8_t *mask, float *out, int nth);
+
+int64_t hc_thresholded_ffn(const hc_weight *score, const hc_in_rule *score_in, const float *scale, float thr,
+                           const hc_weight *up, const hc_weight *gate, const hc_weight *down_t, int64_t T,
+                           const float *x, const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {
     const int64_t F = up->rows, D = up->cols;
     const int pth = T * F < (1 << 16) ? 1 : nth; /* a prompt chunk's passes over [T, F] on the step's threads */
     (void)pth; /* unused without OpenMP */
@@ -3289,7 +3300,14 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr
         hc_rms_norm(x, norm_w, eps, T, D, xn);
         x = xn;
     }
-    int rc = weight_matvec(score, x, T, act, nth);
+    int rc;
+    if (score_in) { /* the gate over each token's kept input channels: score is gate_t [D, F] */
+        uint8_t *in_mask = (uint8_t *)malloc((size_t)(T * D));
+        rc = in_mask ? hc_input_sparse_matvec(score, score_in->scale, score_in->thr, x, T, in_mask, act, nth) : -1;
+        free(in_mask);
+    } else {
+        rc = weight_matvec(score, x, T, act, nth);
+    }
     int64_t kept = 0;
     if (rc == 0) {
 #ifdef _OPENMP
@@ -3336,13 +3354,14 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const float *scale, float thr
 /* hc_decode_tail with the thresholded FFN: y1 = x + attn @ wo.T, y2 = y1 + hc_thresholded_ffn(y1, the RMS
  * norm folded). Returns its kept count, or -1 if memory ran out. */
 int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float *x, const hc_weight *score,
-                            const float *scale, float thr, const hc_weight *up, const hc_weight *gate,
-                            const hc_weight *down_t, int64_t T, const float *norm_w, float eps, uint8_t *mask,
-                            float *y1, float *y2, int nth) {
+                            const hc_in_rule *score_in, const float *scale, float thr, const hc_weight *up,
+                            const hc_weight *gate, const hc_weight *down_t, int64_t T, const float *norm_w,
+                            float eps, uint8_t *mask, float *y1, float *y2, int nth) {
     const int64_t D = wo->rows;
     float *o = o_residual(wo, attn, x, T, y1, nth);
     if (!o) return -1;
-    const int64_t kept = hc_thresholded_ffn(score, scale, thr, up, gate, down_t, T, y1, norm_w, eps, mask, o, nth);
+    const int64_t kept =
+        hc_thresholded_ffn(score, score_in, scale, thr, up, gate, down_t, T, y1, norm_w, eps, mask, o, nth);
     if (kept >= 0)
         for (int64_t j = 0; j < T * D; j++) y2[j] = y1[j] + o[j];
     free(o);
@@ -3411,6 +3430,7 @@ typedef struct {
     const hc_weight *qkv_t, *wo_t;
     const float *qkv_scale, *wo_scale;
     float qkv_thr, wo_thr;
+    const hc_in_rule *score_in; /* thresholded tail: an input-sparse score (score is gate_t), or NULL */
 } hc_layer;
 
 /* q/k/v of an input-sparse layer (hc_layer.qkv_t) for one token, then attention as hc_decode_head. */
@@ -3431,8 +3451,8 @@ static int64_t input_sparse_tail(const hc_layer *a, const float *attn, const flo
     int64_t kept = o && hc_input_sparse_matvec(a->wo_t, a->wo_scale, a->wo_thr, attn, 1, smask, o, nth) == 0 ? 0 : -1;
     if (kept == 0) {
         for (int64_t j = 0; j < D; j++) y1[j] = x[j] + o[j];
-        kept = hc_thresholded_ffn(a->score, a->scale, a->thr, a->up, a->gate, a->down, 1, y1, a->ffn_norm,
-                                  a->ffn_eps, mask, o, nth);
+        kept = hc_thresholded_ffn(a->score, a->score_in, a->scale, a->thr, a->up, a->gate, a->down, 1, y1,
+                                  a->ffn_norm, a->ffn_eps, mask, o, nth);
         if (kept >= 0)
             for (int64_t j = 0; j < D; j++) y2[j] = y1[j] + o[j];
     }
@@ -3473,8 +3493,8 @@ int hc_decode_layers(int n, const hc_layer *L, float *x, int64_t D, int64_t pos,
             fired[l] = input_sparse_tail(a, attn, x, D, smask, mask, y1, y2, nth);
             rc = fired[l] < 0 ? -1 : 0;
         } else if (a->sparse == 2) {
-            fired[l] = hc_thresholded_tail(a->wo, attn, x, a->score, a->scale, a->thr, a->up, a->gate, a->down, 1,
-                                           a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
+            fired[l] = hc_thresholded_tail(a->wo, attn, x, a->score, a->score_in, a->scale, a->thr, a->up, a->gate,
+                                           a->down, 1, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
             rc = fired[l] < 0 ? -1 : 0;
         } else if (a->sparse) {
             fired[l] = hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias,

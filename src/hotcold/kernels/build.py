@@ -33,14 +33,14 @@ from gguf import GGMLQuantizationType
 
 from hotcold.quants import QuantTensor, row_bytes
 
-__all__ = ["ABI_VERSION", "WT", "HCWeight", "get_lib", "backend", "simd"]
+__all__ = ["ABI_VERSION", "WT", "HCInRule", "HCWeight", "get_lib", "backend", "simd"]
 
 log = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-ABI_VERSION = 22  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
+ABI_VERSION = 23  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -67,6 +67,13 @@ class HCWeight(ctypes.Structure):
         ("cols", ctypes.c_int64),
         ("packed", ctypes.c_void_p),
     ]
+
+
+class HCInRule(ctypes.Structure):
+    """hc_in_rule in _cpu_kernels.c: an input-sparse score's rule (channel i kept iff |h_i| (* scale[i]) >
+    thr)."""
+
+    _fields_ = [("scale", ctypes.c_void_p), ("thr", ctypes.c_float)]
 
 
 class HCLayer(ctypes.Structure):
@@ -112,6 +119,7 @@ class HCLayer(ctypes.Structure):
         ("wo_scale", ctypes.c_void_p),
         ("qkv_thr", ctypes.c_float),
         ("wo_thr", ctypes.c_float),
+        ("score_in", ctypes.POINTER(HCInRule)),
     ]
 
 
@@ -177,6 +185,7 @@ def _bind(lib: ctypes.CDLL) -> None:
     """The C signatures (keep in step with _cpu_kernels.c and ABI_VERSION)."""
     i64, p, c_int, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
     w = ctypes.POINTER(HCWeight)
+    rule = ctypes.POINTER(HCInRule)
     kern = [c_int, p, i64, i64, i64, p, i64, p, p, c_int]
     signatures = {
         "hc_gather_matvec": (kern, c_int),
@@ -185,8 +194,8 @@ def _bind(lib: ctypes.CDLL) -> None:
         "hc_simd": ([], ctypes.c_char_p),
         "hc_sparse_ffn": ([w, w, f32, p, w, w, w, p, c_int, i64, p, p, f32, p, p, c_int], i64),
         "hc_decode_tail": ([w, p, p, w, w, f32, w, w, w, p, c_int, i64, p, f32, p, p, p, c_int], i64),
-        "hc_thresholded_ffn": ([w, p, f32, w, w, w, i64, p, p, f32, p, p, c_int], i64),
-        "hc_thresholded_tail": ([w, p, p, w, p, f32, w, w, w, i64, p, f32, p, p, p, c_int], i64),
+        "hc_thresholded_ffn": ([w, rule, p, f32, w, w, w, i64, p, p, f32, p, p, c_int], i64),
+        "hc_thresholded_tail": ([w, p, p, w, rule, p, f32, w, w, w, i64, p, f32, p, p, p, c_int], i64),
         "hc_decode_head": (
             [
                 c_int,

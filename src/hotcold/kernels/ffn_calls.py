@@ -293,13 +293,25 @@ class ThresholdedPlan(_LayerTail):
         *,
         threshold: float,
         scale: torch.Tensor | None = None,
+        score_in: tuple[torch.Tensor | None, float] | None = None,
     ):
+        """score_in: (channel weights [D] or None, threshold): score is then gate_t [D, F], multiplied by
+        each token's input channels over the threshold only (sparsify --gate-probe inputs)."""
         self.weights = (score, up, gate, down_t)  # kept alive: the structs point into them
         self.score, self.up, self.gate, self.down_t = (hc_weight(w) for w in self.weights)
         self.f, self.d = self.up.rows, self.up.cols
         for name, w in (("score", self.score), ("gate", self.gate), ("down_t", self.down_t)):
-            if w is not None and (w.rows, w.cols) != (self.f, self.d):
-                raise ValueError(f"{name} has shape {(w.rows, w.cols)}, expected {(self.f, self.d)}")
+            want = (self.d, self.f) if name == "score" and score_in is not None else (self.f, self.d)
+            if w is not None and (w.rows, w.cols) != want:
+                raise ValueError(f"{name} has shape {(w.rows, w.cols)}, expected {want}")
+        self.score_in = None
+        if score_in is not None:
+            in_scale = None if score_in[0] is None else score_in[0].to(torch.float32).contiguous()
+            if in_scale is not None and in_scale.shape != (self.d,):
+                raise ValueError(f"input scale has shape {tuple(in_scale.shape)}, expected [{self.d}]")
+            self._in_scale = in_scale  # kept alive: the rule points into it
+            self.score_in = build.HCInRule(ptr(in_scale), float(score_in[1]))
+        self._score_in_ref = None if self.score_in is None else ctypes.byref(self.score_in)
         self.scale = None if scale is None else scale.to(torch.float32).contiguous()
         if self.scale is not None and self.scale.shape != (self.f,):
             raise ValueError(f"scale has shape {tuple(self.scale.shape)}, expected [{self.f}]")
@@ -322,7 +334,7 @@ class ThresholdedPlan(_LayerTail):
         out = torch.empty(t, self.d, dtype=torch.float32)
         score, up, gate, down_t = self._args
         kept = lib.hc_thresholded_ffn(
-            score, ptr(self.scale), self.threshold, up, gate, down_t, t, h2.data_ptr(), ptr(norm_w), eps,
+            score, self._score_in_ref, ptr(self.scale), self.threshold, up, gate, down_t, t, h2.data_ptr(), ptr(norm_w), eps,
             mask.data_ptr(), out.data_ptr(), nthreads(threads),
         )  # fmt: skip
         if kept < 0:
@@ -333,4 +345,4 @@ class ThresholdedPlan(_LayerTail):
 
     def _tail_ffn_args(self) -> tuple:
         score, up, gate, down_t = self._args
-        return score, ptr(self.scale), self.threshold, up, gate, down_t
+        return score, self._score_in_ref, ptr(self.scale), self.threshold, up, gate, down_t

@@ -66,6 +66,7 @@ class SparsifyAssets:
     frequency: torch.Tensor | None
     scale: torch.Tensor | None
     tokens: int
+    gate_in: tuple[torch.Tensor, torch.Tensor | None] | None = None  # --gate-probe inputs: [L, G], [L, D]
 
     def threshold(self, layer: int, sparsity: float) -> float:
         """Layer's threshold for `sparsity`: the stored one at the file's target, else from the table."""
@@ -109,7 +110,39 @@ class SparsifyAssets:
         )
         scale = table(names.SPARSIFY_SCALE, (n_layer, n_ff)) if method == "wina" else None
         tokens = int(meta.get(names.SPARSIFY_TOKENS, 0))
-        return cls(method, sparsity, thresholds, grid, quantiles, freq, scale, tokens)
+        gate_in = None
+        if names.SPARSIFY_GATE_IN_QUANTILES in mf.tensors:
+            table_in = table(names.SPARSIFY_GATE_IN_QUANTILES, (n_layer, len(grid)))
+            scale_in = None
+            if method == "wina":
+                d = mf.entry(names.SPARSIFY_GATE_IN_SCALE).shape[-1]
+                scale_in = table(names.SPARSIFY_GATE_IN_SCALE, (n_layer, d))
+            gate_in = (table_in, scale_in)
+        return cls(method, sparsity, thresholds, grid, quantiles, freq, scale, tokens, gate_in)
+
+
+@dataclass(frozen=True)
+class GateInputs:
+    """The gate from each token's FFN input channels over a threshold only (sparsify --gate-probe inputs,
+    TEAL's rule on the gate's input, WINA-weighted by scale [D]): gate_t [D, F] is the gate transposed, its
+    product both the neurons' score and their activation (no exact gate is read)."""
+
+    gate_t: Weight
+    scale: torch.Tensor | None
+    threshold: float
+
+    def gate(self, h: torch.Tensor, gate: Weight, *, rows: bool, threads: int | None) -> torch.Tensor:
+        """[T, F]: the axpy over gate_t of the kept channels (rows: the C kernels, few tokens), else the masked
+        input through the gate (GEMM)."""
+        score = h.abs()
+        if self.scale is not None:
+            score = score * self.scale.to(h.device)
+        mask = score > self.threshold  # float32, as the C kernels compare
+        if rows:
+            return cpu.sparse_axpy(self.gate_t, h.to(CPU).contiguous(), mask.to(CPU), threads=threads).to(
+                h.device
+            )
+        return linear(torch.where(mask, h, 0.0), gate)
 
 
 class ThresholdedFFN(FFN):
@@ -135,13 +168,14 @@ class ThresholdedFFN(FFN):
         down: Weight | None = None,
         scale: torch.Tensor | None = None,
         probe: Weight | None = None,
+        gate_in: GateInputs | None = None,
         threads: int | None = None,
     ):
         if weights.gate is None or weights.down_t is None or weights.kind != "gated":
             raise ValueError("a thresholded FFN needs gate, up and ffn_down_t of a gated (SwiGLU) FFN")
         self.weights, self.threshold, self.norm = weights, float(threshold), norm
         self.layer, self.expert, self.down, self.scale, self.threads = layer, None, down, scale, threads
-        self.probe = probe
+        self.probe, self.gate_in = probe, gate_in
         devices = {_device(m).type for m in (weights.gate, weights.up, weights.down_t)}
         self.gathers = devices == {"cpu"} and cpu.backend() == "c"  # the row kernels, else dense-masked
         self.plan = self._c_plan()
@@ -150,6 +184,8 @@ class ThresholdedFFN(FFN):
         """The C step's plan where its weights can run in C (the row kernels on the CPU), else None."""
         w = self.weights
         score = self.probe if self.probe is not None else w.gate
+        if self.gate_in is not None:
+            score = self.gate_in.gate_t
         if (
             not self.gathers
             or not uses_c_kernels(score)
@@ -157,9 +193,10 @@ class ThresholdedFFN(FFN):
         ):
             return None
         try:
+            g = self.gate_in
             return ffn_calls.ThresholdedPlan(
                 score, w.up, w.gate if self.probe is not None else None, w.down_t,
-                threshold=self.threshold, scale=self.scale,
+                threshold=self.threshold, scale=self.scale, score_in=None if g is None else (g.scale, g.threshold),
             )  # fmt: skip
         except ValueError:
             return None
@@ -193,7 +230,11 @@ class ThresholdedFFN(FFN):
             self._record(ctx, p, mask, kept)
             return out
         probe = self.probe is not None
-        act = silu(linear(h, self.probe if probe else w.gate))  # [T, F]: every row
+        if self.gate_in is not None:  # the gate of the kept input channels: score and activation
+            rows = self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS
+            act = silu(self.gate_in.gate(h, w.gate, rows=rows, threads=self.threads))
+        else:
+            act = silu(linear(h, self.probe if probe else w.gate))  # [T, F]: every row
         score = act.abs() if self.scale is None else act.abs() * self.scale.to(act.device)
         mask = score > self.threshold  # [T, F] bool, per token (compared in float32, as the C step)
         if self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS:
@@ -236,7 +277,7 @@ class ThresholdedFFN(FFN):
             return None
         return self._c_tail_fields(
             wo, plan.d, plan, score=plan.score, scale=cpu.ptr(plan.scale), thr=plan.threshold, up=plan.up,
-            gate=plan.gate, down=plan.down_t, sparse=2,
+            gate=plan.gate, down=plan.down_t, sparse=2, score_in=plan.score_in,
         )  # fmt: skip
 
     def _dense_down(self) -> tuple[Weight, bool]:
@@ -265,10 +306,17 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
             c = src.config
             down = place(src.raw(names.FFN_DOWN, layer, (c.n_embd, c.n_ff)), device)
         scale = None if assets.scale is None else assets.scale[layer]
-        probe = None
+        probe = gate_in = None
+        c = src.config
         if src.has(names.FFN_GATE_PROBE, layer):
-            c = src.config
             probe = cpu.pack(place(src.raw(names.FFN_GATE_PROBE, layer, (c.n_ff, c.n_embd)), device))
+        if assets.gate_in is not None and src.has(names.FFN_GATE_T, layer):
+            table, in_scale = assets.gate_in
+            gate_in = GateInputs(
+                place(src.raw(names.FFN_GATE_T, layer, (c.n_embd, c.n_ff)), device),
+                None if in_scale is None else in_scale[layer],
+                threshold_at(assets.grid, table[layer], sparsity),
+            )
         return ThresholdedFFN(
             weights if probe is not None else replace(weights, gate=cpu.pack(weights.gate)),
             assets.threshold(layer, sparsity),
@@ -277,6 +325,7 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
             down=down,
             scale=scale,
             probe=probe,
+            gate_in=gate_in,
             threads=threads,
         )
 
