@@ -102,7 +102,10 @@ def main(argv=None) -> int:
         "--quant", default=None, help="hotcold quantize the dense synthetic first (q4_0, q8_0, ...)"
     )
     ap.add_argument(
-        "--gate-probe", choices=("auto", "none", "q4_0"), default="auto", help="see hotcold sparsify"
+        "--gate-probe",
+        choices=("auto", "none", "q4_0", "inputs"),
+        default="auto",
+        help="see hotcold sparsify",
     )
     ap.add_argument(
         "--attention", action="store_true", help="sparsify --attention: input sparsity of q/k/v and o too"

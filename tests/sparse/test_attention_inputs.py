@@ -32,7 +32,7 @@ def attn_files(tiny_swiglu, tmp_path_factory):
     ):
         files[name] = folder / f"{name}.gguf"
         sparsify_file(
-            tiny_swiglu.dense[outtype], files[name], tiny_swiglu.corpus, sparsity=0.5, max_tokens=1500,
+            tiny_swiglu.dense[outtype], files[name], tiny_swiglu.corpus, sparsity=0.5, max_tokens=tiny_swiglu.tokens,
             method=method, probe=probe, attention=True,
         )  # fmt: skip
     return files
@@ -61,6 +61,43 @@ def test_transposes_are_the_files_matrices(attn_files, tiny_swiglu):
     qkv8 = torch.cat([src8(f"blk.0.attn_{x}.weight") for x in "qkv"]).T
     err = (get8(names.tensor(names.ATTN_QKV_T, 0)) - qkv8).abs().max()
     assert 0 < err <= qkv8.abs().max() / 100  # re-quantized along the new rows: Q8_0's rounding
+
+
+def test_input_thresholds_are_the_quantiles_transformers_finds(attn_files, tiny_swiglu):
+    """The 0.5-quantiles of |input| x the column norms (wina) of q/k/v's, o's and the gate's inputs in the fp32
+    transformers model on the calibration windows, against the file's tables (F16 weights: within 1%)."""
+    from tests.convert.test_sparsify import _calibration_windows
+
+    llm = hotcold.load(tiny_swiglu.dense["f16"], threads=1)
+    windows = _calibration_windows(llm, tiny_swiglu)
+    hf = tiny_swiglu.hf
+    seen = {}
+    hooks = []
+    for j, layer in enumerate(hf.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        qkv_norms = (
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).pow(2).sum(0).sqrt()
+        )
+        for key, mod, norms in (
+            ((j, 0), attn.q_proj, qkv_norms),
+            ((j, 1), attn.o_proj, attn.o_proj.weight.pow(2).sum(0).sqrt()),
+            ((j, 2), mlp.gate_proj, mlp.gate_proj.weight.pow(2).sum(0).sqrt()),
+        ):
+            hook = mod.register_forward_pre_hook(
+                lambda m, a, key=key, n=norms: seen.setdefault(key, []).append((a[0].abs() * n).flatten())
+            )
+            hooks.append(hook)
+    with torch.no_grad():
+        for w in windows:
+            hf(input_ids=torch.tensor([w]))
+    for h in hooks:
+        h.remove()
+    layers = hotcold.load(attn_files["gate"], threads=1).loaded.model.layers
+    for j, layer in enumerate(layers):
+        got = (*layer.inputs.thresholds, layer.ffn.gate_in.threshold)
+        for which in range(3):
+            want = float(torch.cat(seen[(j, which)]).double().quantile(0.5))
+            assert abs(got[which] - want) < 0.01 * want, (j, which, got[which], want)
 
 
 @pytest.mark.parametrize("outtype", ["f16", "q8_0"])

@@ -164,6 +164,7 @@ def _sparsify(mf, c) -> str | None:
             if names.SPARSIFY_ATTN_QUANTILES in mf.tensors
             else ""
         )
+        + (", the gate from its input channels (ffn_gate_t)" if a.gate_in is not None else "")
     )
 
 
