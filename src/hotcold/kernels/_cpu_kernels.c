@@ -44,6 +44,7 @@
 #ifndef HC_AG
 #define HC_AG 4 /* rows accumulated together in a one-token axpy (8 measured slower) */
 #endif
+#define HC_WANT_MAX 128 /* masked gathers of up to this many tokens list a row's tokens in one mask scan */
 #ifndef HC_PF_L1_BYTES
 /* Rows ahead are prefetched into L1 while the next group (HC_G or HC_AG rows) is at most this many
  * bytes, else into L2, where the group being read and the next one do not evict each other (measured:
@@ -1752,9 +1753,22 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
         int64_t ts[TOKMAX];
         float res[TOKMAX];
         int cnt = 0;
+        /* The tokens that want the row, listed in the one scan of its mask column (bytes F apart) that the
+         * tile's choice needs, for the passes below (the same tokens in the same order as a second scan:
+         * 0.84-0.88x the time of a 52-token gate / up gather); nwant -1: not listed, the loop scans. */
+        int64_t wanted[HC_WANT_MAX];
+        int64_t nwant = -1;
         if (hot_tile) {
             int64_t want = 0;
-            for (int64_t t = 0; t < T; t++) want += A->mask[t * F + i] != 0;
+            if (T <= HC_WANT_MAX) {
+                for (int64_t t = 0; t < T; t++) {
+                    wanted[want] = t;
+                    want += A->mask[t * F + i] != 0;
+                }
+                nwant = want;
+            } else {
+                for (int64_t t = 0; t < T; t++) want += A->mask[t * F + i] != 0;
+            }
             if (want >= hot_min) {
                 hot_i[nhot] = i;
                 if (++nhot == TILE_R) {
@@ -1764,8 +1778,10 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
                 continue;
             }
         }
-        for (int64_t t = 0; t < T; t++) {
-            if (A->mask && !A->mask[t * F + i]) continue;
+        const int64_t nt = nwant >= 0 ? nwant : T;
+        for (int64_t u = 0; u < nt; u++) {
+            const int64_t t = nwant >= 0 ? wanted[u] : u;
+            if (nwant < 0 && A->mask && !A->mask[t * F + i]) continue;
             ts[cnt++] = t;
             if (cnt == per) {
                 if (per == QNT) row_dot_tokens(wt, QNT, row, A, ts, res, pf);
