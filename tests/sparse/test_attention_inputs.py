@@ -122,9 +122,9 @@ def test_products_keep_exactly_the_channels_over_the_threshold(attn_files, outty
             assert 0 < mask.float().mean() < 1
             want = torch.where(mask, h.double(), 0.0) @ w_t
             if which == QKV:
-                got = torch.cat(inputs.qkv(h, _identity(), layer.qkv), dim=-1)
+                got = torch.cat(inputs.qkv(h, _identity(), layer.qkv, None), dim=-1)
             else:
-                got = inputs.o(h, layer.wo)
+                got = inputs.o(h, layer.wo, None)
             tol = 1e-4 if outtype == "f16" else 3e-2  # Q8_0: the GEMM path quantizes the activations
             assert torch.allclose(got.double(), want, atol=tol * float(want.abs().max()), rtol=0), (i, which)
 
@@ -216,3 +216,61 @@ class _ctx:
 
     def count(self, layer, mask, fired):
         self.recorded = mask
+
+
+@pytest.mark.parametrize("name", ["gate", "ffn"])
+def test_prompt_chunks_beside_decode_rows_give_each_alone(attn_files, tiny_swiglu, monkeypatch, name):
+    """A prompt chunk of PROMPT_DENSE_ROWS rows or more runs the dense products, the decode rows of the same
+    forward the row kernels: every generation's tokens equal its own run alone (the rule follows the chunk)."""
+    from hotcold import batching
+    from hotcold.engine import Engine
+    from hotcold.generation import Generation
+    from hotcold.sparse import thresholded
+
+    path = attn_files["gate"] if name == "gate" else tiny_swiglu.sparse["f16"]
+    llm = hotcold.load(path, threads=2, sparsity=0.5)
+    model = llm.loaded.model
+    prompts = ["In the beginning God", "The quick brown fox jumps over", "Line 12: 84 jumps over 3"]
+    ids = [llm.tokenize(p) for p in prompts]
+    assert all(len(i) >= thresholded.PROMPT_DENSE_ROWS for i in ids)
+    gens = [Generation(Engine(model, llm.tokenizer, 256), p, max_tokens=10, ignore_eos=True) for p in ids]
+    shapes, forward = [], model.forward
+    monkeypatch.setattr(
+        model, "forward", lambda t, ctx, **k: shapes.append(list(ctx.lengths)) or forward(t, ctx, **k)
+    )
+    texts = [""] * len(gens)
+    for step in range(40):
+        live = gens[: 1 + step // 2]  # the later prompts arrive while the first ones decode
+        if all(g.done for g in gens):
+            break
+        batching.step(model, live)
+        for i, g in enumerate(gens):
+            texts[i] += "".join(c.text for c in g.drain())
+    assert any(1 in s and max(s) >= thresholded.PROMPT_DENSE_ROWS for s in shapes)  # a mixed forward ran
+    monkeypatch.setattr(model, "forward", forward)
+    assert texts == [llm.generate(p, max_tokens=10, ignore_eos=True) for p in prompts]
+
+
+@pytest.mark.parametrize("name", ["gate", "ffn"])
+def test_mixed_forward_rows_have_their_own_bits(attn_files, tiny_swiglu, name):
+    """One forward of a decode row (sequence A) and a 6-row prompt chunk (sequence B): each row's logits equal
+    bit for bit those of its own forward alone, so neither rule depends on the other rows."""
+    import torch
+
+    from hotcold.state import Batch
+
+    path = attn_files["gate"] if name == "gate" else tiny_swiglu.sparse["f16"]
+    model = hotcold.load(path, threads=2, sparsity=0.5).loaded.model
+    prompt_a, chunk_b = [1, 45, 99, 7, 12, 300], [1, 8, 250, 31, 77, 5]
+
+    def prefilled():
+        seq = model.new_sequence(64)
+        model.forward(torch.tensor(prompt_a), Batch.single(seq, 0, len(prompt_a)))
+        return seq
+
+    a_alone, a_mixed = prefilled(), prefilled()
+    want_a = model.forward(torch.tensor([42]), Batch.single(a_alone, len(prompt_a), 1))
+    want_b = model.forward(torch.tensor(chunk_b), Batch.single(model.new_sequence(64), 0, len(chunk_b)))
+    mixed = Batch([a_mixed, model.new_sequence(64)], [len(prompt_a), 0], [1, len(chunk_b)])
+    got = model.forward(torch.tensor([42, *chunk_b]), mixed)
+    assert torch.equal(got[:1], want_a) and torch.equal(got[1:], want_b)

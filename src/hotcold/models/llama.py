@@ -69,7 +69,9 @@ class Llama:
                 )  # fmt: skip
             if attn is None:
                 q, k, v = (
-                    inputs.qkv(x, layer.attn_norm, layer.qkv) if inputs else layer.qkv(x, layer.attn_norm)
+                    inputs.qkv(x, layer.attn_norm, layer.qkv, ctx)
+                    if inputs
+                    else layer.qkv(x, layer.attn_norm)
                 )
                 q = q.view(T, c.n_head, c.head_dim)
                 k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
@@ -79,7 +81,7 @@ class Llama:
             if watch is not None:
                 watch(i, 1, attn)
             if inputs is not None:
-                x = x + inputs.o(attn, layer.wo)
+                x = x + inputs.o(attn, layer.wo, ctx)
                 x = x + layer.ffn(x, ctx)
                 continue
             fused = getattr(layer.ffn, "decode_tail", None)  # MoE layers have none

@@ -29,6 +29,7 @@ from hotcold.kernels import cpu
 from hotcold.kernels.build import hc_weight
 from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
 from hotcold.quants import QuantTensor
+from hotcold.sparse.thresholded import prompt_rows
 
 CPU = torch.device("cpu")
 QKV, OUT = 0, 1  # the two inputs of a layer's attention: q/k/v's, o's
@@ -114,20 +115,30 @@ class SparseInputs:
             score = score * scale.to(h.device)
         return score > self.thresholds[which]
 
-    def _product(self, h: torch.Tensor, which: int, weights: list[Weight]) -> torch.Tensor:
+    def _product(self, h: torch.Tensor, which: int, weights: list[Weight], ctx) -> torch.Tensor:
+        """The axpy over the kept channels for a few CPU rows, except prompt chunks' rows (prompt_rows), which
+        take the masked input through the layer's own matrices, as many rows do."""
         mask = self.mask(h, which)
-        if self.rows and h.device.type == "cpu" and h.shape[0] < cpu.GEMM_MIN_TOKENS:
-            w_t = self.qkv_t if which == QKV else self.o_t
-            return cpu.sparse_axpy(w_t, h.contiguous(), mask, threads=self.threads)
         kept = torch.where(mask, h, 0.0)
-        return torch.cat([linear(kept, w) for w in weights], dim=-1)
+        if not (self.rows and h.device.type == "cpu" and h.shape[0] < cpu.GEMM_MIN_TOKENS):
+            return torch.cat([linear(kept, w) for w in weights], dim=-1)
+        w_t = self.qkv_t if which == QKV else self.o_t
+        chunk = prompt_rows(ctx, h.shape[0])
+        if chunk is None:
+            return cpu.sparse_axpy(w_t, h.contiguous(), mask, threads=self.threads)
+        out = h.new_empty(h.shape[0], sum(self.splits) if which == QKV else w_t.shape[1])
+        out[chunk] = torch.cat([linear(kept[chunk].contiguous(), w) for w in weights], dim=-1)
+        if bool((~chunk).any()):
+            rest = ~chunk
+            out[rest] = cpu.sparse_axpy(w_t, h[rest].contiguous(), mask[rest], threads=self.threads)
+        return out
 
-    def qkv(self, x: torch.Tensor, norm: Norm, group: LinearGroup) -> list[torch.Tensor]:
-        out = self._product(norm(x), QKV, group.weights)
+    def qkv(self, x: torch.Tensor, norm: Norm, group: LinearGroup, ctx) -> list[torch.Tensor]:
+        out = self._product(norm(x), QKV, group.weights, ctx)
         return list(out.split(self.splits, dim=-1))
 
-    def o(self, attn: torch.Tensor, wo: Weight) -> torch.Tensor:
-        return self._product(attn, OUT, [wo])
+    def o(self, attn: torch.Tensor, wo: Weight, ctx) -> torch.Tensor:
+        return self._product(attn, OUT, [wo], ctx)
 
     def c_fields(self) -> dict | None:
         """HCLayer's input-sparse fields (and what they point into), or None where the axpy cannot run."""

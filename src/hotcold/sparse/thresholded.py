@@ -121,6 +121,30 @@ class SparsifyAssets:
         return cls(method, sparsity, thresholds, grid, quantiles, freq, scale, tokens, gate_in)
 
 
+PROMPT_DENSE_ROWS = (
+    4  # a prompt chunk of this many rows or more: the masked dense path (benchmarks/RESULTS.md)
+)
+
+
+def prompt_rows(ctx, t: int) -> torch.Tensor | None:
+    """bool [t]: the rows of a forward of fewer than GEMM_MIN_TOKENS rows that belong to prompt chunks of at
+    least PROMPT_DENSE_ROWS rows (segments that long), or None where there are none. Such a chunk's products
+    run through the dense kernels (the masked input or activations; every row's bits its own below
+    GEMM_MIN_TOKENS) instead of the row kernels: from 4 rows that is faster on a sparsified file, where about
+    half of each token's rows are kept and so nearly every row by some token. The rule depends on the chunk
+    alone (the batch scheduler never splits one), so a row's bits still do not depend on its batch."""
+    bounds = getattr(ctx, "bounds", None)
+    if bounds is None or not 0 < t < cpu.GEMM_MIN_TOKENS:
+        return None
+    chunks = [(a, b) for a, b in bounds if b - a >= PROMPT_DENSE_ROWS]
+    if not chunks:
+        return None
+    sel = torch.zeros(t, dtype=torch.bool)
+    for a, b in chunks:
+        sel[a:b] = True
+    return sel
+
+
 @dataclass(frozen=True)
 class GateInputs:
     """The gate from each token's FFN input channels over a threshold only (sparsify --gate-probe inputs,
@@ -211,11 +235,24 @@ class ThresholdedFFN(FFN):
 
     def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
         plan = self._plan_for(x, ctx)
-        if plan is None or self.norm is None or not self.norm.folds_into_c(x):
+        if (
+            plan is None
+            or self.norm is None
+            or not self.norm.folds_into_c(x)
+            or self._prompt_rows(x, ctx) is not None
+        ):
             return super().__call__(x, ctx)
         out, mask, kept = plan(x, norm=self.norm.c_args, threads=self.threads)
         self._record(ctx, x, mask, kept)
         return out
+
+    def _prompt_rows(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor | None:
+        """The rows of prompt chunks that take the masked dense path (prompt_rows), where the row kernels run.
+        Not with a gate probe: the exact gate stays in the row layout for its gathers, and the dense products
+        of row-layout matrices lost to the row kernels (a 52-token prompt 94 against 103 t/s, 1B F16)."""
+        if not self.gathers or self.probe is not None or x.device.type != "cpu" or x.dim() != 2:
+            return None
+        return prompt_rows(ctx, x.shape[0])
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         w = self.weights
@@ -225,19 +262,35 @@ class ThresholdedFFN(FFN):
                 ctx.observe(self.layer, h, p, a)
             ctx.count_all(self.layer, a)
             return self._down_dense(a, h.device)
-        if (plan := self._plan_for(h, ctx)) is not None:
-            out, mask, kept = plan(h, threads=self.threads)
-            self._record(ctx, p, mask, kept)
-            return out
+        chunk = self._prompt_rows(h, ctx)
+        if chunk is None:
+            out, mask, kept = self._step(h, rows=self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS, ctx=ctx)
+        else:  # prompt chunks' rows through the dense products, the others (decode rows) through the row kernels
+            out = h.new_empty(h.shape[0], h.shape[1])
+            mask = torch.zeros(h.shape[0], self.n_ff, dtype=torch.bool)
+            kept = None
+            for sel, rows in ((chunk, False), (~chunk, True)):
+                if bool(sel.any()):
+                    out[sel], mask[sel], _ = self._step(h[sel].contiguous(), rows=rows, ctx=ctx)
+        self._record(ctx, p, mask, kept)
+        return out
+
+    def _step(
+        self, h: torch.Tensor, *, rows: bool, ctx: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """(out, mask, kept count or None) of h's rows: the row kernels (rows; the C step where it applies),
+        else the masked input and activations through the dense products."""
+        w = self.weights
+        if rows and (plan := self._plan_for(h, ctx)) is not None:
+            return plan(h, threads=self.threads)
         probe = self.probe is not None
         if self.gate_in is not None:  # the gate of the kept input channels: score and activation
-            rows = self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS
             act = silu(self.gate_in.gate(h, w.gate, rows=rows, threads=self.threads))
         else:
             act = silu(linear(h, self.probe if probe else w.gate))  # [T, F]: every row
         score = act.abs() if self.scale is None else act.abs() * self.scale.to(act.device)
         mask = score > self.threshold  # [T, F] bool, per token (compared in float32, as the C step)
-        if self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS:
+        if rows:
             hc, mc = h.to(CPU), mask.to(CPU)
             if probe:  # the exact gate of the kept rows
                 act = silu(cpu.gather_matvec(w.gate, hc, mc, threads=self.threads))
@@ -249,8 +302,7 @@ class ThresholdedFFN(FFN):
                 act = silu(linear(h, w.gate))
             a = torch.where(mask, act * linear(h, w.up), 0.0)
             out = self._down_dense(a, h.device)
-        self._record(ctx, p, mask, None)
-        return out
+        return out, mask, None
 
     def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
         """x + o + ffn(x + o) with o = linear(attn, wo), for a few CPU rows, in one C call (the same bits as
@@ -259,6 +311,8 @@ class ThresholdedFFN(FFN):
             return self._dense_tail(attn, x, wo, ctx)
         plan = self._plan_for(x, ctx)
         if plan is None or not self._tail_ready(wo) or not self.norm.folds_into_c(x):
+            return None
+        if self._prompt_rows(x, ctx) is not None:
             return None
         y1, y2, mask, kept = plan.tail(wo, attn, x, norm=self.norm.c_args, threads=self.threads)
         self._record(ctx, y1, mask, kept)
