@@ -49,3 +49,21 @@ def test_bad_arguments(tiny_swiglu, tmp_path, capsys):
     assert "--sparsity must be a number in (0, 1)" in capsys.readouterr().err
     assert main(["sparsify", "-m", dense, "-f", corpus, "-o", dense]) == 1
     assert "overwritten" in capsys.readouterr().err
+
+
+def test_sparsify_input_rules_then_run(tiny_swiglu, tmp_path, capsys):
+    out = tmp_path / "inputs.gguf"
+    argv = ["sparsify", "-m", str(tiny_swiglu.dense["f16"]), "-f", str(tiny_swiglu.corpus), "-o", str(out)]
+    assert (
+        main([*argv, "--attention", "--gate-probe", "inputs", "--max-tokens", "600", "-t", "1", "--json"])
+        == 0
+    )
+    result = json.loads(capsys.readouterr().out)
+    assert result["attention_inputs"] is True and result["gate_probe"] == "inputs"
+    assert (
+        main(["generate", "-m", str(out), "-p", "Line 3", "-n", "4", "--temp", "0", "--sparsity", "0.3"]) == 0
+    )
+    assert "skipping 30% of FFN neurons and of attention inputs" in capsys.readouterr().err
+    assert main(["info", "-m", str(out), "--json"]) == 0
+    line = json.loads(capsys.readouterr().out)["sparsify"]
+    assert "attention inputs too" in line and "the gate from its input channels" in line

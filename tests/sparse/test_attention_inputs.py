@@ -274,3 +274,19 @@ def test_mixed_forward_rows_have_their_own_bits(attn_files, tiny_swiglu, name):
     mixed = Batch([a_mixed, model.new_sequence(64)], [len(prompt_a), 0], [1, len(chunk_b)])
     got = model.forward(torch.tensor([42, *chunk_b]), mixed)
     assert torch.equal(got[:1], want_a) and torch.equal(got[1:], want_b)
+
+
+@pytest.mark.parametrize("dropped", ["blk.1.attn_qkv_t.weight", names.SPARSIFY_ATTN_SCALE_O])
+def test_a_damaged_file_is_refused_naming_what_is_missing(attn_files, tmp_path, dropped):
+    from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, metadata_items, write_model_file
+
+    mf = ModelFile(attn_files["f16"])
+    specs = [
+        TensorSpec(e.name, e.shape, e.qtype, lambda e=e: e.data)
+        for e in mf.tensors.values()
+        if e.name != dropped
+    ]
+    bad = tmp_path / "damaged.gguf"
+    write_model_file(bad, mf.architecture, metadata_items(mf), specs, sparse=False)
+    with pytest.raises(GGUFError, match=dropped.replace(".", r"\.")):
+        hotcold.load(bad, threads=1)
