@@ -121,9 +121,8 @@ class SparsifyAssets:
         return cls(method, sparsity, thresholds, grid, quantiles, freq, scale, tokens, gate_in)
 
 
-PROMPT_DENSE_ROWS = (
-    4  # a prompt chunk of this many rows or more: the masked dense path (benchmarks/RESULTS.md)
-)
+# a prompt chunk of this many rows or more takes the masked dense path (benchmarks/RESULTS.md)
+PROMPT_DENSE_ROWS = 4
 
 
 def prompt_rows(ctx, t: int) -> torch.Tensor | None:
