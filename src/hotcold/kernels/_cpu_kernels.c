@@ -3284,6 +3284,21 @@ int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const 
  * interpreter between them. Built from the kernels above, so its results equal theirs bit for bit.
  * ---------------------------------------------------------------------------------------------- */
 
+/* Input sparsity of one product (TEAL; WINA with scale): out [T, Fo] = x' @ W.T where x' is x with each
+ * token's input channels i kept iff |x[t, i]| (times scale[i] if scale) > thr, all in float32 as torch
+ * computes it, the others 0: the axpy over w_t [Din, Fo] (row i = input channel i's output direction) of
+ * the kept channels. mask [T, Din] receives them. Returns 0, or -1 if memory ran out. */
+int hc_input_sparse_matvec(const hc_weight *w_t, const float *scale, float thr, const float *x, int64_t T,
+                           uint8_t *mask, float *out, int nth) {
+    const int64_t Din = w_t->rows;
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < Din; i++) {
+            const float a = fabsf(x[t * Din + i]);
+            mask[t * Din + i] = (scale ? a * scale[i] : a) > thr; /* NaN: not kept */
+        }
+    return hc_sparse_axpy(w_t->wt, w_t->data, w_t->stride, Din, w_t->cols, x, T, mask, out, nth);
+}
+
 /* The input rule of an input-sparse score (sparsify --gate-probe inputs): channel i of a token's FFN input
  * is kept iff |h_i| (times scale[i] if scale) > thr. */
 typedef struct {
@@ -3299,9 +3314,6 @@ typedef struct {
  * and up (row gathers in one parallel pass, x quantized once for both), a = silu(gate) * up, 0 elsewhere,
  * and out [T, D] = the axpy of a over down_t. Returns the number of kept (token, neuron) pairs, or -1 if
  * memory ran out. */
-int hc_input_sparse_matvec(const hc_weight *w_t, const float *scale, float thr, const float *x, int64_t T,
-                           uint8_t *mask, float *out, int nth);
-
 int64_t hc_thresholded_ffn(const hc_weight *score, const hc_in_rule *score_in, const float *scale, float thr,
                            const hc_weight *up, const hc_weight *gate, const hc_weight *down_t, int64_t T,
                            const float *x, const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {
@@ -3367,15 +3379,13 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const hc_in_rule *score_in, c
     return rc == 0 ? kept : -1;
 }
 
-/* hc_decode_tail with the thresholded FFN: y1 = x + attn @ wo.T, y2 = y1 + hc_thresholded_ffn(y1, the RMS
- * norm folded). Returns its kept count, or -1 if memory ran out. */
-int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float *x, const hc_weight *score,
-                            const hc_in_rule *score_in, const float *scale, float thr, const hc_weight *up,
-                            const hc_weight *gate, const hc_weight *down_t, int64_t T, const float *norm_w,
-                            float eps, uint8_t *mask, float *y1, float *y2, int nth) {
-    const int64_t D = wo->rows;
-    float *o = o_residual(wo, attn, x, T, y1, nth);
-    if (!o) return -1;
+/* The rest of a thresholded tail once y1 = x + o is made: y2 = y1 + hc_thresholded_ffn(y1, the RMS norm
+ * folded), its output in o's buffer, which it frees. Returns the kept count, or -1 if memory ran out. */
+static int64_t thresholded_after_o(float *o, const hc_weight *score, const hc_in_rule *score_in, const float *scale,
+                                   float thr, const hc_weight *up, const hc_weight *gate, const hc_weight *down_t,
+                                   int64_t T, const float *norm_w, float eps, uint8_t *mask, const float *y1,
+                                   float *y2, int nth) {
+    const int64_t D = up->cols;
     const int64_t kept =
         hc_thresholded_ffn(score, score_in, scale, thr, up, gate, down_t, T, y1, norm_w, eps, mask, o, nth);
     if (kept >= 0)
@@ -3384,19 +3394,16 @@ int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float 
     return kept;
 }
 
-/* Input sparsity of one product (TEAL; WINA with scale): out [T, Fo] = x' @ W.T where x' is x with each
- * token's input channels i kept iff |x[t, i]| (times scale[i] if scale) > thr, all in float32 as torch
- * computes it, the others 0: the axpy over w_t [Din, Fo] (row i = input channel i's output direction) of
- * the kept channels. mask [T, Din] receives them. Returns 0, or -1 if memory ran out. */
-int hc_input_sparse_matvec(const hc_weight *w_t, const float *scale, float thr, const float *x, int64_t T,
-                           uint8_t *mask, float *out, int nth) {
-    const int64_t Din = w_t->rows;
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < Din; i++) {
-            const float a = fabsf(x[t * Din + i]);
-            mask[t * Din + i] = (scale ? a * scale[i] : a) > thr; /* NaN: not kept */
-        }
-    return hc_sparse_axpy(w_t->wt, w_t->data, w_t->stride, Din, w_t->cols, x, T, mask, out, nth);
+/* hc_decode_tail with the thresholded FFN: y1 = x + attn @ wo.T, y2 = y1 + hc_thresholded_ffn(y1, the RMS
+ * norm folded). Returns its kept count, or -1 if memory ran out. */
+int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float *x, const hc_weight *score,
+                            const hc_in_rule *score_in, const float *scale, float thr, const hc_weight *up,
+                            const hc_weight *gate, const hc_weight *down_t, int64_t T, const float *norm_w,
+                            float eps, uint8_t *mask, float *y1, float *y2, int nth) {
+    float *o = o_residual(wo, attn, x, T, y1, nth);
+    return o ? thresholded_after_o(o, score, score_in, scale, thr, up, gate, down_t, T, norm_w, eps, mask, y1, y2,
+                                   nth)
+             : -1;
 }
 
 /* The attention half of a decode layer for one token of one sequence: q, k, v = the group's matvecs of
@@ -3464,16 +3471,13 @@ static int input_sparse_head(const hc_layer *a, int64_t D, const float *x, int64
 static int64_t input_sparse_tail(const hc_layer *a, const float *attn, const float *x, int64_t D, uint8_t *smask,
                                  uint8_t *mask, float *y1, float *y2, int nth) {
     float *o = (float *)malloc(sizeof(float) * (size_t)D);
-    int64_t kept = o && hc_input_sparse_matvec(a->wo_t, a->wo_scale, a->wo_thr, attn, 1, smask, o, nth) == 0 ? 0 : -1;
-    if (kept == 0) {
-        for (int64_t j = 0; j < D; j++) y1[j] = x[j] + o[j];
-        kept = hc_thresholded_ffn(a->score, a->score_in, a->scale, a->thr, a->up, a->gate, a->down, 1, y1,
-                                  a->ffn_norm, a->ffn_eps, mask, o, nth);
-        if (kept >= 0)
-            for (int64_t j = 0; j < D; j++) y2[j] = y1[j] + o[j];
+    if (!o || hc_input_sparse_matvec(a->wo_t, a->wo_scale, a->wo_thr, attn, 1, smask, o, nth) != 0) {
+        free(o);
+        return -1;
     }
-    free(o);
-    return kept;
+    for (int64_t j = 0; j < D; j++) y1[j] = x[j] + o[j];
+    return thresholded_after_o(o, a->score, a->score_in, a->scale, a->thr, a->up, a->gate, a->down, 1, a->ffn_norm,
+                               a->ffn_eps, mask, y1, y2, nth);
 }
 
 /* A whole decode token of one sequence through n layers: x [D] (the embedding in, the last layer's

@@ -29,7 +29,7 @@ from hotcold.kernels import cpu
 from hotcold.kernels.build import hc_weight
 from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
 from hotcold.quants import QuantTensor
-from hotcold.sparse.thresholded import prompt_rows
+from hotcold.sparse.thresholded import prompt_rows, threshold_at
 
 CPU = torch.device("cpu")
 QKV, OUT = 0, 1  # the two inputs of a layer's attention: q/k/v's, o's
@@ -64,8 +64,6 @@ class InputAssets:
     scale_o: torch.Tensor | None
 
     def threshold(self, layer: int, which: int, sparsity: float) -> float:
-        from hotcold.sparse.thresholded import threshold_at
-
         return threshold_at(self.grid, self.quantiles[layer, which], sparsity)
 
     @classmethod
@@ -119,15 +117,18 @@ class SparseInputs:
         """The axpy over the kept channels for a few CPU rows, except prompt chunks' rows (prompt_rows), which
         take the masked input through the layer's own matrices, as many rows do."""
         mask = self.mask(h, which)
-        kept = torch.where(mask, h, 0.0)
+
+        def dense(rows: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+            return torch.cat([linear(torch.where(kept, rows, 0.0), w) for w in weights], dim=-1)
+
         if not (self.rows and h.device.type == "cpu" and h.shape[0] < cpu.GEMM_MIN_TOKENS):
-            return torch.cat([linear(kept, w) for w in weights], dim=-1)
+            return dense(h, mask)
         w_t = self.qkv_t if which == QKV else self.o_t
         chunk = prompt_rows(ctx, h.shape[0])
-        if chunk is None:
+        if chunk is None:  # the decode path: the kept channels' axpy alone
             return cpu.sparse_axpy(w_t, h.contiguous(), mask, threads=self.threads)
-        out = h.new_empty(h.shape[0], sum(self.splits) if which == QKV else w_t.shape[1])
-        out[chunk] = torch.cat([linear(kept[chunk].contiguous(), w) for w in weights], dim=-1)
+        out = h.new_empty(h.shape[0], w_t.shape[1])
+        out[chunk] = dense(h[chunk].contiguous(), mask[chunk])
         if bool((~chunk).any()):
             rest = ~chunk
             out[rest] = cpu.sparse_axpy(w_t, h[rest].contiguous(), mask[rest], threads=self.threads)
