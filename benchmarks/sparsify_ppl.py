@@ -67,9 +67,18 @@ def main(argv=None) -> int:
     ap.add_argument("--heldout-tokens", type=int, default=16384)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--stepwise", action="store_true", help="also the decode-kernel protocol")
-    ap.add_argument("--piece", type=int, default=16, help="tokens per forward in the stepwise protocol")
     ap.add_argument(
-        "--down-types", default="auto", help="ffn_down_t types to compare (stepwise), e.g. auto,same"
+        "--piece",
+        type=int,
+        default=3,
+        help="tokens per forward in the stepwise protocol (under thresholded.PROMPT_DENSE_ROWS = 4, so the row kernels)",
+    )
+    ap.add_argument(
+        "--transpose-types",
+        "--down-types",
+        dest="transpose_types",
+        default="auto",
+        help="types of the transposed copies to compare (sparsify --transpose-type), e.g. same,q8_0",
     )
     ap.add_argument("--probes", default="none", help="gate probes to compare, e.g. none,q4_0")
     ap.add_argument(
@@ -93,7 +102,7 @@ def main(argv=None) -> int:
         for method in args.methods.split(","):
             variants = [
                 (d, p, a == "on")
-                for d in args.down_types.split(",")
+                for d in args.transpose_types.split(",")
                 for p in args.probes.split(",")
                 for a in args.attention.split(",")
             ]
@@ -108,7 +117,7 @@ def main(argv=None) -> int:
                     method=method,
                     max_tokens=args.calib_tokens,
                     threads=args.threads,
-                    down=down,
+                    transposes=down,
                     probe=probe,
                     attention=attention,
                 )

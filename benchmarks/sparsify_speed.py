@@ -110,6 +110,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--attention", action="store_true", help="sparsify --attention: input sparsity of q/k/v and o too"
     )
+    ap.add_argument(
+        "--transpose-type",
+        default="auto",
+        help="sparsify --transpose-type; a comma list adds a column per further type (the first is the headline)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-gen", type=int, default=32)
@@ -142,27 +147,36 @@ def main(argv=None) -> int:
             quantize_file(dense, quantized, args.quant)
         dense = quantized
     attn = ".attn" if args.attention else ""
-    sparse = dense.with_name(dense.stem + f".sparse{args.sparsity:g}.{args.gate_probe}{attn}.gguf")
     corpus = work / "calib.txt"
     corpus.write_text(calibration_text())
-    if not sparse.exists():
-        from hotcold.convert.sparsify import sparsify_file
+    transposes = args.transpose_type.split(",")
+    files = {}
+    for t in transposes:
+        files[t] = dense.with_name(dense.stem + f".sparse{args.sparsity:g}.{args.gate_probe}{attn}.{t}.gguf")
+        if not files[t].exists():
+            from hotcold.convert.sparsify import sparsify_file
 
-        sparsify_file(
-            dense,
-            sparse,
-            corpus,
-            sparsity=args.sparsity,
-            max_tokens=args.calib_tokens,
-            threads=args.threads,
-            probe=args.gate_probe,
-            attention=args.attention,
-        )
+            sparsify_file(
+                dense,
+                files[t],
+                corpus,
+                sparsity=args.sparsity,
+                max_tokens=args.calib_tokens,
+                threads=args.threads,
+                probe=args.gate_probe,
+                attention=args.attention,
+                transposes=t,
+            )
+    sparse = files[transposes[0]]
     got = reference_curve(str(sparse))
+    extra = {f"hotcold_sparse_transposes_{t}": files[t] for t in transposes[1:]}
 
-    samples = {"hotcold_sparse": [], "hotcold_dense": [], "hotcold_dense_input": [], "llama_dense": []}
+    samples = {"hotcold_sparse": [], **{k: [] for k in extra}}
+    samples.update({"hotcold_dense": [], "hotcold_dense_input": [], "llama_dense": []})
     for _ in range(args.rounds):  # interleaved: machine noise hits every column alike
         samples["hotcold_sparse"].append(hotcold_tg(str(sparse), "sparse", args.threads, args.n_gen, None))
+        for k, f in extra.items():
+            samples[k].append(hotcold_tg(str(f), "sparse", args.threads, args.n_gen, None))
         samples["hotcold_dense"].append(hotcold_tg(str(sparse), "dense", args.threads, args.n_gen, None))
         samples["hotcold_dense_input"].append(hotcold_tg(str(dense), "dense", args.threads, args.n_gen, None))
         if args.llama_bench:
@@ -176,6 +190,10 @@ def main(argv=None) -> int:
         **shape,
         "file": str(dense),
         "sparse_file": str(sparse),
+        "transpose_types": transposes,
+        "transpose_type_names": {
+            t: ModelFile(files[t]).entry(names.tensor(names.FFN_DOWN_T, 0)).qtype.name for t in transposes
+        },
         "sparsity": args.sparsity,
         "gate_probe": args.gate_probe,
         "attention_inputs": args.attention,

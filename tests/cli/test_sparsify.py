@@ -12,7 +12,7 @@ def test_sparsify_then_run(tiny_swiglu, tmp_path, capsys):
     argv = ["sparsify", "-m", str(tiny_swiglu.dense["f16"]), "-f", str(tiny_swiglu.corpus), "-o", str(out)]
     assert main([*argv, "--sparsity", "0.4", "--max-tokens", "600", "-t", "1", "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
-    assert result["sparsity"] == 0.4 and result["ffn_down_t_type"] == "F16" and out.exists()
+    assert result["sparsity"] == 0.4 and result["ffn_down_t_type"] == "Q8_0" and out.exists()
     assert result["gate_probe"] == "q4_0"  # auto: an F16 gate gets a Q4_0 probe
 
     assert (
@@ -49,6 +49,9 @@ def test_bad_arguments(tiny_swiglu, tmp_path, capsys):
     assert "--sparsity must be a number in (0, 1)" in capsys.readouterr().err
     assert main(["sparsify", "-m", dense, "-f", corpus, "-o", dense]) == 1
     assert "overwritten" in capsys.readouterr().err
+    for flag in ("--transpose-type", "--down-type"):  # the older name stays an alias
+        assert main(["sparsify", "-m", dense, "-f", corpus, "-o", out, flag, "q3"]) == 1
+        assert "--transpose-type must be one of" in capsys.readouterr().err
 
 
 def test_sparsify_input_rules_then_run(tiny_swiglu, tmp_path, capsys):

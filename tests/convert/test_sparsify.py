@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize as gguf_quantize
 
 import hotcold
 from hotcold import names
@@ -66,10 +67,15 @@ def test_output_keeps_the_input_and_adds_down_t(tiny_swiglu, outtype):
     for i in range(c.n_layer):
         down = src.tensor(names.tensor(names.FFN_DOWN, i))
         down_t = out.tensor(names.tensor(names.FFN_DOWN_T, i))
-        if outtype == "f16":  # a float type: an exact transpose
-            assert torch.equal(down_t, down.t())
-        else:  # Q8_0 re-quantized along the neuron's row
-            assert out.entry(names.tensor(names.FFN_DOWN_T, i)).qtype == Q.Q8_0
+        # the default (auto) for both: Q8_0, for F16 the gguf package's quantization of the transpose, for Q8_0
+        # re-quantized along the neuron's row
+        assert out.entry(names.tensor(names.FFN_DOWN_T, i)).qtype == Q.Q8_0
+        if outtype == "f16":
+            want = gguf_quantize(down.t().float().contiguous().numpy(), Q.Q8_0)
+            assert np.array_equal(
+                out.entry(names.tensor(names.FFN_DOWN_T, i)).data.reshape(-1), want.reshape(-1)
+            )
+        else:
             a, b = cpu.dequantize_rows(down_t), cpu.dequantize_rows(down).t()
             assert (a - b).abs().max() < 0.02 * b.abs().max()
     assert out.entry(names.SPARSIFY_QUANTILES).shape == (c.n_layer, 101)
@@ -79,7 +85,7 @@ def test_output_keeps_the_input_and_adds_down_t(tiny_swiglu, outtype):
     assert not out.is_sparse  # stays a GGUF file
 
 
-def test_wina_and_down_types(tiny_swiglu, tmp_path):
+def test_wina_and_transpose_types(tiny_swiglu, tmp_path):
     out = tmp_path / "wina.gguf"
     r = sparsify_file(
         tiny_swiglu.dense["q8_0"],
@@ -88,7 +94,7 @@ def test_wina_and_down_types(tiny_swiglu, tmp_path):
         sparsity=0.4,
         method="wina",
         max_tokens=800,
-        down="f16",
+        transposes="f16",
     )
     assert r["ffn_down_t_type"] == "F16" and abs(r["calibration_sparsity"] - 0.4) < 0.03
     mf = ModelFile(out)
@@ -118,8 +124,8 @@ def test_refusals(tiny_swiglu, tiny_dense_gguf, tiny_sparse_gguf, tmp_path):
         sparsify_file(dense, out, tmp_path / "empty.txt", sparsity=0.5)
     with pytest.raises(ValueError, match="method"):
         sparsify_file(dense, out, corpus, sparsity=0.5, method="teal")
-    with pytest.raises(ValueError, match="down-type"):
-        sparsify_file(dense, out, corpus, sparsity=0.5, down="q3")
+    with pytest.raises(ValueError, match="transpose-type"):
+        sparsify_file(dense, out, corpus, sparsity=0.5, transposes="q3")
     with pytest.raises(OSError, match="overwritten"):
         sparsify_file(dense, dense, corpus, sparsity=0.5)
     link = tmp_path / "link.gguf"
@@ -135,3 +141,17 @@ def test_check_target():
     assert check_target(0.5) == 0.5
     with pytest.raises(ValueError):
         check_target("0.5")
+
+
+def test_transpose_type():
+    from hotcold.convert.sparsify_inputs import transpose_type
+
+    for source in (Q.F32, Q.F16, Q.BF16):
+        assert transpose_type(source, "auto", 2048) == Q.Q8_0  # measured: no perplexity cost (RESULTS)
+        assert transpose_type(source, "same", 2048) == source
+    assert transpose_type(Q.Q4_0, "auto", 2048) == Q.Q4_0  # a block type keeps its type
+    assert transpose_type(Q.F16, "q4_k", 2048) == Q.Q4_K
+    assert transpose_type(Q.F16, "auto", 100) == Q.F16  # 32 does not divide a row of 100
+    assert transpose_type(Q.Q4_K, "same", 2080) == Q.F16  # 256 does not divide 2080
+    with pytest.raises(ValueError, match="transpose-type"):
+        transpose_type(Q.F16, "q3", 2048)

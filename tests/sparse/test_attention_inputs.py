@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFReader
+from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 import hotcold
@@ -20,20 +20,22 @@ from tests.sparse.test_thresholded import PROMPT
 @pytest.fixture(scope="module")
 def attn_files(tiny_swiglu, tmp_path_factory):
     """The tiny SwiGLU model sparsified at 0.5 with attention inputs: F16 with wina, Q8_0 with cats; "gate": F16
-    with the gate from the input channels too (--gate-probe inputs)."""
+    with the gate from the input channels too (--gate-probe inputs); these three with --transpose-type same (F16
+    transposes exact). "auto": F16 with both input rules and the default transposes (Q8_0 for a float source)."""
     from hotcold.convert.sparsify import sparsify_file
 
     folder = tmp_path_factory.mktemp("attn_inputs")
     files = {}
-    for name, outtype, method, probe in (
-        ("f16", "f16", "wina", "none"),
-        ("q8_0", "q8_0", "cats", "none"),
-        ("gate", "f16", "wina", "inputs"),
+    for name, outtype, method, probe, transposes in (
+        ("f16", "f16", "wina", "none", "same"),
+        ("q8_0", "q8_0", "cats", "none", "same"),
+        ("gate", "f16", "wina", "inputs", "same"),
+        ("auto", "f16", "wina", "inputs", "auto"),
     ):
         files[name] = folder / f"{name}.gguf"
         sparsify_file(
             tiny_swiglu.dense[outtype], files[name], tiny_swiglu.corpus, sparsity=0.5, max_tokens=tiny_swiglu.tokens,
-            method=method, probe=probe, attention=True,
+            method=method, probe=probe, attention=True, transposes=transposes,
         )  # fmt: skip
     return files
 
@@ -61,6 +63,29 @@ def test_transposes_are_the_files_matrices(attn_files, tiny_swiglu):
     qkv8 = torch.cat([src8(f"blk.0.attn_{x}.weight") for x in "qkv"]).T
     err = (get8(names.tensor(names.ATTN_QKV_T, 0)) - qkv8).abs().max()
     assert 0 < err <= qkv8.abs().max() / 100  # re-quantized along the new rows: Q8_0's rounding
+
+
+def test_default_transposes_of_a_float_file_are_ggufs_q8_0(attn_files, tiny_swiglu):
+    """--transpose-type auto on an F16 file: every transposed copy is the gguf package's Q8_0 quantization of the
+    source's matrices transposed (byte for byte), the originals stay untouched."""
+    from gguf.quants import quantize
+
+    r, src = GGUFReader(attn_files["auto"]), _floats(tiny_swiglu.dense["f16"])
+    stored = {t.name: t for t in r.tensors}
+    for i in range(2):
+        for name, parts in (
+            (names.ATTN_QKV_T, [f"blk.{i}.attn_{x}.weight" for x in "qkv"]),
+            (names.ATTN_OUT_T, [f"blk.{i}.attn_output.weight"]),
+            (names.FFN_GATE_T, [f"blk.{i}.ffn_gate.weight"]),
+            (names.FFN_DOWN_T, [f"blk.{i}.ffn_down.weight"]),
+        ):
+            t = stored[names.tensor(name, i)]
+            want = quantize(
+                torch.cat([src(p) for p in parts]).T.float().contiguous().numpy(), GGMLQuantizationType.Q8_0
+            )
+            assert t.tensor_type == GGMLQuantizationType.Q8_0, t.name
+            assert np.array_equal(np.asarray(t.data).reshape(-1), want.reshape(-1)), t.name
+        assert stored[f"blk.{i}.ffn_gate.weight"].tensor_type == GGMLQuantizationType.F16
 
 
 def test_input_thresholds_are_the_quantiles_transformers_finds(attn_files, tiny_swiglu):
@@ -100,17 +125,27 @@ def test_input_thresholds_are_the_quantiles_transformers_finds(attn_files, tiny_
             assert abs(got[which] - want) < 0.01 * want, (j, which, got[which], want)
 
 
-@pytest.mark.parametrize("outtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "auto"])
 @pytest.mark.parametrize("n_tokens", [1, 9, 120])  # one-token axpy, batch axpy, masked GEMM
 def test_products_keep_exactly_the_channels_over_the_threshold(attn_files, outtype, n_tokens):
+    """The row kernels (under cpu.GEMM_MIN_TOKENS rows) read the transposed copies, the masked GEMM the
+    layer's own matrices: the oracle takes the same ones."""
+    from hotcold.kernels import cpu
+
     llm = hotcold.load(attn_files[outtype], threads=1)
     get = _floats(attn_files[outtype])
+    originals = n_tokens >= cpu.GEMM_MIN_TOKENS
     torch.manual_seed(n_tokens)
     for i, layer in enumerate(llm.loaded.model.layers):
         inputs = layer.inputs
         assert inputs is not None and inputs.rows
         for which in (QKV, OUT):
-            w_t = get(names.tensor(names.ATTN_QKV_T if which == QKV else names.ATTN_OUT_T, i))
+            if not originals:
+                w_t = get(names.tensor(names.ATTN_QKV_T if which == QKV else names.ATTN_OUT_T, i))
+            elif which == QKV:
+                w_t = torch.cat([get(f"blk.{i}.attn_{x}.weight") for x in "qkv"]).T
+            else:
+                w_t = get(f"blk.{i}.attn_output.weight").T
             din = w_t.shape[0]
             h = torch.randn(n_tokens, din) * 0.5
             mask = inputs.mask(h, which)
@@ -125,7 +160,7 @@ def test_products_keep_exactly_the_channels_over_the_threshold(attn_files, outty
                 got = torch.cat(inputs.qkv(h, _identity(), layer.qkv, None), dim=-1)
             else:
                 got = inputs.o(h, layer.wo, None)
-            tol = 1e-4 if outtype == "f16" else 3e-2  # Q8_0: the GEMM path quantizes the activations
+            tol = 3e-2 if outtype == "q8_0" and originals else 1e-4  # a Q8_0 GEMM quantizes the activations
             assert torch.allclose(got.double(), want, atol=tol * float(want.abs().max()), rtol=0), (i, which)
 
 
@@ -183,7 +218,7 @@ def test_attention_inputs_change_the_output_and_follow_the_sparsity(attn_files, 
     assert shares[0] > shares[1]
 
 
-@pytest.mark.parametrize("outtype", ["f16", "q8_0", "gate"])
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "gate", "auto"])
 def test_one_call_decode_batches_and_threads_give_the_ops_bits(attn_files, monkeypatch, outtype):
     from hotcold.cpu_step import CPUDecoder
 

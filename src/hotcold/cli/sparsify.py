@@ -25,10 +25,14 @@ def add_args(p) -> None:
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="window length (default 512)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     p.add_argument(
+        "--transpose-type",
         "--down-type",
+        dest="transpose_type",
         default="auto",
-        help="type of ffn_down_t: auto (= same: ffn_down's type, block types re-quantized along the neuron "
-        "rows), f32, f16, bf16, q8_0, q4_0, q4_k, q6_k",
+        help="type of the transposed copies the sparse decode reads (ffn_down_t; ffn_gate_t, attn_qkv_t and "
+        "attn_output_t where made): auto (default: Q8_0 for F32/F16/BF16 sources, else the source's type), "
+        "same (the source's type; block types re-quantized along the new rows), f32, f16, bf16, q8_0, q4_0, "
+        "q4_k, q6_k",
     )
     p.add_argument(
         "--gate-probe",
@@ -60,7 +64,7 @@ def run(args) -> int:
         max_tokens=args.max_tokens or DEFAULT_TOKENS,
         ctx=args.ctx_size,
         threads=args.threads,
-        down=args.down_type,
+        transposes=args.transpose_type,
         probe=args.gate_probe,
         attention=args.attention,
         progress=not args.json,

@@ -10,11 +10,13 @@ A coarser per-neuron histogram gives how often each neuron is kept at the target
 statistics hot/cold placement ranks neurons by).
 
 The output (sparse/thresholded.py reads it) is the input's tensors and keys unchanged, plus
-- `blk.N.ffn_down_t.weight` [F, D]: ffn_down transposed, row i = neuron i, for the axpy kernel, in the
-  type of ffn_down by default: float types are an exact transpose; block types are dequantized and
-  re-quantized along the neuron's row (benchmarks/RESULTS.md: on the trained SwiGLU model a Q4_0 down
-  re-quantized to Q4_0 gave the same decode-kernel perplexity as one re-quantized to Q8_0, 97.305 vs
-  97.313 at sparsity 0.5, so the default keeps the bytes; `--down-type q8_0` is there for other models);
+- `blk.N.ffn_down_t.weight` [F, D]: ffn_down transposed, row i = neuron i, for the axpy kernel. Its type and
+  that of the other transposes (sparsify_inputs.transpose_type, `--transpose-type`): by default Q8_0 for
+  F32/F16/BF16 sources (re-quantized along the new rows; benchmarks/RESULTS.md 2026-12-03: decode-kernel
+  perplexity of the trained SwiGLU model within 0.04% of exact transposes at 0.4 and 0.5, and a 1B-shaped
+  decode reads about half the bytes of those copies), the source's type for block types (a Q4_0 down
+  re-quantized to Q4_0 gave the same perplexity as to Q8_0, 97.305 vs 97.313 at 0.5); `same` keeps float
+  sources exact;
 - the keys and tensors named in names.py under `hotcold.sparsify.*`: method, target sparsity, per-layer
   thresholds, the quantile table on a grid of levels (any sparsity can be derived at load) and the
   per-neuron keep frequency.
@@ -33,7 +35,6 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from tqdm import tqdm
@@ -47,6 +48,7 @@ from hotcold.convert.sparsify_inputs import (
     InputTables,
     ScoreHistograms,
     input_specs,
+    transpose_type,
     transposed,
 )
 from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
@@ -57,7 +59,6 @@ from hotcold.sparse.thresholded import METHODS
 log = logging.getLogger(__name__)
 
 DEFAULT_TOKENS = 16384  # calibration tokens (evenly spread pieces of the corpus)
-DOWN_TYPES = ("auto", "same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
 # the gate probe: a Q4_0 copy of the gate the score is computed from; "inputs": the gate itself from each
 # token's input channels over a threshold (convert/sparsify_inputs.py), its product the score and activation
 PROBES = ("auto", "none", "q4_0", "inputs")
@@ -180,18 +181,6 @@ def calibrate(
     )
 
 
-def down_type(source: Q, choice: str, n_embd: int) -> Q:
-    """ffn_down_t's type: "auto" / "same" the source's type (block types re-quantized along the neuron's
-    row); else the named type. A block the row length does not divide falls back to F16."""
-    if choice not in DOWN_TYPES:
-        raise ValueError(f"--down-type must be one of {', '.join(DOWN_TYPES)}, got {choice!r}")
-    if choice in ("auto", "same"):
-        qtype = source
-    else:
-        qtype = Q[choice.upper()]
-    return qtype if n_embd % GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16
-
-
 def _down_t(mf: ModelFile, layer: int, config: ModelConfig, qtype: Q) -> np.ndarray:
     return transposed(mf, [(names.tensor(names.FFN_DOWN, layer), (config.n_embd, config.n_ff))], qtype)
 
@@ -210,7 +199,7 @@ def write_sparsified(
     cal: Calibration,
     *,
     probes: Sequence[quants.QuantTensor] | None = None,
-    down: str = "auto",
+    transposes: str = "auto",
     inputs: Sequence[str | os.PathLike[str]] = (),
     progress: bool = False,
 ) -> Path:
@@ -220,7 +209,7 @@ def write_sparsified(
     ]
     for i in range(c.n_layer):
         src_type = mf.entry(names.tensor(names.FFN_DOWN, i)).qtype
-        qtype = down_type(src_type, down, c.n_embd)
+        qtype = transpose_type(src_type, transposes, c.n_embd)
         specs.append(
             TensorSpec(
                 names.tensor(names.FFN_DOWN_T, i),
@@ -245,7 +234,7 @@ def write_sparsified(
         return TensorSpec(name, tuple(t.shape), Q.F32, lambda t=t: t.numpy())
 
     if cal.inputs is not None:
-        specs += input_specs(mf, c, cal.inputs)
+        specs += input_specs(mf, c, cal.inputs, transposes)
     specs.append(table(names.SPARSIFY_QUANTILES, cal.quantiles))
     specs.append(table(names.SPARSIFY_FREQUENCY, cal.frequency))
     if cal.scale is not None:
@@ -276,7 +265,7 @@ def sparsify_file(
     max_tokens: int = DEFAULT_TOKENS,
     ctx: int | None = None,
     threads: int | None = None,
-    down: str = "auto",
+    transposes: str = "auto",
     probe: str = "auto",
     attention: bool = False,
     progress: bool = False,
@@ -295,8 +284,7 @@ def sparsify_file(
     check_target(sparsity)
     if method not in METHODS:
         raise ValueError(f"--method must be one of {', '.join(METHODS)}, got {method!r}")
-    if down not in DOWN_TYPES:
-        raise ValueError(f"--down-type must be one of {', '.join(DOWN_TYPES)}, got {down!r}")
+    transpose_type(Q.F16, transposes, 32)  # an unknown --transpose-type fails before the calibration
     if probe not in PROBES:
         raise ValueError(f"--gate-probe must be one of {', '.join(PROBES)}, got {probe!r}")
     check_output(dst, [src, corpus], what="sparsify: output")
@@ -325,7 +313,7 @@ def sparsify_file(
         progress=progress,
     )
     del llm
-    write_sparsified(mf, dst, cal, probes=probes, down=down, inputs=[corpus], progress=progress)
+    write_sparsified(mf, dst, cal, probes=probes, transposes=transposes, inputs=[corpus], progress=progress)
     return {
         "file": str(dst),
         "source": str(src),
@@ -336,6 +324,9 @@ def sparsify_file(
         "thresholds": cal.thresholds,
         "gate_probe": probe,
         "attention_inputs": attention,
-        "ffn_down_t_type": down_type(mf.entry(names.tensor(names.FFN_DOWN, 0)).qtype, down, c.n_embd).name,
+        "ffn_down_t_type": transpose_type(
+            mf.entry(names.tensor(names.FFN_DOWN, 0)).qtype, transposes, c.n_embd
+        ).name,
+        "transposes": transposes,
         "seconds": time.perf_counter() - start,
     }

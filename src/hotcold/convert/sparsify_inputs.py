@@ -25,6 +25,11 @@ from hotcold.gguf_io import ModelFile, TensorSpec, as_torch
 from hotcold.kernels import cpu
 from hotcold.sparse.attention_inputs import attention_scales, column_norms
 
+TRANSPOSE_TYPES = ("auto", "same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
+FLOAT_SOURCES = (Q.F32, Q.F16, Q.BF16)
+# the transposes of float sources by default: decode-kernel perplexity within 0.04% of exact copies on the
+# trained SwiGLU model, about half their bytes (benchmarks/RESULTS.md 2026-12-03)
+AUTO_FLOAT_TRANSPOSE = Q.Q8_0
 GRID = tuple(round(i / 100, 2) for i in range(101))  # quantile levels 0, 0.01, .., 1
 LOG_LO, LOG_HI, BINS = -12.0, 4.0, 16384  # layer histograms over log10(score)
 NEURON_BINS = 256  # per-neuron histograms: 1/16 decade each
@@ -149,14 +154,31 @@ def transposed(mf: ModelFile, parts: list[tuple[str, tuple[int, int]]], qtype: Q
     return encode(torch.cat(floats).t().contiguous(), qtype)
 
 
-def _transposed_spec(mf: ModelFile, name: str, parts, shape: tuple[int, int]) -> TensorSpec:
-    source = mf.entry(parts[0][0]).qtype
-    qtype = source if shape[1] % GGML_QUANT_SIZES[source][0] == 0 else Q.F16
+def transpose_type(source: Q, choice: str, row_len: int) -> Q:
+    """The type of a transposed copy (ffn_down_t, ffn_gate_t, attn_qkv_t, attn_output_t) whose rows hold
+    row_len values: "same" the source's type (block types re-quantized along the new rows); "auto" Q8_0
+    for 16/32-bit sources (AUTO_FLOAT_TRANSPOSE), else the source's type; else the named type. A block the
+    row length does not divide falls back to F16."""
+    if choice not in TRANSPOSE_TYPES:
+        raise ValueError(f"--transpose-type must be one of {', '.join(TRANSPOSE_TYPES)}, got {choice!r}")
+    if choice == "same" or (choice == "auto" and source not in FLOAT_SOURCES):
+        qtype = source
+    elif choice == "auto":
+        qtype = AUTO_FLOAT_TRANSPOSE
+    else:
+        qtype = Q[choice.upper()]
+    return qtype if row_len % GGML_QUANT_SIZES[qtype][0] == 0 else Q.F16
+
+
+def _transposed_spec(mf: ModelFile, name: str, parts, shape: tuple[int, int], choice: str) -> TensorSpec:
+    qtype = transpose_type(mf.entry(parts[0][0]).qtype, choice, shape[1])
     return TensorSpec(name, shape, qtype, lambda: transposed(mf, parts, qtype))
 
 
-def input_specs(mf: ModelFile, config: ModelConfig, tables: InputTables) -> list[TensorSpec]:
-    """The transposed matrices and the tables of the calibrated rules."""
+def input_specs(
+    mf: ModelFile, config: ModelConfig, tables: InputTables, choice: str = "auto"
+) -> list[TensorSpec]:
+    """The transposed matrices (typed by transpose_type(choice)) and the tables of the calibrated rules."""
     c = config
     d, dq, dkv, f = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_ff
     specs, stored = [], []
@@ -167,11 +189,13 @@ def input_specs(mf: ModelFile, config: ModelConfig, tables: InputTables) -> list
                 for t, n in ((names.ATTN_Q, dq), (names.ATTN_K, dkv), (names.ATTN_V, dkv))
             ]
             o = [(names.tensor(names.ATTN_OUT, i), (d, dq))]
-            specs.append(_transposed_spec(mf, names.tensor(names.ATTN_QKV_T, i), qkv, (d, dq + 2 * dkv)))
-            specs.append(_transposed_spec(mf, names.tensor(names.ATTN_OUT_T, i), o, (dq, d)))
+            specs.append(
+                _transposed_spec(mf, names.tensor(names.ATTN_QKV_T, i), qkv, (d, dq + 2 * dkv), choice)
+            )
+            specs.append(_transposed_spec(mf, names.tensor(names.ATTN_OUT_T, i), o, (dq, d), choice))
         if tables.gate_quantiles is not None:
             gate = [(names.tensor(names.FFN_GATE, i), (f, d))]
-            specs.append(_transposed_spec(mf, names.tensor(names.FFN_GATE_T, i), gate, (d, f)))
+            specs.append(_transposed_spec(mf, names.tensor(names.FFN_GATE_T, i), gate, (d, f), choice))
     if tables.attn_quantiles is not None:
         stored.append((names.SPARSIFY_ATTN_QUANTILES, tables.attn_quantiles))
         if tables.attn_scales is not None:
