@@ -348,7 +348,7 @@ def _device(weight: Weight) -> torch.device:
 
 def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: int | None = None):
     """make_ffn for the families (loader.py): each layer's ThresholdedFFN at `sparsity`, its gate packed
-    (only ever multiplied whole), its ffn_down read for the many-row path."""
+    and its ffn_down (only ever multiplied whole) packed."""
 
     def make(layer: int, weights: FFNWeights, predictor, norm, *, expert: int | None = None):
         if expert is not None:
@@ -357,7 +357,9 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
         down = None
         if src.has(names.FFN_DOWN, layer):
             c = src.config
-            down = place(src.raw(names.FFN_DOWN, layer, (c.n_embd, c.n_ff)), device)
+            # only many-row forwards and prompt chunks multiply it, always whole: packed, its file rows paged
+            # out (pp52 of a 1B-shaped file 110 -> 126 t/s, benchmarks/RESULTS.md 2026-12-03)
+            down = cpu.pack(place(src.raw(names.FFN_DOWN, layer, (c.n_embd, c.n_ff)), device))
         scale = None if assets.scale is None else assets.scale[layer]
         probe = gate_in = None
         c = src.config
