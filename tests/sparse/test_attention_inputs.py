@@ -169,7 +169,7 @@ class _identity:
         return x
 
 
-@pytest.mark.parametrize("name", ["f16", "gate"])
+@pytest.mark.parametrize("name", ["f16", "gate", "auto"])
 def test_sparsity_zero_is_dense_bit_for_bit(attn_files, tiny_swiglu, name):
     dense = hotcold.load(tiny_swiglu.dense["f16"], threads=1)
     ids = dense.tokenize(PROMPT)
