@@ -128,6 +128,10 @@ SPARSIFY_QUANTILES = "hotcold.sparsify.quantiles"  # tensor F32 [L, G]: score qu
 SPARSIFY_FREQUENCY = "hotcold.sparsify.frequency"  # tensor F32 [L, F]: share of tokens keeping neuron i
 SPARSIFY_SCALE = "hotcold.sparsify.scale"  # tensor F32 [L, F]: per-neuron score weight (wina only)
 FFN_GATE_PROBE = "blk.{bid}.ffn_gate_probe"  # [F, D] Q4_0 copy of ffn_gate: the mask's score, read whole
+# [F, D] copies of ffn_up / ffn_gate in the transposes' type where that differs from theirs: the rows a decode
+# token gathers (the gate's only with a gate probe); the originals then serve the dense products, packed
+FFN_UP_ROWS = "blk.{bid}.ffn_up_rows"
+FFN_GATE_ROWS = "blk.{bid}.ffn_gate_rows"
 # `hotcold sparsify --attention`: input sparsity of the attention products (sparse/attention_inputs.py)
 ATTN_QKV_T = "blk.{bid}.attn_qkv_t"  # [D, q + k + v]: row i = input channel i's q, k, v directions
 ATTN_OUT_T = "blk.{bid}.attn_output_t"  # [H*Dh, D]: attn_output transposed

@@ -78,6 +78,9 @@ def test_output_keeps_the_input_and_adds_down_t(tiny_swiglu, outtype):
         else:
             a, b = cpu.dequantize_rows(down_t), cpu.dequantize_rows(down).t()
             assert (a - b).abs().max() < 0.02 * b.abs().max()
+    # the up rows the decode gathers: a Q8_0 copy of an F16 file's up, none where up already is Q8_0
+    assert (names.tensor(names.FFN_UP_ROWS, 0) in out.tensors) == (outtype == "f16")
+    assert names.tensor(names.FFN_GATE_ROWS, 0) not in out.tensors  # no probe in this fixture
     assert out.entry(names.SPARSIFY_QUANTILES).shape == (c.n_layer, 101)
     assert out.entry(names.SPARSIFY_FREQUENCY).shape == (c.n_layer, c.n_ff)
     freq = out.tensor(names.SPARSIFY_FREQUENCY)
@@ -98,6 +101,7 @@ def test_wina_and_transpose_types(tiny_swiglu, tmp_path):
     )
     assert r["ffn_down_t_type"] == "F16" and abs(r["calibration_sparsity"] - 0.4) < 0.03
     mf = ModelFile(out)
+    assert names.tensor(names.FFN_UP_ROWS, 0) not in mf.tensors  # F16 rows would read more than Q8_0 ones
     assert mf.metadata[names.SPARSIFY_METHOD] == "wina"
     assert mf.entry(names.SPARSIFY_SCALE).shape == (2, 1280)
     llm = hotcold.load(out, threads=1)

@@ -21,7 +21,8 @@ from tests.sparse.test_thresholded import PROMPT
 def attn_files(tiny_swiglu, tmp_path_factory):
     """The tiny SwiGLU model sparsified at 0.5 with attention inputs: F16 with wina, Q8_0 with cats; "gate": F16
     with the gate from the input channels too (--gate-probe inputs); these three with --transpose-type same (F16
-    transposes exact). "auto": F16 with both input rules and the default transposes (Q8_0 for a float source)."""
+    transposes exact). "auto": F16 with both input rules and the default transposes (Q8_0 for a float source);
+    "probe": F16 with the Q4_0 gate probe and the default copies (Q8_0 transposes, up and gate row copies)."""
     from hotcold.convert.sparsify import sparsify_file
 
     folder = tmp_path_factory.mktemp("attn_inputs")
@@ -31,6 +32,7 @@ def attn_files(tiny_swiglu, tmp_path_factory):
         ("q8_0", "q8_0", "cats", "none", "same"),
         ("gate", "f16", "wina", "inputs", "same"),
         ("auto", "f16", "wina", "inputs", "auto"),
+        ("probe", "f16", "wina", "q4_0", "auto"),
     ):
         files[name] = folder / f"{name}.gguf"
         sparsify_file(
@@ -86,6 +88,54 @@ def test_default_transposes_of_a_float_file_are_ggufs_q8_0(attn_files, tiny_swig
             assert t.tensor_type == GGMLQuantizationType.Q8_0, t.name
             assert np.array_equal(np.asarray(t.data).reshape(-1), want.reshape(-1)), t.name
         assert stored[f"blk.{i}.ffn_gate.weight"].tensor_type == GGMLQuantizationType.F16
+
+
+@pytest.mark.parametrize("name", ["auto", "probe"])
+def test_decode_gathers_read_the_row_copies(attn_files, tiny_swiglu, name):
+    """Default copies on an F16 file: ffn_up_rows (and with a probe ffn_gate_rows) are the gguf package's Q8_0 of
+    the file's up and gate; one decode token's FFN equals a float64 oracle over those copies (the kept neurons'
+    gate and up rows from them, times the token quantized to Q8_0 as ggml's integer dot does), while the file's
+    own matrices are packed for the dense products."""
+    from gguf.quants import quantize
+
+    get, src = _floats(attn_files[name]), _floats(tiny_swiglu.dense["f16"])
+    stored = {t.name: t for t in GGUFReader(attn_files[name]).tensors}
+    llm = hotcold.load(attn_files[name], threads=1)
+    torch.manual_seed(7)
+    for i, layer in enumerate(llm.loaded.model.layers):
+        ffn = layer.ffn
+        copies = [("up", names.FFN_UP_ROWS, ffn.up_rows, ffn.weights.up)]
+        if name == "probe":
+            copies.append(("gate", names.FFN_GATE_ROWS, ffn.gate_rows, ffn.weights.gate))
+        else:
+            assert names.tensor(names.FFN_GATE_ROWS, i) not in stored  # no probe: the gate is never gathered
+        for what, copy, rows, original in copies:
+            t = stored[names.tensor(copy, i)]
+            want = quantize(src(f"blk.{i}.ffn_{what}.weight").float().numpy(), GGMLQuantizationType.Q8_0)
+            assert t.tensor_type == GGMLQuantizationType.Q8_0
+            assert np.array_equal(np.asarray(t.data).reshape(-1), want.reshape(-1)), t.name
+            assert rows is not original and original.packed is not None
+        h = torch.randn(1, src(f"blk.{i}.ffn_up.weight").shape[1])
+        seq_ctx = _ctx()
+        out = ffn.apply(h, h, seq_ctx)
+        mask = seq_ctx.recorded
+        assert 0 < mask.float().mean() < 1
+        # a Q8_0 row gather multiplies by the token quantized to int8 in chunks of 32 (_cpu_kernels.c, "Integer
+        # dot products": scale amax / 127 kept in float32, round to nearest even)
+        chunks = h.reshape(-1, 32)
+        amax = chunks.abs().amax(dim=1, keepdim=True)
+        hq = (torch.round(chunks * (127.0 / amax)).double() * (amax / 127.0).double()).reshape(h.shape)
+        up = hq @ get(names.tensor(names.FFN_UP_ROWS, i)).T
+        if name == "probe":
+            gate = hq @ get(names.tensor(names.FFN_GATE_ROWS, i)).T
+        else:
+            g = ffn.gate_in
+            keep_in = h.double().abs() * g.scale.double() > g.threshold
+            gate = torch.where(keep_in, h.double(), 0.0) @ get(names.tensor(names.FFN_GATE_T, i))
+        a = torch.where(mask, torch.nn.functional.silu(gate) * up, 0.0)
+        want = a @ get(names.tensor(names.FFN_DOWN_T, i))
+        err = float((out.double() - want).abs().max() / want.abs().max())
+        assert err < 1e-5, (i, err)
 
 
 def test_input_thresholds_are_the_quantiles_transformers_finds(attn_files, tiny_swiglu):
@@ -169,7 +219,7 @@ class _identity:
         return x
 
 
-@pytest.mark.parametrize("name", ["f16", "gate", "auto"])
+@pytest.mark.parametrize("name", ["f16", "gate", "auto", "probe"])
 def test_sparsity_zero_is_dense_bit_for_bit(attn_files, tiny_swiglu, name):
     dense = hotcold.load(tiny_swiglu.dense["f16"], threads=1)
     ids = dense.tokenize(PROMPT)
@@ -218,7 +268,7 @@ def test_attention_inputs_change_the_output_and_follow_the_sparsity(attn_files, 
     assert shares[0] > shares[1]
 
 
-@pytest.mark.parametrize("outtype", ["f16", "q8_0", "gate", "auto"])
+@pytest.mark.parametrize("outtype", ["f16", "q8_0", "gate", "auto", "probe"])
 def test_one_call_decode_batches_and_threads_give_the_ops_bits(attn_files, monkeypatch, outtype):
     from hotcold.cpu_step import CPUDecoder
 
@@ -286,7 +336,7 @@ def test_prompt_chunks_beside_decode_rows_give_each_alone(attn_files, tiny_swigl
     assert texts == [llm.generate(p, max_tokens=10, ignore_eos=True) for p in prompts]
 
 
-@pytest.mark.parametrize("name", ["gate", "ffn"])
+@pytest.mark.parametrize("name", ["gate", "ffn", "probe"])
 def test_mixed_forward_rows_have_their_own_bits(attn_files, tiny_swiglu, name):
     """One forward of a decode row (sequence A) and a 6-row prompt chunk (sequence B): each row's logits equal
     bit for bit those of its own forward alone, so neither rule depends on the other rows."""
@@ -294,7 +344,7 @@ def test_mixed_forward_rows_have_their_own_bits(attn_files, tiny_swiglu, name):
 
     from hotcold.state import Batch
 
-    path = attn_files["gate"] if name == "gate" else tiny_swiglu.sparse["f16"]
+    path = attn_files[name] if name != "ffn" else tiny_swiglu.sparse["f16"]
     model = hotcold.load(path, threads=2, sparsity=0.5).loaded.model
     prompt_a, chunk_b = [1, 45, 99, 7, 12, 300], [1, 8, 250, 31, 77, 5]
 

@@ -17,6 +17,9 @@ The output (sparse/thresholded.py reads it) is the input's tensors and keys unch
   decode reads about half the bytes of those copies), the source's type for block types (a Q4_0 down
   re-quantized to Q4_0 gave the same perplexity as to Q8_0, 97.305 vs 97.313 at 0.5); `same` keeps float
   sources exact;
+- `blk.N.ffn_up_rows` (and with the gate probe `blk.N.ffn_gate_rows`) [F, D]: copies of up (and the gate) in
+  that type where it takes fewer bytes a weight than theirs: the rows a decode token gathers; the file's own
+  up and gate then serve only prompt chunks and many-row forwards, packed at load;
 - the keys and tensors named in names.py under `hotcold.sparsify.*`: method, target sparsity, per-layer
   thresholds, the quantile table on a grid of levels (any sparsity can be derived at load) and the
   per-neuron keep frequency.
@@ -48,6 +51,7 @@ from hotcold.convert.sparsify_inputs import (
     InputTables,
     ScoreHistograms,
     input_specs,
+    row_copy_specs,
     transpose_type,
     transposed,
 )
@@ -233,6 +237,7 @@ def write_sparsified(
         t = t.float().contiguous()
         return TensorSpec(name, tuple(t.shape), Q.F32, lambda t=t: t.numpy())
 
+    specs += row_copy_specs(mf, c, transposes, gate=bool(probes))
     if cal.inputs is not None:
         specs += input_specs(mf, c, cal.inputs, transposes)
     specs.append(table(names.SPARSIFY_QUANTILES, cal.quantiles))

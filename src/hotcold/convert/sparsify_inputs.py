@@ -175,6 +175,38 @@ def _transposed_spec(mf: ModelFile, name: str, parts, shape: tuple[int, int], ch
     return TensorSpec(name, shape, qtype, lambda: transposed(mf, parts, qtype))
 
 
+def _bytes_per_weight(qtype: Q) -> float:
+    block, size = GGML_QUANT_SIZES[qtype]
+    return size / block
+
+
+def row_copy_specs(mf: ModelFile, config: ModelConfig, choice: str, *, gate: bool) -> list[TensorSpec]:
+    """ffn_up_rows (and with gate, ffn_gate_rows: a gate probe's files gather the exact gate's kept rows) for
+    every layer whose matrix takes more bytes a weight than transpose_type(choice): the same rows re-encoded,
+    for the decode's gathers to read as few bytes as the transposes; none where that saves nothing."""
+    c = config
+    shape = (c.n_ff, c.n_embd)
+    specs = []
+    for i in range(c.n_layer):
+        for source, copy, wanted in (
+            (names.FFN_UP, names.FFN_UP_ROWS, True),
+            (names.FFN_GATE, names.FFN_GATE_ROWS, gate),
+        ):
+            name = names.tensor(source, i)
+            src_type = mf.entry(name).qtype
+            qtype = transpose_type(src_type, choice, c.n_embd)
+            if wanted and _bytes_per_weight(qtype) < _bytes_per_weight(src_type):
+                specs.append(
+                    TensorSpec(
+                        names.tensor(copy, i),
+                        shape,
+                        qtype,
+                        lambda n=name, q=qtype: encode(_floats(mf, n, shape), q),
+                    )
+                )
+    return specs
+
+
 def input_specs(
     mf: ModelFile, config: ModelConfig, tables: InputTables, choice: str = "auto"
 ) -> list[TensorSpec]:

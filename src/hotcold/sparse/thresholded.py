@@ -174,7 +174,9 @@ class ThresholdedFFN(FFN):
     weights: gate [F, D] (multiplied whole), up [F, D] and down_t [F, D] (gathered row by row), kind
     "gated", SiLU, and down: the file's ffn_down [D, F] for many-row forwards (None: the axpy there too);
     scale: [F] per-neuron score weights (None: CATS); probe: [F, D] a cheaper copy of the gate the score
-    is computed from (None: the gate itself, then multiplied whole).
+    is computed from (None: the gate itself, then multiplied whole); up_rows / gate_rows: copies of up and
+    the gate (names.FFN_UP_ROWS) the row kernels gather from instead (None: the matrices themselves), so
+    weights.up and weights.gate serve only the dense products and may be packed.
 
     For a few tokens on the CPU the step is one C call (`ffn_calls.ThresholdedPlan`, the norm folded in),
     and a decode layer's o projection, residuals and this step another (`decode_tail`; `c_tail` for the
@@ -192,6 +194,8 @@ class ThresholdedFFN(FFN):
         scale: torch.Tensor | None = None,
         probe: Weight | None = None,
         gate_in: GateInputs | None = None,
+        up_rows: Weight | None = None,
+        gate_rows: Weight | None = None,
         threads: int | None = None,
     ):
         if weights.gate is None or weights.down_t is None or weights.kind != "gated":
@@ -199,7 +203,9 @@ class ThresholdedFFN(FFN):
         self.weights, self.threshold, self.norm = weights, float(threshold), norm
         self.layer, self.expert, self.down, self.scale, self.threads = layer, None, down, scale, threads
         self.probe, self.gate_in = probe, gate_in
-        devices = {_device(m).type for m in (weights.gate, weights.up, weights.down_t)}
+        self.up_rows = weights.up if up_rows is None else up_rows
+        self.gate_rows = weights.gate if gate_rows is None else gate_rows
+        devices = {_device(m).type for m in (self.gate_rows, self.up_rows, weights.down_t)}
         self.gathers = devices == {"cpu"} and cpu.backend() == "c"  # the row kernels, else dense-masked
         self.plan = self._c_plan()
 
@@ -218,7 +224,7 @@ class ThresholdedFFN(FFN):
         try:
             g = self.gate_in
             return ffn_calls.ThresholdedPlan(
-                score, w.up, w.gate if self.probe is not None else None, w.down_t,
+                score, self.up_rows, self.gate_rows if self.probe is not None else None, w.down_t,
                 threshold=self.threshold, scale=self.scale, score_in=None if g is None else (g.scale, g.threshold),
             )  # fmt: skip
         except ValueError:
@@ -247,9 +253,10 @@ class ThresholdedFFN(FFN):
 
     def _prompt_rows(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor | None:
         """The rows of prompt chunks that take the masked dense path (prompt_rows), where the row kernels run.
-        Not with a gate probe: the exact gate stays in the row layout for its gathers, and the dense products
-        of row-layout matrices lost to the row kernels (a 52-token prompt 94 against 103 t/s, 1B F16)."""
-        if not self.gathers or self.probe is not None or x.device.type != "cpu" or x.dim() != 2:
+        Not with a gate probe that gathers from the gate itself: that gate stays in the row layout, and the dense
+        products of row-layout matrices lost to the row kernels (a 52-token prompt 94 against 103 t/s, 1B F16)."""
+        row_gate = self.probe is not None and self.gate_rows is self.weights.gate
+        if not self.gathers or row_gate or x.device.type != "cpu" or x.dim() != 2:
             return None
         return prompt_rows(ctx, x.shape[0])
 
@@ -292,8 +299,8 @@ class ThresholdedFFN(FFN):
         if rows:
             hc, mc = h.to(CPU), mask.to(CPU)
             if probe:  # the exact gate of the kept rows
-                act = silu(cpu.gather_matvec(w.gate, hc, mc, threads=self.threads))
-            up = cpu.gather_matvec(w.up, hc, mc, threads=self.threads)
+                act = silu(cpu.gather_matvec(self.gate_rows, hc, mc, threads=self.threads))
+            up = cpu.gather_matvec(self.up_rows, hc, mc, threads=self.threads)
             a = torch.where(mc, act.to(CPU) * up, 0.0)
             out = cpu.sparse_axpy(w.down_t, a, mc, threads=self.threads).to(h.device)
         else:
@@ -347,8 +354,9 @@ def _device(weight: Weight) -> torch.device:
 
 
 def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: int | None = None):
-    """make_ffn for the families (loader.py): each layer's ThresholdedFFN at `sparsity`, its gate packed
-    and its ffn_down (only ever multiplied whole) packed."""
+    """make_ffn for the families (loader.py): each layer's ThresholdedFFN at `sparsity`; the matrices only
+    ever multiplied whole packed: ffn_down, the gate (unless a probe's gathers read it) and, where the file has
+    row copies for the gathers (names.FFN_UP_ROWS), up."""
 
     def make(layer: int, weights: FFNWeights, predictor, norm, *, expert: int | None = None):
         if expert is not None:
@@ -372,8 +380,16 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
                 None if in_scale is None else in_scale[layer],
                 threshold_at(assets.grid, table[layer], sparsity),
             )
+        up_rows = gate_rows = None  # the row kernels' copies: on the CPU only (a GPU runs the dense products)
+        if device.type == "cpu" and src.has(names.FFN_UP_ROWS, layer):
+            up_rows = place(src.raw(names.FFN_UP_ROWS, layer, (c.n_ff, c.n_embd)), device)
+            weights = replace(weights, up=cpu.pack(weights.up))  # the dense products' only
+        if device.type == "cpu" and probe is not None and src.has(names.FFN_GATE_ROWS, layer):
+            gate_rows = place(src.raw(names.FFN_GATE_ROWS, layer, (c.n_ff, c.n_embd)), device)
         return ThresholdedFFN(
-            weights if probe is not None else replace(weights, gate=cpu.pack(weights.gate)),
+            weights
+            if probe is not None and gate_rows is None
+            else replace(weights, gate=cpu.pack(weights.gate)),
             assets.threshold(layer, sparsity),
             layer=layer,
             norm=None if norm is None else norm.to(device),
@@ -381,6 +397,8 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
             scale=scale,
             probe=probe,
             gate_in=gate_in,
+            up_rows=up_rows,
+            gate_rows=gate_rows,
             threads=threads,
         )
 
