@@ -229,11 +229,23 @@ def test_axpy_batch_every_chunk_remainder(backend, fmt, d):
     check_batch_axpy(backend, w, a, m, token_threads=(2,))
 
 
+@pytest.mark.parametrize("d", [224, 416, 704])  # 7, 13, 22 blocks: every remainder mod 3 and mod 4
+def test_q8_0_batch_axpy_every_chunk_remainder(backend, d):
+    """Q8_0 takes the float batch axpy's register-held sums too (its block is one chunk): the float64 answer,
+    the same bits for any thread count and for each token alone."""
+    gen = torch.Generator().manual_seed(d)
+    w = QuantTensor.from_float(torch.randn(300, d, generator=gen), Q.Q8_0)
+    a = torch.relu(torch.randn(5, 300, generator=gen))
+    m = torch.rand(5, 300, generator=gen) < 0.6
+    check_batch_axpy(backend, w, a, m, token_threads=(2,))
+
+
 def check_batch_axpy(backend, w, a, m, *, token_threads) -> None:
     """sparse_axpy of a batch at 1, 2 and 3 threads: the float64 answer; with the C backend the same bits
     for every thread count, and for each token alone at `token_threads`."""
-    ref = ref_axpy(w.double(), a, m)
-    bound = ref_axpy(w.double().abs(), a.abs(), m)
+    w64 = w.dequantize().double() if isinstance(w, QuantTensor) else w.double()
+    ref = ref_axpy(w64, a, m)
+    bound = ref_axpy(w64.abs(), a.abs(), m)
     y = {n: cpu.sparse_axpy(w, a, m, threads=n) for n in (1, 2, 3)}
     for n in (1, 2, 3):
         assert_close(y[n], ref, bound)
