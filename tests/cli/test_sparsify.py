@@ -33,9 +33,9 @@ def test_sparsify_then_run(tiny_swiglu, tmp_path, capsys):
     assert r["mode"] == "sparse" and r["dense_perplexity"] > 0 and 0.4 < r["firing_rate"] < 0.8
 
     assert main(["info", "-m", str(out), "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["sparsify"].startswith(
-        "wina, target sparsity 0.4"
-    )  # the default
+    described = json.loads(capsys.readouterr().out)["sparsify"]
+    assert described.startswith("wina, target sparsity 0.4")  # the default
+    assert described.endswith("Q8_0 row copies for the decode (ffn_up_rows, ffn_gate_rows)")  # F16 + probe
 
 
 def test_bad_arguments(tiny_swiglu, tmp_path, capsys):

@@ -165,7 +165,19 @@ def _sparsify(mf, c) -> str | None:
             else ""
         )
         + (", the gate from its input channels (ffn_gate_t)" if a.gate_in is not None else "")
+        + _row_copies(mf)
     )
+
+
+def _row_copies(mf) -> str:
+    """The row copies the decode gathers from (names.FFN_UP_ROWS), as a clause, or ""."""
+    from hotcold import names
+
+    kinds = [n for n in (names.FFN_UP_ROWS, names.FFN_GATE_ROWS) if names.tensor(n, 0) in mf.tensors]
+    if not kinds:
+        return ""
+    qtype = mf.tensors[names.tensor(kinds[0], 0)].qtype.name
+    return f", {qtype} row copies for the decode ({', '.join(k.split('.')[-1] for k in kinds)})"
 
 
 def run(args) -> int:
