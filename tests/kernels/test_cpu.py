@@ -229,12 +229,13 @@ def test_axpy_batch_every_chunk_remainder(backend, fmt, d):
     check_batch_axpy(backend, w, a, m, token_threads=(2,))
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q5_0"])
 @pytest.mark.parametrize("d", [224, 416, 704])  # 7, 13, 22 blocks: every remainder mod 3 and mod 4
-def test_q8_0_batch_axpy_every_chunk_remainder(backend, d):
-    """Q8_0 takes the float batch axpy's register-held sums too (its block is one chunk): the float64 answer,
-    the same bits for any thread count and for each token alone."""
+def test_one_chunk_blocks_batch_axpy_every_chunk_remainder(backend, fmt, d):
+    """Q8_0, Q4_0 and Q5_0 take the float batch axpy's register-held sums too (a block is one chunk): the
+    float64 answer, the same bits for any thread count and for each token alone."""
     gen = torch.Generator().manual_seed(d)
-    w = QuantTensor.from_float(torch.randn(300, d, generator=gen), Q.Q8_0)
+    w = QuantTensor.from_float(torch.randn(300, d, generator=gen), QTYPE[fmt])
     a = torch.relu(torch.randn(5, 300, generator=gen))
     m = torch.rand(5, 300, generator=gen) < 0.6
     check_batch_axpy(backend, w, a, m, token_threads=(2,))

@@ -705,9 +705,10 @@ HC_INLINE void dot_row(const int wt, const int NT, const uint8_t *row, const flo
 HC_INLINE vf load_vec(const int wt, const uint8_t *row, int64_t c, int v) {
     if (wt == WT_F32) return vloadu((const float *)row + c * 32 + v * VL);
     if (wt == WT_F16) return vload_f16((const uint16_t *)row + c * 32 + v * VL);
-    if (wt == WT_Q8_0) { /* load32's values (w = d * q); the vectors not asked for are dead code */
+    if (wt == WT_Q8_0 || wt == WT_Q4_0 || wt == WT_Q5_0) { /* a block is one chunk: load32's values (w = d * q);
+                                                            * the vectors not asked for are dead code */
         vf w[NV];
-        load_q8_0(row + c * 34, w);
+        load32(wt, row, c, w);
         return w[v];
     }
     return vload_bf16((const uint16_t *)row + c * 32 + v * VL);
@@ -1987,7 +1988,7 @@ HC_INLINE void axpy_batch(const int wt, const hc_args *A, int64_t c0, int64_t c1
 #define HC_AXG 64 /* union rows per group of a float batch axpy (not part of the arithmetic) */
 #endif
 
-/* axpy_batch for float weights (and Q8_0), the same arithmetic with fewer memory operations: the union rows go in
+/* axpy_batch for float weights (and Q8_0, Q4_0, Q5_0), the same arithmetic with fewer memory operations: the union rows go in
  * groups of HC_AXG; for each token, its rows of the group (ascending) are applied chunk by chunk with
  * the token's open block sum in registers (one load and store of it per chunk and group, not per row).
  * part / cnt: as axpy_batch; lk, la ([T * HC_AXG]) and nl ([T]): each token's rows of the group. Where a
@@ -2128,9 +2129,12 @@ static void axpy_batch_range(int wt, const hc_args *A, int64_t c0, int64_t c1, i
     if (wt == WT_F16) axpy_batch_float(WT_F16, A, c0, c1, tail, part, cnt, ts, as, ts + A->T * HC_AXG);
     else if (wt == WT_F32) axpy_batch_float(WT_F32, A, c0, c1, tail, part, cnt, ts, as, ts + A->T * HC_AXG);
     else if (wt == WT_BF16) axpy_batch_float(WT_BF16, A, c0, c1, tail, part, cnt, ts, as, ts + A->T * HC_AXG);
-    /* Q8_0 (the default type of a sparsified float file's copies) too: its block is one chunk, so a vector
-     * is load32's; the register-held sums took a 52-token axpy over 48% of 5632 x 2048 from 51 to ~8 ms */
+    /* Q8_0 (the default type of a sparsified float file's copies), Q4_0 and Q5_0 too: a block is one chunk,
+     * so a vector is load32's; the register-held sums took a 52-token axpy over 48% of 5632 x 2048 from 51 to
+     * ~8 ms for Q8_0 (every token's partial sum went through memory for every row) */
     else if (wt == WT_Q8_0) axpy_batch_float(WT_Q8_0, A, c0, c1, tail, part, cnt, ts, as, ts + A->T * HC_AXG);
+    else if (wt == WT_Q4_0) axpy_batch_float(WT_Q4_0, A, c0, c1, tail, part, cnt, ts, as, ts + A->T * HC_AXG);
+    else if (wt == WT_Q5_0) axpy_batch_float(WT_Q5_0, A, c0, c1, tail, part, cnt, ts, as, ts + A->T * HC_AXG);
     else {
 #define CALL(W) axpy_batch(W, A, c0, c1, tail, part, cnt, ts, as)
         HC_DISPATCH(wt, CALL)
