@@ -4,9 +4,11 @@ Two of them, each optional: `--attention` (the inputs of q/k/v and of o; sparse/
 `--gate-probe inputs` (the FFN input of the gate, whose product then scores and activates the neurons;
 sparse/thresholded.GateInputs). Here: the calibration of their input scores (|h_i|, times the product's
 column norm over channel i for wina) into log-spaced histograms, and what the output file gets for them:
-the transposed matrices the axpy kernels read (row i = channel i's output direction; float types an exact
-transpose, block types re-quantized along the new rows, F16 where the block does not divide a row) and the
-quantile tables any sparsity's threshold is derived from at load.
+the transposed matrices the axpy kernels read (row i = channel i's output direction) and the quantile tables
+any sparsity's threshold is derived from at load. Also the type of every copy the decode reads (transpose_type:
+`--transpose-type`, Q8_0 for float sources by default; an exact transpose where it is the source's own float
+type, else re-quantized along the new rows, F16 where the block does not divide a row) and the row copies of up
+and the gate (row_copy_specs).
 """
 
 from __future__ import annotations
