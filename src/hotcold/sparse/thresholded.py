@@ -361,16 +361,14 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
     def make(layer: int, weights: FFNWeights, predictor, norm, *, expert: int | None = None):
         if expert is not None:
             raise ValueError(f"{src.path}: thresholded sparsity does not run mixture-of-experts layers")
-        device = src.plan.ffn[layer]
+        device, c = src.plan.ffn[layer], src.config
         down = None
         if src.has(names.FFN_DOWN, layer):
-            c = src.config
             # only many-row forwards and prompt chunks multiply it, always whole: packed, its file rows paged
             # out (pp52 of a 1B-shaped file 110 -> 126 t/s, benchmarks/RESULTS.md 2026-12-03)
             down = cpu.pack(place(src.raw(names.FFN_DOWN, layer, (c.n_embd, c.n_ff)), device))
         scale = None if assets.scale is None else assets.scale[layer]
         probe = gate_in = None
-        c = src.config
         if src.has(names.FFN_GATE_PROBE, layer):
             probe = cpu.pack(place(src.raw(names.FFN_GATE_PROBE, layer, (c.n_ff, c.n_embd)), device))
         if assets.gate_in is not None and src.has(names.FFN_GATE_T, layer):
