@@ -159,3 +159,18 @@ def test_transpose_type():
     assert transpose_type(Q.Q4_K, "same", 2080) == Q.F16  # 256 does not divide 2080
     with pytest.raises(ValueError, match="transpose-type"):
         transpose_type(Q.F16, "q3", 2048)
+
+
+def test_gate_inputs_calibration_hits_the_target(tiny_swiglu, tmp_path):
+    """--gate-probe inputs: the neuron thresholds are calibrated on the gate the file runs (from the kept input
+    channels), so layer 0, which sees exactly the calibration inputs, keeps the target share of neurons."""
+    out = tmp_path / "gate_inputs.gguf"
+    sparsify_file(
+        tiny_swiglu.dense["f16"], out, tiny_swiglu.corpus, sparsity=0.5, max_tokens=tiny_swiglu.tokens,
+        probe="inputs", transposes="same",
+    )  # fmt: skip
+    llm = hotcold.load(out, threads=1)
+    for window in _calibration_windows(llm, tiny_swiglu):
+        llm.logits(window)
+    kept = [c.computed / c.total for c in llm.engine.seq.counts]
+    assert abs(kept[0] - 0.5) < 0.01, kept

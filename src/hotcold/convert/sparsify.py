@@ -170,6 +170,9 @@ def calibrate(
         raise ValueError(f"window of {ctx} tokens is longer than the model's context size {llm.ctx_size}")
     windows = token_windows(ids, ctx, llm.tokenizer.bos_id)
     run_windows(llm, windows, observe, desc="calibrating", progress=progress)
+    tables = None if inputs is None else inputs.tables()
+    if gate_inputs:
+        hist = _gate_input_scores(llm, windows, tables, sparsity, scale, progress)
     quantiles = torch.tensor(
         [[hist.quantile(i, q) for q in GRID] for i in range(c.n_layer)], dtype=torch.float32
     )
@@ -179,10 +182,31 @@ def calibrate(
     for i, t in enumerate(thresholds):
         log.info("layer %d: threshold %.4g for sparsity %.2f", i, t, sparsity)
         measured.append(1.0 - float(frequency[i].mean()))
-    tables = None if inputs is None else inputs.tables()
     return Calibration(
         method, sparsity, thresholds, quantiles, frequency, scale, hist.tokens[0], measured, tables
     )
+
+
+def _gate_input_scores(llm, windows, tables, sparsity: float, scale, progress: bool) -> ScoreHistograms:
+    """A second pass for --gate-probe inputs: the neuron scores of the gate such a file runs, computed from each
+    token's input channels over the gate rule's threshold at `sparsity` (from the first pass's table), so the
+    neuron thresholds keep the target share of neurons (calibrated on the exact gate: 48% computed at 0.5)."""
+    from hotcold.placement.profile import run_windows
+    from hotcold.sparse.thresholded import threshold_at
+
+    c, layers = llm.config, llm.loaded.model.layers
+    grid = torch.tensor(GRID, dtype=torch.float32)
+    cut = [threshold_at(grid, tables.gate_quantiles[i], sparsity) for i in range(c.n_layer)]
+    hist = ScoreHistograms(c.n_layer, c.n_ff)
+
+    def observe(layer: int, h: torch.Tensor, _p: torch.Tensor, _a: torch.Tensor) -> None:
+        s_in = h.abs() if tables.gate_scale is None else h.abs() * tables.gate_scale[layer]
+        gate = linear(torch.where(s_in > cut[layer], h, 0.0), layers[layer].ffn.weights.gate)
+        score = F.silu(gate).abs()
+        hist.add(layer, score if scale is None else score * scale[layer])
+
+    run_windows(llm, windows, observe, desc="calibrating the gate from inputs", progress=progress)
+    return hist
 
 
 def _down_t(mf: ModelFile, layer: int, config: ModelConfig, qtype: Q) -> np.ndarray:
