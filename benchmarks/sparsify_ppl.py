@@ -9,7 +9,7 @@ with `sparsity=` (the thresholds derived from the stored quantile table, 0 = den
   file's ffn_down.
 - "stepwise" (--stepwise): the same chunks fed --piece tokens at a time through the KV cache, so every
   FFN runs the decode kernels (row gathers, the axpy over ffn_down_t): what generation computes, and
-  where the type of ffn_down_t (--down-types) shows.
+  where the type of the copies the decode reads (--transpose-types) shows.
 
     python benchmarks/sparsify_ppl.py --model /work/swiglu_build/swiglu.f32.gguf \\
         --calib /work/swiglu_build/corpus/train.txt --heldout /work/swiglu_build/corpus/heldout.txt \\
@@ -101,13 +101,15 @@ def main(argv=None) -> int:
         del first
         for method in args.methods.split(","):
             variants = [
-                (d, p, a == "on")
-                for d in args.transpose_types.split(",")
+                (t, p, a == "on")
+                for t in args.transpose_types.split(",")
                 for p in args.probes.split(",")
                 for a in args.attention.split(",")
             ]
-            for down, probe, attention in variants:
-                out = work / f"sparse.{qtype}.{method}.{down}.{probe}{'.attn' if attention else ''}.gguf"
+            for transposes, probe, attention in variants:
+                out = (
+                    work / f"sparse.{qtype}.{method}.{transposes}.{probe}{'.attn' if attention else ''}.gguf"
+                )
                 t0 = time.perf_counter()
                 cal = sparsify_file(
                     dense,
@@ -117,7 +119,7 @@ def main(argv=None) -> int:
                     method=method,
                     max_tokens=args.calib_tokens,
                     threads=args.threads,
-                    transposes=down,
+                    transposes=transposes,
                     probe=probe,
                     attention=attention,
                 )
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
                         "type": qtype,
                         "method": method,
                         "ffn_down_t": cal["ffn_down_t_type"],
-                        "down_choice": down,
+                        "down_choice": transposes,
                         "gate_probe": probe,
                         "attention_inputs": attention,
                         "sparsity": s,

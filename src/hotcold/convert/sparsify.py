@@ -156,9 +156,11 @@ def calibrate(
     if attention or gate_inputs:
         inputs = InputCalibration(mf, c, attention=attention, gate=gate_inputs, wina=method == "wina")
 
+    add_scores = _neuron_scores(hist, scale)
+
     def observe(layer: int, h: torch.Tensor, _p: torch.Tensor, _a: torch.Tensor) -> None:
-        score = F.silu(linear(h, gates[layer])).abs()  # [T, F]
-        hist.add(layer, score if scale is None else score * scale[layer])
+        if not gate_inputs:  # (a gate-inputs file's neurons are scored in the second pass below)
+            add_scores(layer, linear(h, gates[layer]))
         if inputs is not None:
             inputs.ffn_input(layer, h)
 
@@ -187,23 +189,33 @@ def calibrate(
     )
 
 
+def _neuron_scores(hist: ScoreHistograms, scale: torch.Tensor | None):
+    """add(layer, gate [T, F]): the neuron scores |silu(gate)| (times the wina weights) into hist."""
+
+    def add(layer: int, gate: torch.Tensor) -> None:
+        score = F.silu(gate).abs()
+        hist.add(layer, score if scale is None else score * scale[layer])
+
+    return add
+
+
 def _gate_input_scores(llm, windows, tables, sparsity: float, scale, progress: bool) -> ScoreHistograms:
     """A second pass for --gate-probe inputs: the neuron scores of the gate such a file runs, computed from each
     token's input channels over the gate rule's threshold at `sparsity` (from the first pass's table), so the
     neuron thresholds keep the target share of neurons (calibrated on the exact gate: 48% computed at 0.5)."""
     from hotcold.placement.profile import run_windows
-    from hotcold.sparse.thresholded import threshold_at
+    from hotcold.sparse.thresholded import kept_channels, threshold_at
 
     c, layers = llm.config, llm.loaded.model.layers
     grid = torch.tensor(GRID, dtype=torch.float32)
     cut = [threshold_at(grid, tables.gate_quantiles[i], sparsity) for i in range(c.n_layer)]
     hist = ScoreHistograms(c.n_layer, c.n_ff)
+    add_scores = _neuron_scores(hist, scale)
 
     def observe(layer: int, h: torch.Tensor, _p: torch.Tensor, _a: torch.Tensor) -> None:
-        s_in = h.abs() if tables.gate_scale is None else h.abs() * tables.gate_scale[layer]
-        gate = linear(torch.where(s_in > cut[layer], h, 0.0), layers[layer].ffn.weights.gate)
-        score = F.silu(gate).abs()
-        hist.add(layer, score if scale is None else score * scale[layer])
+        in_scale = None if tables.gate_scale is None else tables.gate_scale[layer]
+        kept = kept_channels(h, in_scale, cut[layer])  # the rule GateInputs runs
+        add_scores(layer, linear(torch.where(kept, h, 0.0), layers[layer].ffn.weights.gate))
 
     run_windows(llm, windows, observe, desc="calibrating the gate from inputs", progress=progress)
     return hist

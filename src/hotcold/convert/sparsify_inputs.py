@@ -26,6 +26,7 @@ from hotcold.convert import encode
 from hotcold.gguf_io import ModelFile, TensorSpec, as_torch
 from hotcold.kernels import cpu
 from hotcold.sparse.attention_inputs import attention_scales, column_norms
+from hotcold.sparse.thresholded import input_scores
 
 TRANSPOSE_TYPES = ("auto", "same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
 FLOAT_SOURCES = (Q.F32, Q.F16, Q.BF16)
@@ -115,14 +116,13 @@ class InputCalibration:
             )
 
     def attention(self, layer: int, which: int, h: torch.Tensor) -> None:
-        score = h.float().abs()
         scales = self.attn_scales
-        self.attn[which].add(layer, score if scales is None else score * scales[which][layer])
+        self.attn[which].add(layer, input_scores(h.float(), None if scales is None else scales[which][layer]))
 
     def ffn_input(self, layer: int, h: torch.Tensor) -> None:
         if self.gate is not None:
-            score = h.float().abs()
-            self.gate.add(layer, score if self.gate_scale is None else score * self.gate_scale[layer])
+            scale = None if self.gate_scale is None else self.gate_scale[layer]
+            self.gate.add(layer, input_scores(h.float(), scale))
 
     def tables(self) -> InputTables:
         attn = gate = None

@@ -29,7 +29,7 @@ from hotcold.kernels import cpu
 from hotcold.kernels.build import hc_weight
 from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
 from hotcold.quants import QuantTensor
-from hotcold.sparse.thresholded import prompt_rows, threshold_at
+from hotcold.sparse.thresholded import kept_channels, prompt_rows, threshold_at
 
 CPU = torch.device("cpu")
 QKV, OUT = 0, 1  # the two inputs of a layer's attention: q/k/v's, o's
@@ -107,11 +107,7 @@ class SparseInputs:
 
     def mask(self, h: torch.Tensor, which: int) -> torch.Tensor:
         """[T, Din] bool: the kept channels (compared in float32, as the C kernels)."""
-        score = h.abs()
-        scale = self.scales[which]
-        if scale is not None:
-            score = score * scale.to(h.device)
-        return score > self.thresholds[which]
+        return kept_channels(h, self.scales[which], self.thresholds[which])
 
     def _product(self, h: torch.Tensor, which: int, weights: list[Weight], ctx) -> torch.Tensor:
         """The axpy over the kept channels for a few CPU rows, except prompt chunks' rows (prompt_rows), which

@@ -144,6 +144,17 @@ def prompt_rows(ctx, t: int) -> torch.Tensor | None:
     return sel
 
 
+def input_scores(h: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """An input rule's channel scores: |h_i|, times the channel weight scale_i (wina) where given."""
+    score = h.abs()
+    return score if scale is None else score * scale.to(h.device)
+
+
+def kept_channels(h: torch.Tensor, scale: torch.Tensor | None, threshold: float) -> torch.Tensor:
+    """bool, h's shape: the input channels an input rule keeps (compared in float32, as the C kernels)."""
+    return input_scores(h, scale) > threshold
+
+
 @dataclass(frozen=True)
 class GateInputs:
     """The gate from each token's FFN input channels over a threshold only (sparsify --gate-probe inputs,
@@ -157,10 +168,7 @@ class GateInputs:
     def gate(self, h: torch.Tensor, gate: Weight, *, rows: bool, threads: int | None) -> torch.Tensor:
         """[T, F]: the axpy over gate_t of the kept channels (rows: the C kernels, few tokens), else the masked
         input through the gate (GEMM)."""
-        score = h.abs()
-        if self.scale is not None:
-            score = score * self.scale.to(h.device)
-        mask = score > self.threshold  # float32, as the C kernels compare
+        mask = kept_channels(h, self.scale, self.threshold)
         if rows:
             return cpu.sparse_axpy(self.gate_t, h.to(CPU).contiguous(), mask.to(CPU), threads=threads).to(
                 h.device
