@@ -241,6 +241,33 @@ def test_one_chunk_blocks_batch_axpy_every_chunk_remainder(backend, fmt, d):
     check_batch_axpy(backend, w, a, m, token_threads=(2,))
 
 
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16", "q8_0", "q4_0", "q5_0"])
+def test_batch_axpy_copied_and_direct_groups(backend, fmt):
+    """The listed batch axpy copies a group's rows side by side where its tokens take them twice on average
+    or more, and reads the matrix where they do not: here the first rows are taken by most of 24 tokens
+    (copied groups), the next by one token each (read in place), and the last few lie hundreds of rows
+    apart (a group spanning most of the matrix). NaN rows nobody takes, a NaN coefficient, blocks of 64
+    rows and a column tail: the float64 answer, and the same bits for any thread count and token alone."""
+    gen = torch.Generator().manual_seed(24)
+    t, f, d = 24, 1500, 100 if fmt in FLOAT else 96
+    share = torch.zeros(f, dtype=torch.float64)
+    share[:400] = 0.8  # hot: ~19 takers a row
+    share[400:1000] = 1.0 / t  # cold: about one taker a row
+    share[1000::97] = 0.5  # far apart
+    m = torch.rand(t, f, generator=gen, dtype=torch.float64) < share
+    a = torch.rand(t, f, generator=gen) + 0.1
+    a[m.logical_not()] = torch.where(torch.rand(t, f, generator=gen) < 0.5, 0.0, 3.0)[m.logical_not()]
+    w, _ = make_weight(fmt, f, torch.Generator().manual_seed(1), d=d)
+    check_batch_axpy(backend, w, a, m, token_threads=(1, 2))
+    y = cpu.sparse_axpy(w, a, m, threads=2)
+    # the same weights with the rows nobody takes NaN: never read
+    poisoned, _ = make_weight(fmt, f, torch.Generator().manual_seed(1), ~m.any(0), d=d)
+    assert torch.equal(cpu.sparse_axpy(poisoned, a, m, threads=2), y)
+    a[3, 5], m[3, 5] = float("nan"), True  # a NaN coefficient reaches its own token's output only
+    y = cpu.sparse_axpy(w, a, m, threads=2)
+    assert y[3].isnan().all() and not y[torch.arange(t) != 3].isnan().any()
+
+
 def check_batch_axpy(backend, w, a, m, *, token_threads) -> None:
     """sparse_axpy of a batch at 1, 2 and 3 threads: the float64 answer; with the C backend the same bits
     for every thread count, and for each token alone at `token_threads`."""
