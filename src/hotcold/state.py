@@ -40,6 +40,9 @@ class KVCache:
         self.v = [_zeros(shape, t, d) for d, t in zip(devices, dtypes, strict=True)]
 
 
+_MAP_MIN_BYTES = 1 << 20  # smaller caches (tests' tiny models) are not worth a map each
+
+
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A zeroed cache tensor. On the CPU in an anonymous memory map: the OS hands out zero pages as positions
     are first written, where torch.zeros writes every byte at once (8 sequences of the 1B synthetic at the
@@ -55,9 +58,6 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
         except (AttributeError, OSError, ValueError):  # no such map on this platform: write the zeros
             pass
     return torch.zeros(shape, dtype=dtype, device=device)
-
-
-_MAP_MIN_BYTES = 1 << 20  # smaller caches (tests' tiny models) are not worth a map each
 
 
 @dataclass

@@ -2141,15 +2141,16 @@ HC_INLINE void axpy_batch_float(const int wt, const hc_args *A, const hc_axlists
         const int64_t *off = L->off + (g0 / HC_AXG) * T;
         const int64_t r0 = A->idx[g0];
         const int copy = off[T] - off[0] >= 2 * (g1 - g0); /* (pairs of the group: its lists are contiguous) */
-        /* Column chunks outside, tokens inside: the group's rows' lines of these chunks (HC_AXG x
-         * AXPY_CHUNKS x 64 B of F16: 16 KB) stay in L1 for every token that takes them. */
+        /* Column chunks outside, tokens inside: every token that takes a row of the group reads the same
+         * AXPY_CHUNKS chunks of it (HC_AXG x AXPY_CHUNKS x 64 B of F16: 16 KB, the group copy below). */
         for (int64_t c = c0; c < c1; c += AXPY_CHUNKS) {
             const int64_t nch = c1 - c < AXPY_CHUNKS ? c1 - c : AXPY_CHUNKS;
             /* Where the group's tokens take its rows twice on average or more, the rows' bytes of these
              * chunks are first copied side by side, slot i - r0 for row i: rows of a matrix lie a power
              * of two apart, so the same columns of many rows share a few L1 sets and evicted each other
-             * between the tokens that take them (a 52-token axpy over 49% of 5632 x 2048 F16 rows 1.2x
-             * faster; at 8 tokens, ~1.3 takers a row, the copy cost what it saved). */
+             * between the tokens that take them (52 tokens over 49% of 5632 x 2048 F16 rows, 22 matrices:
+             * 37 -> 31 ms; 8 tokens, ~3 takers a row: 11 -> 9.5 ms). A row with one taker is read once
+             * either way, so groups of such rows are not copied. */
             const int64_t cb0 = chunk_off(wt, c), sb = chunk_off(wt, c + nch) - cb0;
             const uint8_t *base = A->W + cb0;
             int64_t bstride = A->stride, bfirst = 0;
