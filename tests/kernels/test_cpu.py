@@ -158,7 +158,7 @@ def test_deterministic_across_threads_and_batching(backend, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
-@pytest.mark.parametrize("t", [4, 8, 17, 52])
+@pytest.mark.parametrize("t", [4, 8, 17, 52, 130])  # 130: past the listed tokens (HC_WANT_MAX)
 def test_gather_rows_most_tokens_want(backend, fmt, t):
     """Masks whose rows range from wanted by no token to wanted by all (row i by about i / F of them), as a
     batch's hot and cold neurons: float rows that most tokens want take the every-token tile and set the

@@ -1682,24 +1682,32 @@ HC_INLINE void row_dot_tokens(const int wt, const int NT, const uint8_t *row, co
 #endif
 
 /* Float rows rows_i[0..nr) (nr <= TILE_R) against every token through dot_rows_tokens (a short tile repeats its
- * last row); with a mask, 0 again where it does not want them. The index list entries from position k on are
+ * last row); with a mask, 0 again where it does not want them. The rows pf (TILE_R, NULL entries skipped) are
  * prefetched meanwhile. */
-HC_INLINE void tile_rows(const int wt, const hc_args *A, int nr, const int64_t *rows_i, int64_t k, int64_t k1,
-                         int64_t kn) {
+HC_INLINE void tile_rows_pf(const int wt, const hc_args *A, int nr, const int64_t *rows_i, const uint8_t *const *pf) {
     const int64_t F = A->F, T = A->T;
-    const uint8_t *rows[TILE_R], *pf[TILE_R] = {NULL, NULL, NULL, NULL};
+    const uint8_t *rows[TILE_R];
     int64_t ti[TILE_R];
     for (int r = 0; r < TILE_R; r++) {
         ti[r] = rows_i[r < nr ? r : nr - 1];
         rows[r] = A->W + ti[r] * A->stride;
-        const int64_t q = next_pos(k + r, k1, kn, A->n);
-        if (q >= 0) pf[r] = A->W + (A->idx ? (int64_t)A->idx[q] : q) * A->stride;
     }
     dot_rows_tokens(wt, nr, rows, ti, A->x, T, A->D, A->out, F, pf);
     if (A->mask)
         for (int r = 0; r < nr; r++)
             for (int64_t t = 0; t < T; t++)
                 if (!A->mask[t * F + ti[r]]) A->out[t * F + ti[r]] = 0.0f;
+}
+
+/* tile_rows_pf with the index list entries from position k on prefetched. */
+HC_INLINE void tile_rows(const int wt, const hc_args *A, int nr, const int64_t *rows_i, int64_t k, int64_t k1,
+                         int64_t kn) {
+    const uint8_t *pf[TILE_R] = {NULL, NULL, NULL, NULL};
+    for (int r = 0; r < TILE_R; r++) {
+        const int64_t q = next_pos(k + r, k1, kn, A->n);
+        if (q >= 0) pf[r] = A->W + (A->idx ? (int64_t)A->idx[q] : q) * A->stride;
+    }
+    tile_rows_pf(wt, A, nr, rows_i, pf);
 }
 
 /* gather_matvec over index list entries [k0, k1); kn: see next_pos. */
@@ -1747,73 +1755,87 @@ HC_INLINE void gather_part(const int wt, const hc_args *A, int64_t k0, int64_t k
      * when there are many: from 16 tokens a row that half of them want costs less in the tile; below, where
      * the tokens' x stay close, only a row that nearly all want does (F16, 128 x 2048, one core, random
      * masks: T = 52 half wanted 1.0x, 70% 1.5x, all 2.4x; T = 8 all 1.5x). Each result keeps dot_row's bits. */
-    const int hot_tile = !wt_is_block(wt) && A->mask && T >= HC_HOT_MIN_T;
+    const int hot_tile = !wt_is_block(wt) && A->mask && T >= HC_HOT_MIN_T && T <= HC_WANT_MAX;
     const int64_t hot_min = T >= 16 ? (T + 1) / 2 : T - T / 8;
-    int64_t hot_i[TILE_R];
-    int nhot = 0;
-    for (int64_t k = k0; k < k1; k++) {
-        const int64_t i = ROW_OF(k);
-        const uint8_t *row = A->W + i * A->stride;
-        const int64_t q = next_pos(k + 1, k1, kn, A->n);
-        const uint8_t *pf = q >= 0 ? A->W + ROW_OF(q) * A->stride : NULL;
-        int64_t ts[TOKMAX];
-        float res[TOKMAX];
-        int cnt = 0;
-        /* The tokens that want the row, listed in the one scan of its mask column (bytes F apart) that the
-         * tile's choice needs, for the passes below (the same tokens in the same order as a second scan:
-         * 0.84-0.88x the time of a 52-token gate / up gather); nwant -1: not listed, the loop scans. */
-        int64_t wanted[HC_WANT_MAX];
-        int64_t nwant = -1;
-        if (hot_tile) {
-            int64_t want = 0;
-            if (T <= HC_WANT_MAX) {
-                for (int64_t t = 0; t < T; t++) {
-                    wanted[want] = t;
-                    want += A->mask[t * F + i] != 0;
-                }
-                nwant = want;
-            } else {
-                for (int64_t t = 0; t < T; t++) want += A->mask[t * F + i] != 0;
-            }
-            if (want >= hot_min) {
-                hot_i[nhot] = i;
-                if (++nhot == TILE_R) {
-                    tile_rows(wt, A, nhot, hot_i, k + 1, k1, kn);
-                    nhot = 0;
-                }
+    /* Blocks of up to HC_ITEM_ROWS positions: the rows are sorted first (the one scan of each row's mask column,
+     * bytes F apart, lists the tokens that want it), then the hot ones go through the tile four at a time with
+     * the next four hot rows prefetched, then the others one at a time with the next of them prefetched (the hot
+     * tiles prefetched the next index entries before, mostly rows that were not theirs: a 52-token gate's tiles
+     * ran at half the rate of the same tile over contiguous rows). */
+    for (int64_t b0 = k0; b0 < k1; b0 += HC_ITEM_ROWS) {
+        const int64_t b1 = k1 - b0 < HC_ITEM_ROWS ? k1 : b0 + HC_ITEM_ROWS;
+        int64_t hot_i[HC_ITEM_ROWS], own_k[HC_ITEM_ROWS];
+        uint8_t wanted[HC_ITEM_ROWS][HC_WANT_MAX]; /* hot_tile: the tokens that want own_k[j], nwant[j] of them */
+        int16_t nwant[HC_ITEM_ROWS];
+        int nhot = 0, nown = 0;
+        for (int64_t k = b0; k < b1; k++) {
+            if (!hot_tile) {
+                own_k[nown++] = k;
                 continue;
             }
-        }
-        const int64_t nt = nwant >= 0 ? nwant : T;
-        for (int64_t u = 0; u < nt; u++) {
-            const int64_t t = nwant >= 0 ? wanted[u] : u;
-            if (nwant < 0 && A->mask && !A->mask[t * F + i]) continue;
-            ts[cnt++] = t;
-            if (cnt == per) {
-                if (per == QNT) row_dot_tokens(wt, QNT, row, A, ts, res, pf);
-                else row_dot_tokens(wt, NTMAX, row, A, ts, res, pf);
-                pf = NULL;
-                for (int j = 0; j < cnt; j++) A->out[ts[j] * F + i] = res[j];
-                cnt = 0;
+            const int64_t i = ROW_OF(k);
+            int64_t want = 0;
+            uint8_t *wl = wanted[nown];
+            for (int64_t t = 0; t < T; t++) {
+                wl[want] = (uint8_t)t;
+                want += A->mask[t * F + i] != 0;
             }
+            if (want >= hot_min) hot_i[nhot++] = i;
+            else if (want > 0) nwant[nown] = (int16_t)want, own_k[nown++] = k;
         }
-        switch (cnt) { /* the rest, with a constant token count so the accumulators stay in registers */
-        case 1: row_dot_tokens(wt, 1, row, A, ts, res, pf); break;
+        const uint8_t *next_block = NULL; /* the first row after this block, for the last prefetch */
+        {
+            const int64_t q = next_pos(b1, k1, kn, A->n);
+            if (q >= 0) next_block = A->W + ROW_OF(q) * A->stride;
+        }
+        for (int j = 0; j < nhot; j += TILE_R) {
+            const int nr = nhot - j < TILE_R ? nhot - j : TILE_R;
+            const uint8_t *pf[TILE_R] = {NULL, NULL, NULL, NULL};
+            for (int r = 0; r < TILE_R; r++) {
+                const int h = j + TILE_R + r, o = h - nhot; /* the next hot rows, then this block's others */
+                if (h < nhot) pf[r] = A->W + hot_i[h] * A->stride;
+                else if (o < nown) pf[r] = A->W + ROW_OF(own_k[o]) * A->stride;
+                else if (o == nown) pf[r] = next_block;
+            }
+            tile_rows_pf(wt, A, nr, hot_i + j, pf);
+        }
+        for (int j = 0; j < nown; j++) {
+            const int64_t k = own_k[j], i = ROW_OF(k);
+            const uint8_t *row = A->W + i * A->stride;
+            const uint8_t *pf = j + 1 < nown ? A->W + ROW_OF(own_k[j + 1]) * A->stride : next_block;
+            int64_t ts[TOKMAX];
+            float res[TOKMAX];
+            int cnt = 0;
+            const int64_t nt = hot_tile ? nwant[j] : T;
+            for (int64_t u = 0; u < nt; u++) {
+                const int64_t t = hot_tile ? wanted[j][u] : u;
+                if (!hot_tile && A->mask && !A->mask[t * F + i]) continue;
+                ts[cnt++] = t;
+                if (cnt == per) {
+                    if (per == QNT) row_dot_tokens(wt, QNT, row, A, ts, res, pf);
+                    else row_dot_tokens(wt, NTMAX, row, A, ts, res, pf);
+                    pf = NULL;
+                    for (int q = 0; q < cnt; q++) A->out[ts[q] * F + i] = res[q];
+                    cnt = 0;
+                }
+            }
+            switch (cnt) { /* the rest, with a constant token count so the accumulators stay in registers */
+            case 1: row_dot_tokens(wt, 1, row, A, ts, res, pf); break;
 #if TOKMAX > 2
-        case 2: row_dot_tokens(wt, 2, row, A, ts, res, pf); break;
-        case 3: row_dot_tokens(wt, 3, row, A, ts, res, pf); break;
+            case 2: row_dot_tokens(wt, 2, row, A, ts, res, pf); break;
+            case 3: row_dot_tokens(wt, 3, row, A, ts, res, pf); break;
 #endif
 #if TOKMAX > 4
-        case 4: row_dot_tokens(wt, 4, row, A, ts, res, pf); break;
-        case 5: row_dot_tokens(wt, 5, row, A, ts, res, pf); break;
-        case 6: row_dot_tokens(wt, 6, row, A, ts, res, pf); break;
-        case 7: row_dot_tokens(wt, 7, row, A, ts, res, pf); break;
+            case 4: row_dot_tokens(wt, 4, row, A, ts, res, pf); break;
+            case 5: row_dot_tokens(wt, 5, row, A, ts, res, pf); break;
+            case 6: row_dot_tokens(wt, 6, row, A, ts, res, pf); break;
+            case 7: row_dot_tokens(wt, 7, row, A, ts, res, pf); break;
 #endif
-        default: break;
+            default: break;
+            }
+            for (int q = 0; q < cnt; q++) A->out[ts[q] * F + i] = res[q];
         }
-        for (int j = 0; j < cnt; j++) A->out[ts[j] * F + i] = res[j];
     }
-    if (nhot) tile_rows(wt, A, nhot, hot_i, k1, k1, kn);
 #undef ROW_OF
 }
 
