@@ -105,6 +105,7 @@ def one_client(url: str, prompt: str, max_tokens: int, start: threading.Barrier,
     t0 = time.perf_counter()
     first = None
     tokens = chunks = prompt_tokens = 0
+    cached = None  # prompt tokens the server took from a cache, where it says (OpenAI's usage field)
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as r:
         r.raise_for_status()
         for line in r.iter_lines():
@@ -117,8 +118,16 @@ def one_client(url: str, prompt: str, max_tokens: int, start: threading.Barrier,
             if obj.get("usage"):
                 tokens = obj["usage"]["completion_tokens"]
                 prompt_tokens = obj["usage"].get("prompt_tokens", 0)
+                cached = (obj["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
     end = time.perf_counter()
-    out.update(start=t0, first=first or end, end=end, tokens=tokens or chunks, prompt_tokens=prompt_tokens)
+    out.update(
+        start=t0,
+        first=first or end,
+        end=end,
+        tokens=tokens or chunks,
+        prompt_tokens=prompt_tokens,
+        cached=cached,
+    )
 
 
 def run_clients(url: str, n: int, max_tokens: int) -> dict:
@@ -141,6 +150,10 @@ def run_clients(url: str, n: int, max_tokens: int) -> dict:
         "clients": n,
         "tokens": tokens,
         "prompt_tokens": sum(r["prompt_tokens"] for r in results),
+        # prompt tokens the server took from a cache instead of computing them (None: it does not say)
+        "prompt_tokens_cached": None
+        if any(r["cached"] is None for r in results)
+        else sum(r["cached"] for r in results),
         "wall_s": round(wall, 3),
         "aggregate_tokens_per_s": round(tokens / wall, 2),
         "per_client_tokens_per_s_mean": round(
@@ -208,7 +221,9 @@ def results_section(res: dict, cmd: str, label: str) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
         f"load average before {m['loadavg_before']}, after {m['loadavg_after']}.",
         f"Each client streams {res['max_tokens']} tokens (temperature 0, ignore_eos) from its own prompt, new to"
-        f" the server (every run prefills every prompt: no prefix-cache hits); --parallel {res['parallel']}."
+        f" the server as a whole (`fresh_prompt`: a load's prompts share their first words, as requests sharing"
+        f" a template do; the server's own count of prompt tokens it took from a cache is in brackets where it"
+        f" reports one); --parallel {res['parallel']}."
         + (
             f" Each row is the median of {res['rounds']} loads (every load's aggregate in brackets)."
             if res.get("rounds", 1) > 1
@@ -222,7 +237,9 @@ def results_section(res: dict, cmd: str, label: str) -> str:
     for name, runs in res["servers"].items():
         for r in runs:
             lines.append(
-                f"| {name} | {r['clients']} | {r.get('prompt_tokens', '?')} | {r['aggregate_tokens_per_s']}"
+                f"| {name} | {r['clients']} | {r.get('prompt_tokens', '?')}"
+                f"{'' if r.get('prompt_tokens_cached') is None else ' (' + str(r['prompt_tokens_cached']) + ' cached)'}"
+                f" | {r['aggregate_tokens_per_s']}"
                 f"{' ' + str(r['rounds_aggregate_tokens_per_s']) if 'rounds_aggregate_tokens_per_s' in r else ''} "
                 f"| {r['per_client_tokens_per_s_mean']} "
                 f"| {r['ttft_s_mean']} s / {r['ttft_s_max']} s | {r['wall_s']} s |"

@@ -69,3 +69,27 @@ def test_logits_reference_flag_is_per_call(demo):
     reference = dense_model.logits(ids)
     assert torch.allclose(engine.logits(ids, dense=True), reference, atol=1e-4 * reference.abs().max())
     assert not torch.equal(sparse, reference)
+
+
+def test_exact_counts_the_cached_rows_another_slot_may_copy(demo):
+    """Engine.exact: rows forwarded a few at a time on the CPU kernels keep their own bits wherever they ran
+    (another slot may copy them); a forward of GEMM_MIN_TOKENS rows or more, or the dense reference, does
+    not, and rows after it inherit that."""
+    from hotcold.kernels import cpu
+
+    engine = Engine(demo.loaded.model, demo.tokenizer, demo.ctx_size)
+    ids = demo.tokenize(PROMPTS[0])
+    list(engine.stream(ids, max_tokens=4, ignore_eos=True))
+    assert engine.exact == len(engine.cached_ids) == len(ids) + 3  # the last sampled token is not forwarded
+    other = Engine(demo.loaded.model, demo.tokenizer, demo.ctx_size)
+    other.copy_prefix(engine, 5)
+    assert other.exact == 5 and other.cached_ids == ids[:5]
+    long_ids = (ids * cpu.GEMM_MIN_TOKENS)[: len(ids) + cpu.GEMM_MIN_TOKENS]
+    engine.prefill(long_ids)  # shares its prompt with the cache: GEMM_MIN_TOKENS rows after it, one forward
+    assert engine.exact == len(ids) and len(engine.cached_ids) == len(long_ids)
+    engine.logits(ids, dense=True)
+    assert engine.exact == 0
+    engine.prefill(ids)
+    assert engine.exact == 0  # the dense rows before stay, so nothing after them counts either
+    engine.logits(ids)
+    assert engine.exact == len(ids)

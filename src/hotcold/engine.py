@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats, common_prefix
+from hotcold.kernels import build, cpu
 from hotcold.ops import embed
 from hotcold.sampling import SamplingParams, make_generator, sample
 from hotcold.state import Batch, Observer, hot_masks
@@ -36,7 +37,31 @@ class Engine:
         if plan is not None and plan.hot is not None:  # count what the hot copies compute (stats.neurons_hot)
             self.seq.hot = hot_masks([plan.hot_rows(i) for i in range(plan.n_layer)], model.config.n_ff)
         self.cached_ids: list[int] = []  # tokens whose keys/values are in the cache, in order
+        # the first `exact` of them hold the bits a forward of them in any other engine would write: rows
+        # forwarded under cpu.GEMM_MIN_TOKENS at a time by the C kernels on the CPU, where a row's arithmetic
+        # does not depend on the rest of its forward (hotcold.batching); another slot may copy them
+        self.exact = 0
+        self._rows_own_bits = (
+            build.get_lib() is not None
+            and plan is not None
+            and plan.fast is None
+            and all(d.type == "cpu" for d in (*plan.attention, *plan.predictor, *plan.ffn, plan.output))
+        )
         self.last_prefill_computed = 0
+
+    def record(self, pos: int, ids: Sequence[int]) -> None:
+        """One forward wrote the keys and values of `ids` at positions pos, pos + 1, ..."""
+        self.cached_ids[pos:] = list(ids)
+        own_bits = self._rows_own_bits and not (self.seq.dense or self.seq.observe)  # dense: another FFN
+        if own_bits and len(ids) < cpu.GEMM_MIN_TOKENS and pos <= self.exact:
+            self.exact = pos + len(ids)
+        else:
+            self.exact = min(self.exact, pos)
+
+    def truncate(self, n: int) -> None:
+        """Keep the first n cached tokens."""
+        self.cached_ids = self.cached_ids[:n]
+        self.exact = min(self.exact, n)
 
     def _forward(self, ids: Sequence[int], pos: int, *, last_only: bool) -> torch.Tensor:
         tokens = torch.tensor(ids, dtype=torch.long)
@@ -62,22 +87,24 @@ class Engine:
             for layer, (n, n_ff, sparse) in enumerate(zip(fired, step.n_ff, step.sparse, strict=True)):
                 computed = n if sparse else n_ff
                 seq.count(layer, computed, n_ff, computed if seq.hot_mask(layer, n_ff) is not None else 0)
-            self.cached_ids[pos:] = list(ids)
+            self.record(pos, ids)
             return logits[None]
         logits = self.model.forward(tokens, Batch.single(self.seq, pos, len(ids)), last_only=last_only)
-        self.cached_ids[pos:] = list(ids)
+        self.record(pos, ids)
         return logits
 
     def copy_prefix(self, other: Engine, n: int) -> None:
         """Take the first n cached tokens of another engine of the same model (their keys and values, copied
         into this engine's cache): what a prefill of those tokens here would have written, bit for bit, since
-        a row's arithmetic does not depend on the rest of its forward. For the `n` choices of one prompt."""
+        a row's arithmetic does not depend on the rest of its forward (for the first `other.exact` of them). For
+        the `n` choices of one prompt, and for a prompt that shares its start with another slot's."""
         if other.model is not self.model or n > len(other.cached_ids) or n > self.ctx_size:
             raise ValueError("copy_prefix: another model's engine, or more tokens than it has cached")
         for dst, src in ((self.seq.kv.k, other.seq.kv.k), (self.seq.kv.v, other.seq.kv.v)):
             for d, s in zip(dst, src, strict=True):
                 d[:n].copy_(s[:n])
         self.cached_ids = list(other.cached_ids[:n])
+        self.exact = min(n, other.exact)
 
     def check_length(self, n_tokens: int) -> None:
         if n_tokens > self.ctx_size:
@@ -95,7 +122,7 @@ class Engine:
         self.check_length(len(ids))
         if not ids:
             raise ValueError("logits() needs at least one token")
-        self.cached_ids = []
+        self.truncate(0)
         seq = self.seq
         seq.dense, seq.observe = dense or observe is not None, observe
         try:
@@ -116,7 +143,7 @@ class Engine:
         start = min(
             common_prefix(self.cached_ids, ids), len(ids) - 1
         )  # recompute at least the last token to get its logits
-        self.cached_ids = self.cached_ids[:start]
+        self.truncate(start)
         self.last_prefill_computed = len(ids) - start
         logits = None
         for s in range(start, len(ids), PREFILL_CHUNK):

@@ -162,7 +162,7 @@ class Generation:
             if whole
             else min(common_prefix(engine.cached_ids, self.prompt), len(self.prompt) - 1)
         )
-        engine.cached_ids = engine.cached_ids[:start]
+        engine.truncate(start)
         engine.last_prefill_computed = len(self.prompt) - start
         self.stats.prompt_tokens = len(self.prompt)
         self.stats.prompt_computed = len(self.prompt) - start
@@ -188,7 +188,7 @@ class Generation:
     def take(self, logits: torch.Tensor) -> None:
         """The logits [V] of the last row of what `want()` asked for, once that forward has run."""
         ids, pos = self.want()
-        self.engine.cached_ids[pos:] = ids
+        self.engine.record(pos, ids)
         now = time.perf_counter()
         if self.prefilling:
             self._next = pos + len(ids)

@@ -66,6 +66,8 @@ def test_greedy_completion_equals_generate(server_url, llm):
         assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
         assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == r.choices[0].finish_reason
         assert chunks[-1].usage.completion_tokens == r.usage.completion_tokens
+        # the same prompt again: all but its last token's keys and values come from a slot's cache
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == len(llm.tokenize(prompt)) - 1
 
 
 def test_token_prompt_and_length_finish(server_url, llm):

@@ -332,3 +332,51 @@ def test_choices_of_one_prompt_run_it_once_and_equal_each_alone(llm):
     finally:
         sched.close()
     assert len(model.started) == 1  # the follower's own prefill
+
+
+def _sharing(llm, suffix_a: str, suffix_b: str):
+    """Prompts A and B that share their first part; A runs in one slot, B arrives while it decodes and takes
+    the other slot: (A, B, shared token count, the two results, the prompt chunks prefilled, refs alone)."""
+    shared = PROMPTS[2] + " " + PROMPTS[4]
+    a = GenerationRequest(llm.tokenize(shared + suffix_a), 30, SamplingParams(), ignore_eos=True)
+    b = GenerationRequest(llm.tokenize(shared + suffix_b), 8, SamplingParams(), ignore_eos=True)
+    n = next(i for i, (x, y) in enumerate(zip(a.prompt_ids, b.prompt_ids)) if x != y)
+    refs = [alone(llm, a), alone(llm, b)]
+    model = Model(llm.loaded.model)
+    sched = scheduler(llm, 2, model)
+
+    async def main():
+        job_a = sched.submit(a)
+        it = job_a.__aiter__()
+        first = await it.__anext__()  # A's prompt is in its slot now
+        job_b = sched.submit(b)
+        rest_a = [c async for c in it]
+        got_b = await collect(job_b)
+        chunks = [first, *rest_a]
+        return ("".join(c.text for c in chunks), [c.token for c in chunks if c.token is not None]), got_b
+
+    try:
+        got_a, got_b = run(main())
+    finally:
+        sched.close()
+    return a, b, n, got_a, got_b, model.started, refs
+
+
+def test_prompt_sharing_its_start_with_another_slot_copies_it(llm):
+    """B shares its first tokens with A, which is decoding in the other slot: B's slot copies those keys and
+    values and prefills only the rest, and both get exactly the tokens they get alone."""
+    a, b, n, got_a, got_b, started, refs = _sharing(llm, " and then", " but now")
+    assert n > 10
+    assert [got_a, got_b] == refs
+    assert started == [a.prompt_ids, b.prompt_ids[n:]]  # B computed only what A's slot did not hold
+
+
+def test_rows_forwarded_with_many_others_are_not_shared(llm):
+    """A prompt of GEMM_MIN_TOKENS rows or more is prefilled in one forward whose rows' bits depend on each
+    other (the GEMM path): its slot's rows are not copied, B prefills its whole prompt, and still gets the
+    tokens it gets alone."""
+    long_tail = " " + " ".join(PROMPTS)
+    a, b, n, got_a, got_b, started, refs = _sharing(llm, long_tail, " but now")
+    assert len(a.prompt_ids) >= 96 and n > 10
+    assert [got_a, got_b] == refs
+    assert started == [a.prompt_ids, b.prompt_ids]

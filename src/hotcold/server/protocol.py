@@ -190,10 +190,18 @@ class Choice:
 
 
 def usage(stats: Sequence[GenerationStats]) -> dict:
-    """The prompt counted once, the completion tokens of every choice summed."""
+    """The prompt counted once, the completion tokens of every choice summed; as OpenAI's API, the prompt
+    tokens whose keys and values came from a cache (this slot's earlier requests or another slot's) in
+    prompt_tokens_details.cached_tokens."""
     prompt = stats[0].prompt_tokens if stats else 0
+    cached = stats[0].prompt_tokens - stats[0].prompt_computed if stats else 0
     completion = sum(s.generated_tokens for s in stats)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _join(a: list | None, b: list | None) -> list | None:

@@ -5,7 +5,9 @@ dropping finished or cancelled ones at once.
 
 The head of the queue always gets the next free slot, so no request waits behind one that arrived
 later; among free slots it takes the one whose cached tokens share the longest prefix with its prompt
-(a chat's next turn lands where its history already is, and skips that part of the prefill). Chunks
+(a chat's next turn lands where its history already is, and skips that part of the prefill); where
+another slot holds a longer start of the prompt (a shared system prompt or template), the slot first copies
+those keys and values from it (`_share_prefix`: only rows whose bits do not depend on their forward). Chunks
 reach the event loop through `call_soon_threadsafe`. A cancelled job (its client went away) leaves the
 queue at once, or leaves the batch at the next step and frees its slot. A request's tokens do not
 depend on what else is in the batch (see hotcold.batching). The `n` choices of one prompt run it once:
@@ -203,7 +205,9 @@ class Scheduler:
             r = job.request
             engine = max(self._free, key=lambda e: common_prefix(e.cached_ids, r.prompt_ids))
             prefilled = None
-            if leader is not None:
+            if leader is None:
+                self._share_prefix(engine, r.prompt_ids)
+            else:
                 if engine is not leader.engine:
                     engine.copy_prefix(leader.engine, len(r.prompt_ids))
                 prefilled = leader.generation.prompt_logits
@@ -226,6 +230,21 @@ class Scheduler:
             job.slot = _Running(job, engine, gen)
             self._running.append(job.slot)
         self._pending.extendleft(reversed(waiting))
+
+    def _share_prefix(self, engine, prompt: list[int]) -> None:
+        """Copy into `engine` the longest start of `prompt` that another slot holds with exact bits
+        (Engine.exact), where it is longer than what `engine` holds: a prompt sharing a system prompt or a
+        template with a request running in, or lately through, another slot skips that part of its prefill,
+        with the bits its own prefill would have written (caller holds the lock; a running slot's cached rows
+        are final, it only appends)."""
+        best, n = None, common_prefix(engine.cached_ids, prompt)
+        for other in [*self._free, *(r.engine for r in self._running)]:
+            if other is not engine:
+                k = min(common_prefix(other.cached_ids, prompt), other.exact, len(prompt) - 1)
+                if k > n:
+                    best, n = other, k
+        if best is not None:
+            engine.copy_prefix(best, n)
 
     def _shareable(self, leader: Job | None):
         """The leader's slot when its cache holds the prompt with its last logits, "wait" while it is
