@@ -166,11 +166,29 @@ class Generation:
         engine.last_prefill_computed = len(self.prompt) - start
         self.stats.prompt_tokens = len(self.prompt)
         self.stats.prompt_computed = len(self.prompt) - start
-        self._next = start  # next prompt position to prefill
+        self._next = self._first = start  # next prompt position to prefill; the first
         self._t0 = time.perf_counter()
         self._decode_t0 = 0.0
         if whole:
             self._first_token(prefilled, self._t0)
+
+    @property
+    def prefill_not_begun(self) -> bool:
+        """Its prompt still to prefill, no forward of it run yet."""
+        return not self.done and self.prefilling and self._next == self._first
+
+    def take_cached(self) -> bool:
+        """Before its first prefill forward: start after what its engine's cache now holds of the prompt (keys
+        and values another slot's copy brought in since). Whether the start moved."""
+        if not self.prefill_not_begun:
+            return False
+        start = min(common_prefix(self.engine.cached_ids, self.prompt), len(self.prompt) - 1)
+        if start <= self._next:
+            return False
+        self.engine.truncate(start)
+        self._next = self._first = start
+        self.engine.last_prefill_computed = self.stats.prompt_computed = len(self.prompt) - start
+        return True
 
     @property
     def prefilling(self) -> bool:

@@ -380,3 +380,28 @@ def test_rows_forwarded_with_many_others_are_not_shared(llm):
     assert len(a.prompt_ids) >= 96 and n > 10
     assert [got_a, got_b] == refs
     assert started == [a.prompt_ids, b.prompt_ids]
+
+
+def test_prompts_arriving_together_share_their_start(llm):
+    """A and B arrive together and share their first 50 tokens; together they do not fit in one forward, so A
+    prefills first and B, before its own first forward, copies A's 50 rows and prefills only its last 10;
+    both get exactly the tokens they get alone."""
+    base = llm.tokenize(" ".join(PROMPTS * 3))
+    other = llm.tokenize(" ".join(reversed(PROMPTS)))
+    a = GenerationRequest(base[:60], 6, SamplingParams(), ignore_eos=True)
+    b = GenerationRequest(base[:50] + other[1:11], 6, SamplingParams(), ignore_eos=True)
+    assert b.prompt_ids[50] != a.prompt_ids[50]
+    refs = [alone(llm, a), alone(llm, b)]
+    model = Model(llm.loaded.model)
+    sched = scheduler(llm, 2, model)
+
+    async def main():
+        jobs = sched.submit_all([a, b])
+        return await asyncio.gather(*(collect(j) for j in jobs))
+
+    try:
+        got = run(main())
+    finally:
+        sched.close()
+    assert got == refs
+    assert model.started == [a.prompt_ids, b.prompt_ids[50:]]

@@ -7,7 +7,9 @@ The head of the queue always gets the next free slot, so no request waits behind
 later; among free slots it takes the one whose cached tokens share the longest prefix with its prompt
 (a chat's next turn lands where its history already is, and skips that part of the prefill); where
 another slot holds a longer start of the prompt (a shared system prompt or template), the slot first copies
-those keys and values from it (`_share_prefix`: only rows whose bits do not depend on their forward). Chunks
+those keys and values from it (`_share_prefix`: only rows whose bits do not depend on their forward), at
+admission and again before the prompt's first forward (requests arriving together prefill one after another
+when they do not fit in one forward, so the later ones find the earlier ones' rows). Chunks
 reach the event loop through `call_soon_threadsafe`. A cancelled job (its client went away) leaves the
 queue at once, or leaves the batch at the next step and frees its slot. A request's tokens do not
 depend on what else is in the batch (see hotcold.batching). The `n` choices of one prompt run it once:
@@ -278,6 +280,10 @@ class Scheduler:
                     self._admit()
                 if self._closed and not self._running:
                     return
+                for r in self._running:  # a prompt not begun yet: what other slots computed since it came
+                    if r.generation.prefill_not_begun:
+                        self._share_prefix(r.engine, r.generation.prompt)
+                        r.generation.take_cached()
                 batch = list(self._running)
             if not batch:
                 continue
