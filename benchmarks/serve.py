@@ -88,7 +88,35 @@ class Server:
 _LOAD = itertools.count(1)
 
 
+# --prompts: "template" prompts of one load share their first words ("Load 3, client "), as requests built from
+# one template do, and a server sharing cached starts across slots prefills that part once; "distinct" prompts
+# start with a word of their client's own (the same length), so a load's clients share nothing but the BOS.
+_PROMPT_STYLE = {"style": "template"}
+_FIRST_WORDS = [
+    "Apex",
+    "Bolt",
+    "Cove",
+    "Dune",
+    "Echo",
+    "Fern",
+    "Glen",
+    "Hush",
+    "Iris",
+    "Jade",
+    "Kelp",
+    "Lynx",
+]
+
+
+_PROMPTS_SAY = {
+    "template": "`--prompts template`: a load's prompts share their first words, as requests built from one template do",
+    "distinct": "`--prompts distinct`: a load's prompts share nothing but the BOS",
+}
+
+
 def fresh_prompt(client: int, load: int) -> str:
+    if _PROMPT_STYLE["style"] == "distinct":
+        return f"{_FIRST_WORDS[client % len(_FIRST_WORDS)]} {load}, client {client}: once upon a time"
     return f"Load {load}, client {client}: once upon a time"
 
 
@@ -221,9 +249,8 @@ def results_section(res: dict, cmd: str, label: str) -> str:
         f"Machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads); "
         f"load average before {m['loadavg_before']}, after {m['loadavg_after']}.",
         f"Each client streams {res['max_tokens']} tokens (temperature 0, ignore_eos) from its own prompt, new to"
-        f" the server as a whole (`fresh_prompt`: a load's prompts share their first words, as requests sharing"
-        f" a template do; the server's own count of prompt tokens it took from a cache is in brackets where it"
-        f" reports one); --parallel {res['parallel']}."
+        f" the server as a whole ({_PROMPTS_SAY[res.get('prompts', 'template')]}; the server's own count of prompt"
+        f" tokens it took from a cache is in brackets where it reports one); --parallel {res['parallel']}."
         + (
             f" Each row is the median of {res['rounds']} loads (every load's aggregate in brackets)."
             if res.get("rounds", 1) > 1
@@ -381,9 +408,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--rounds", type=int, default=1, help="loads per client count; the median one is reported (default 1)"
     )
+    ap.add_argument(
+        "--prompts",
+        choices=["template", "distinct"],
+        default="template",
+        help="template: a load's prompts share their first words (default); distinct: they share nothing",
+    )
     ap.add_argument("--label", default=None, help="how to name the model in RESULTS.md")
     ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
     args = ap.parse_args(argv)
+    _PROMPT_STYLE["style"] = args.prompts
     path = Path(args.model) if args.model else demo_model_path()
     if not path.exists():
         sys.exit(f"serve.py: {path} does not exist (no bundled demo model yet: pass a model path)")
@@ -403,6 +437,7 @@ def main(argv: list[str] | None = None) -> dict:
         "max_tokens": args.max_tokens,
         "parallel": parallel,
         "rounds": args.rounds,
+        "prompts": args.prompts,
         "direct_tokens_per_s": {},
         "ray": {"replicas": args.replicas} if args.ray else None,
         "servers": {},
