@@ -42,10 +42,10 @@ class Engine:
         # does not depend on the rest of its forward (hotcold.batching); another slot may copy them
         self.exact = 0
         self._rows_own_bits = (
-            build.get_lib() is not None
-            and plan is not None
+            plan is not None
             and plan.fast is None
             and all(d.type == "cpu" for d in (*plan.attention, *plan.predictor, *plan.ffn, plan.output))
+            and build.get_lib() is not None  # last: a model off the CPU never needs the library built
         )
         self.last_prefill_computed = 0
 
