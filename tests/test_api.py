@@ -30,6 +30,20 @@ def test_generate_batch_equals_generate_alone(llm):
     assert llm.generate_batch(PROMPTS[:2], max_tokens=0) == ["", ""]
 
 
+def test_generate_batch_prompts_sharing_a_start_compute_it_once(llm):
+    """Three prompts of ~60 tokens sharing their first 50, too many for one forward: the first prefills them, the
+    others copy its rows and compute only their own tails; each result equals generate alone."""
+    base = llm.tokenize(" ".join(PROMPTS * 8))[:50]
+    tails = [llm.tokenize(p)[1:11] for p in PROMPTS[1:]]
+    prompts = [base + tail for tail in tails]
+    batch = llm.generate_batch(prompts, max_tokens=6, ignore_eos=True)
+    assert len(prompts[0]) + len(prompts[1]) > 95  # not one forward (batching.MAX_ROWS)
+    assert [s.prompt_computed for s in llm.last_batch_stats] == [len(prompts[0])] + [
+        len(p) - 50 for p in prompts[1:]
+    ]
+    assert batch == [llm.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
+
+
 def test_threads_sharing_one_model_each_get_their_own_text(llm):
     """generate from several threads on one Model: the calls take turns on its context, never mix."""
     alone = [llm.generate(p, max_tokens=16) for p in PROMPTS]

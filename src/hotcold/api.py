@@ -157,6 +157,7 @@ class Model:
         ]
         texts = ["".join(c.text for c in g.drain()) for g in gens]  # max_tokens=0 is done at once
         while any(not g.done for g in gens):
+            batching.share_starts(gens)
             batching.step(self.loaded.model, gens)
             for i, g in enumerate(gens):
                 texts[i] += "".join(c.text for c in g.drain())

@@ -61,7 +61,19 @@ def run(model, group: Sequence[Generation]) -> None:
         g.take(logits[j])
 
 
+def share_starts(generations: Sequence[Generation]) -> None:
+    """Before a step: each generation whose prompt has not begun copies the longest start of it that another
+    one's engine holds with exact bits (Engine.share_start), and prefills only the rest: prompts sharing a
+    system prompt or a template, prefilled in different steps, compute it once."""
+    engines = [g.engine for g in generations]
+    for g in generations:
+        if g.prefill_not_begun:
+            g.engine.share_start(g.prompt, engines)
+            g.take_cached()
+
+
 def generate_all(model, generations: Sequence[Generation]) -> None:
     """Run the generations together to the end (the Python API's batch call)."""
     while any(not g.done for g in generations):
+        share_starts(generations)
         step(model, generations)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -105,6 +105,19 @@ class Engine:
                 d[:n].copy_(s[:n])
         self.cached_ids = list(other.cached_ids[:n])
         self.exact = min(n, other.exact)
+
+    def share_start(self, prompt: Sequence[int], others: Iterable[Engine]) -> None:
+        """Copy in the longest start of `prompt` that one of `others` holds with exact bits (`exact`), where it
+        is longer than what this engine holds: a prompt sharing a system prompt or a template with another
+        sequence skips that part of its prefill, with the bits its own prefill would have written."""
+        best, n = None, common_prefix(self.cached_ids, prompt)
+        for other in others:
+            if other is not self:
+                k = min(common_prefix(other.cached_ids, prompt), other.exact, len(prompt) - 1)
+                if k > n:
+                    best, n = other, k
+        if best is not None:
+            self.copy_prefix(best, n)
 
     def check_length(self, n_tokens: int) -> None:
         if n_tokens > self.ctx_size:

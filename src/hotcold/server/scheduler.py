@@ -239,14 +239,7 @@ class Scheduler:
         template with a request running in, or lately through, another slot skips that part of its prefill,
         with the bits its own prefill would have written (caller holds the lock; a running slot's cached rows
         are final, it only appends)."""
-        best, n = None, common_prefix(engine.cached_ids, prompt)
-        for other in [*self._free, *(r.engine for r in self._running)]:
-            if other is not engine:
-                k = min(common_prefix(other.cached_ids, prompt), other.exact, len(prompt) - 1)
-                if k > n:
-                    best, n = other, k
-        if best is not None:
-            engine.copy_prefix(best, n)
+        engine.share_start(prompt, [*self._free, *(r.engine for r in self._running)])
 
     def _shareable(self, leader: Job | None):
         """The leader's slot when its cache holds the prompt with its last logits, "wait" while it is
