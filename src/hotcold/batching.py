@@ -61,11 +61,12 @@ def run(model, group: Sequence[Generation]) -> None:
         g.take(logits[j])
 
 
-def share_starts(generations: Sequence[Generation]) -> None:
+def share_starts(generations: Sequence[Generation], others: Sequence = ()) -> None:
     """Before a step: each generation whose prompt has not begun copies the longest start of it that another
-    one's engine holds with exact bits (Engine.share_start), and prefills only the rest: prompts sharing a
-    system prompt or a template, prefilled in different steps, compute it once."""
-    engines = [g.engine for g in generations]
+    one's engine, or one of the engines `others` (a server's free slots), holds with exact bits
+    (Engine.share_start), and prefills only the rest: prompts sharing a system prompt or a template, prefilled
+    in different steps, compute it once."""
+    engines = [g.engine for g in generations] + list(others)
     for g in generations:
         if g.prefill_not_begun:
             g.engine.share_start(g.prompt, engines)

@@ -50,7 +50,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     glibc, having freed such blocks, began serving them from its heap and clearing them again. A sequence's
     memory also grows only with the positions it uses. The tensor holds the map; it is unmapped with it."""
     device = torch.device(device)
-    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     if device.type == "cpu" and nbytes >= _MAP_MIN_BYTES:
         try:
             flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS

@@ -89,6 +89,14 @@ def run(coro):
     return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
+def run_then_close(sched: Scheduler, main):
+    """run(main()), then close the scheduler whatever happened."""
+    try:
+        return run(main())
+    finally:
+        sched.close()
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_batch_of_mixed_requests_equals_each_alone(llm, threads):
     """8 requests of different prompts, lengths and arrival times, greedy and seeded sampling, in one
@@ -111,10 +119,7 @@ def test_batch_of_mixed_requests_equals_each_alone(llm, threads):
                     await asyncio.sleep(0.05)  # later arrivals join a running batch
             return await asyncio.gather(*(collect(j) for j in jobs))
 
-        try:
-            got = run(main())
-        finally:
-            sched.close()
+        got = run_then_close(sched, main)
         assert got == refs
         total_tokens = sum(r.max_tokens for r in reqs)
         assert model.forwards < total_tokens / 2  # several requests per forward
@@ -139,10 +144,7 @@ def test_request_arriving_while_seven_decode_and_a_cancelled_one(llm):
         others = await asyncio.gather(*(collect(j) for i, j in enumerate(jobs) if i != 3))
         return others, await collect(late_job)
 
-    try:
-        others, got_late = run(main())
-    finally:
-        sched.close()
+    others, got_late = run_then_close(sched, main)
     assert others == [ref for i, ref in enumerate(refs) if i != 3]
     assert got_late == late_ref
     assert sched.cancelled == 1
@@ -158,10 +160,7 @@ def test_one_slot_serves_requests_first_in_first_out(llm):
         assert sched.queue_depth == 3 and sched.busy == 1
         return await asyncio.gather(*(collect(j) for j in jobs))
 
-    try:
-        got = run(main())
-    finally:
-        sched.close()
+    got = run_then_close(sched, main)
     assert got == [alone(llm, r) for r in reqs]
     assert started(model, reqs) == [0, 1, 2, 3]
     assert sched.queue_depth == 0 and sched.busy == 0
@@ -215,10 +214,7 @@ def test_cancel_after_the_end_is_not_counted(llm):
         job.cancel()
         return text
 
-    try:
-        run(main())
-    finally:
-        sched.close()
+    run_then_close(sched, main)
     assert sched.cancelled == 0
 
 
@@ -249,10 +245,7 @@ def test_free_slot_with_the_longest_shared_prefix_is_chosen(llm):
         await collect(sched.submit(GenerationRequest(b_ids, 1)))
         await collect(sched.submit(GenerationRequest(a_ids, 1)))
 
-    try:
-        run(main())
-    finally:
-        sched.close()
+    run_then_close(sched, main)
     assert engines[1].cached_ids[: len(b_ids)] == b_ids and engines[0].cached_ids[: len(a_ids)] == a_ids
 
 
@@ -291,10 +284,7 @@ def test_without_a_queue_only_free_slots_take_requests(llm):
             sched.submit(request(llm, 1, n=1))
         return await collect(job)
 
-    try:
-        run(main())
-    finally:
-        sched.close()
+    run_then_close(sched, main)
 
 
 def test_choices_of_one_prompt_run_it_once_and_equal_each_alone(llm):
@@ -311,10 +301,7 @@ def test_choices_of_one_prompt_run_it_once_and_equal_each_alone(llm):
         jobs = sched.submit_all(reqs)
         return await asyncio.gather(*(collect(j) for j in jobs))
 
-    try:
-        got = run(main())
-    finally:
-        sched.close()
+    got = run_then_close(sched, main)
     assert got == refs
     assert len(set(tuple(t) for _, t in got)) > 1  # the seeds differ, so do the samples
     assert len(model.started) == 1  # one prefill for the three
@@ -355,10 +342,7 @@ def _sharing(llm, suffix_a: str, suffix_b: str):
         chunks = [first, *rest_a]
         return ("".join(c.text for c in chunks), [c.token for c in chunks if c.token is not None]), got_b
 
-    try:
-        got_a, got_b = run(main())
-    finally:
-        sched.close()
+    got_a, got_b = run_then_close(sched, main)
     return a, b, n, got_a, got_b, model.started, refs
 
 
@@ -399,9 +383,6 @@ def test_prompts_arriving_together_share_their_start(llm):
         jobs = sched.submit_all([a, b])
         return await asyncio.gather(*(collect(j) for j in jobs))
 
-    try:
-        got = run(main())
-    finally:
-        sched.close()
+    got = run_then_close(sched, main)
     assert got == refs
     assert model.started == [a.prompt_ids, b.prompt_ids[50:]]

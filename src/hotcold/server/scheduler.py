@@ -6,10 +6,10 @@ dropping finished or cancelled ones at once.
 The head of the queue always gets the next free slot, so no request waits behind one that arrived
 later; among free slots it takes the one whose cached tokens share the longest prefix with its prompt
 (a chat's next turn lands where its history already is, and skips that part of the prefill); where
-another slot holds a longer start of the prompt (a shared system prompt or template), the slot first copies
-those keys and values from it (`_share_prefix`: only rows whose bits do not depend on their forward), at
-admission and again before the prompt's first forward (requests arriving together prefill one after another
-when they do not fit in one forward, so the later ones find the earlier ones' rows). Chunks
+another slot (running or free) holds a longer start of the prompt (a shared system prompt or template), the
+slot copies those keys and values from it before the prompt's first forward (`batching.share_starts`: only rows
+whose bits do not depend on their forward; requests arriving together prefill one after another when they do
+not fit in one forward, so the later ones find the earlier ones' rows). Chunks
 reach the event loop through `call_soon_threadsafe`. A cancelled job (its client went away) leaves the
 queue at once, or leaves the batch at the next step and frees its slot. A request's tokens do not
 depend on what else is in the batch (see hotcold.batching). The `n` choices of one prompt run it once:
@@ -207,9 +207,7 @@ class Scheduler:
             r = job.request
             engine = max(self._free, key=lambda e: common_prefix(e.cached_ids, r.prompt_ids))
             prefilled = None
-            if leader is None:
-                self._share_prefix(engine, r.prompt_ids)
-            else:
+            if leader is not None:
                 if engine is not leader.engine:
                     engine.copy_prefix(leader.engine, len(r.prompt_ids))
                 prefilled = leader.generation.prompt_logits
@@ -232,14 +230,6 @@ class Scheduler:
             job.slot = _Running(job, engine, gen)
             self._running.append(job.slot)
         self._pending.extendleft(reversed(waiting))
-
-    def _share_prefix(self, engine, prompt: list[int]) -> None:
-        """Copy into `engine` the longest start of `prompt` that another slot holds with exact bits
-        (Engine.exact), where it is longer than what `engine` holds: a prompt sharing a system prompt or a
-        template with a request running in, or lately through, another slot skips that part of its prefill,
-        with the bits its own prefill would have written (caller holds the lock; a running slot's cached rows
-        are final, it only appends)."""
-        engine.share_start(prompt, [*self._free, *(r.engine for r in self._running)])
 
     def _shareable(self, leader: Job | None):
         """The leader's slot when its cache holds the prompt with its last logits, "wait" while it is
@@ -273,11 +263,9 @@ class Scheduler:
                     self._admit()
                 if self._closed and not self._running:
                     return
-                for r in self._running:  # a prompt not begun yet: what other slots computed since it came
-                    if r.generation.prefill_not_begun:
-                        self._share_prefix(r.engine, r.generation.prompt)
-                        r.generation.take_cached()
                 batch = list(self._running)
+                # under the lock: the free slots are sources too, and a running slot's rows are final
+                batching.share_starts([r.generation for r in batch], others=self._free)
             if not batch:
                 continue
             try:
