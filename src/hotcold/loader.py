@@ -171,6 +171,14 @@ def load_model(
 
     cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
     src = TensorSource(model_file, config, devices)
+    if (
+        kv_sequences > 1  # a batch's tokens share the hot rows; one sequence gains ~1%, not the copy's time
+        and not dense
+        and thresholded is None
+        and devices.hot is None
+        and all(d.type == "cpu" for d in devices.ffn)
+    ):
+        src.neuron_order = neuron_order(path, config, notes)
     make_ffn = ffn_maker(devices, dense=dense, threads=threads)
     if thresholded is not None:
         from hotcold.sparse.attention_inputs import InputAssets
@@ -380,6 +388,29 @@ def resolve_placement(
         )
     notes.append(f"placement solved: {100 * placement.hot_fraction():.1f}% of FFN neurons hot")
     return hot
+
+
+def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torch.Tensor] | None:
+    """Per layer, the FFN neurons by activation count, hottest first (ties in the file's order), from the
+    statistics beside the model (`hotcold profile` writes them; PowerInfer's models ship them). A sparse CPU
+    layer of a model loaded for several sequences keeps its rows in this order, copied at load into memory
+    with huge pages asked for: the rows a batch's tokens share, mostly the hottest, then lie side by side
+    (8 prompts of the 1B synthetic through generate_batch: 0.91x the time; one sequence 0.99x, so a model
+    loaded for one is left as stored, mapped from the file). None without statistics, with unreadable ones
+    (noted), or with HOTCOLD_NEURON_ORDER=0 (to compare the two)."""
+    if os.environ.get("HOTCOLD_NEURON_ORDER", "1") == "0":
+        notes.append("FFN neurons in the file's order (HOTCOLD_NEURON_ORDER=0)")
+        return None
+    activation_dir = path.parent / "activation"
+    try:
+        counts = load_activations(activation_dir, config)
+    except GGUFError as exc:
+        notes.append(f"FFN neurons in the file's order: {exc}")
+        return None
+    if counts is None:
+        return None
+    notes.append(f"FFN neurons kept hottest first, by the activation statistics in {activation_dir}")
+    return [torch.argsort(c, descending=True, stable=True) for c in counts]
 
 
 def load_activations(activation_dir: Path, config: ModelConfig) -> list[torch.Tensor] | None:

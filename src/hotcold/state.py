@@ -5,12 +5,12 @@ slots, threads of a program) can run forwards of one loaded model at the same ti
 
 from __future__ import annotations
 
-import math
-import mmap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from hotcold.kernels.pages import anonymous
 
 # observe(layer, ffn_input [T, D], pred_input [T, D], activation [T, F]): sees the true activations of a
 # dense FFN evaluation; profiling, predictor training and perplexity's mask agreement use it.
@@ -40,24 +40,13 @@ class KVCache:
         self.v = [_zeros(shape, t, d) for d, t in zip(devices, dtypes, strict=True)]
 
 
-_MAP_MIN_BYTES = 1 << 20  # smaller caches (tests' tiny models) are not worth a map each
-
-
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache tensor. On the CPU in an anonymous memory map: the OS hands out zero pages as positions
-    are first written, where torch.zeros writes every byte at once (8 sequences of the 1B synthetic at the
-    default context took 0.72 s, most of an 8-prompt generate_batch's setup); numpy's calloc did so only until
-    glibc, having freed such blocks, began serving them from its heap and clearing them again. A sequence's
-    memory also grows only with the positions it uses. The tensor holds the map; it is unmapped with it."""
+    """A zeroed cache tensor. On the CPU in an anonymous memory map (pages.anonymous): zero pages as positions
+    are first written, where torch.zeros wrote every byte at once (8 sequences of the 1B synthetic at the
+    default context took 0.72 s, most of an 8-prompt generate_batch's setup), and a sequence's memory grows
+    only with the positions it uses. A GPU cache stays torch.zeros."""
     device = torch.device(device)
-    nbytes = math.prod(shape) * dtype.itemsize
-    if device.type == "cpu" and nbytes >= _MAP_MIN_BYTES:
-        try:
-            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-            return torch.frombuffer(mmap.mmap(-1, nbytes, flags=flags), dtype=dtype).view(shape)
-        except (AttributeError, OSError, ValueError):  # no such map on this platform: write the zeros
-            pass
-    return torch.zeros(shape, dtype=dtype, device=device)
+    return anonymous(shape, dtype) if device.type == "cpu" else torch.zeros(shape, dtype=dtype, device=device)
 
 
 @dataclass

@@ -29,6 +29,9 @@ class TensorSource:
         self.thresholded = False
         # and with input-sparse attention: (attention_inputs.InputAssets, sparsity, threads)
         self.sparse_inputs = None
+        # per layer, the FFN neurons hottest first (from the activation statistics): a sparse layer's rows
+        # are kept in this order, so the rows a batch shares lie side by side (loader.neuron_order)
+        self.neuron_order: list[torch.Tensor] | None = None
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors
@@ -74,16 +77,31 @@ class TensorSource:
             c.sparse or self.thresholded or not self.has(names.FFN_DOWN, layer, expert=expert)
         )
         down = names.FFN_DOWN_T if sparse_layout else names.FFN_DOWN
+        order = self._order(layer, expert, device) if sparse_layout else None
+
+        def rows(template):  # a matrix whose row i is neuron i: kept in `order` where there is one
+            w = matrix(template, (F, D))
+            return w if order is None else cpu.rows_in_order(w, order)
+
+        up_bias = place_vector(self.raw(names.FFN_UP, layer, (F,), "bias"), device) if biases else None
         return FFNWeights(
-            up=matrix(names.FFN_UP, (F, D)),
-            gate=matrix(names.FFN_GATE, (F, D)) if gated else None,
-            down_t=matrix(names.FFN_DOWN_T, (F, D)) if sparse_layout else None,
+            up=rows(names.FFN_UP),
+            gate=rows(names.FFN_GATE) if gated else None,
+            down_t=rows(names.FFN_DOWN_T) if sparse_layout else None,
             down=None if sparse_layout else matrix(names.FFN_DOWN, (D, F)),
-            up_bias=place_vector(self.raw(names.FFN_UP, layer, (F,), "bias"), device) if biases else None,
+            up_bias=up_bias if up_bias is None or order is None else up_bias[order],
             down_bias=place_vector(self.raw(down, layer, (D,), "bias"), device) if biases else None,
             kind=c.ffn_kind,
             activation=c.ffn_activation,
+            order=order,
         )
+
+    def _order(self, layer: int, expert: int | None, device: torch.device) -> torch.Tensor | None:
+        """The order a sparse layer's neurons are kept in (None: the file's): only a layer's own FFN (the
+        statistics are per layer, not per expert) on the CPU, from unpacked rows."""
+        if self.neuron_order is None or expert is not None or device.type != "cpu" or not self.config.sparse:
+            return None
+        return self.neuron_order[layer]
 
     def predictor(self, layer: int, *, expert: int | None = None) -> Predictor | None:
         """blk.N.fc1 [R, D] and blk.N.fc2 [F, R] (R free per layer but must agree), on the predictor's
@@ -97,7 +115,11 @@ class TensorSource:
         # only ever multiplied whole: quantized predictors (the original's quantize makes them Q4_0) get the
         # packed layout's kernel, 2-3x the row kernel's speed on their short rows
         fc1 = cpu.pack(place(self.raw(names.PRED_FC1, layer, (rank, c.n_embd), expert=expert), device))
-        fc2 = cpu.pack(place(self.raw(names.PRED_FC2, layer, (c.n_ff, rank), expert=expert), device))
+        fc2 = self.raw(names.PRED_FC2, layer, (c.n_ff, rank), expert=expert)
+        order = self._order(layer, expert, self.plan.ffn[layer])
+        if order is not None:  # row i predicts neuron i: the FFN's order (a copy, kept beside the packed one)
+            fc2 = fc2[order] if isinstance(fc2, torch.Tensor) else fc2.select_rows(order)
+        fc2 = cpu.pack(place(fc2, device))
         return Predictor(fc1, fc2, c.sparse_threshold)
 
     def token_embd(self) -> Weight:

@@ -44,7 +44,7 @@ from hotcold.kernels.dequant import dequantize_rows  # re-exported
 from hotcold.kernels.dequant import torch_axpy as _torch_axpy
 from hotcold.kernels.dequant import torch_gather as _torch_gather
 from hotcold.kernels.pages import page_out as _page_out
-from hotcold.kernels.pages import prefetch_pages
+from hotcold.kernels.pages import prefetch_pages, rows_in_order
 from hotcold.quants import QuantTensor
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "dequantize_rows",
     "pack",
     "prefetch_pages",
+    "rows_in_order",
     "MatvecGroup",
     "rms_norm",
     "attention_decode",

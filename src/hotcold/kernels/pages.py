@@ -1,9 +1,10 @@
-"""Page residency of memory-mapped weights: read a weight in ahead of use, or release the file's pages
-of a matrix that a packed copy now serves."""
+"""Page residency of memory-mapped weights: read a weight in ahead of use, release the file's pages of a
+matrix that a copy now serves, and the anonymous memory such copies (and the KV caches) live in."""
 
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import sys
 
@@ -15,6 +16,45 @@ Weight = torch.Tensor | QuantTensor
 
 _MADV_WILLNEED = 3
 _MADV_DONTNEED = 4
+_MAP_MIN_BYTES = 1 << 20  # smaller tensors (tests' tiny models) are not worth a map each
+
+
+def anonymous(shape: tuple[int, ...], dtype: torch.dtype, *, huge: bool = False) -> torch.Tensor:
+    """A zeroed CPU tensor in an anonymous memory map: the OS hands out zero pages as they are first
+    written, so nothing is written at allocation (torch.zeros writes every byte; numpy's calloc avoids it
+    only until glibc serves freed blocks from its heap and clears them). huge asks for transparent huge
+    pages (MADV_HUGEPAGE, where the system allows it "on madvise"): for matrices whose rows are read a
+    few at a time in no order, one TLB entry covers 2 MiB of rows instead of one. The tensor holds the
+    map; it is unmapped with it. Under 1 MiB, or without such maps: torch.zeros."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= _MAP_MIN_BYTES:
+        try:
+            buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        except (AttributeError, OSError, ValueError):  # no such map on this platform
+            buf = None
+        if buf is not None:
+            if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+                try:
+                    buf.madvise(mmap.MADV_HUGEPAGE)
+                except OSError:  # a kernel without transparent huge pages: plain pages
+                    pass
+            return torch.frombuffer(buf, dtype=dtype).view(shape)
+    return torch.zeros(shape, dtype=dtype)
+
+
+def rows_in_order(weight: Weight, order: torch.Tensor) -> Weight:
+    """A CPU matrix with row i = `weight`'s row order[i], copied into anonymous memory with huge pages asked
+    for; the file's pages of the source leave this process's RSS (page_out), so the model is held once.
+    A QuantTensor keeps its type (its rows are whole quantized rows)."""
+    quant = isinstance(weight, QuantTensor)
+    data = weight.data if quant else weight
+    if data.dim() != 2 or not data.is_cpu or order.shape != (data.shape[0],):
+        raise ValueError(f"rows_in_order: a CPU matrix of {order.numel()} rows, got {tuple(data.shape)}")
+    out = anonymous(tuple(data.shape), data.dtype, huge=True)
+    nbytes = data.shape[0] * data.stride(0) * data.element_size()
+    torch.index_select(data, 0, order.to(torch.int64), out=out)
+    page_out(data.data_ptr(), nbytes)
+    return QuantTensor(out, weight.qtype, weight.shape) if quant else out
 
 
 def prefetch_pages(weight: Weight) -> Weight:

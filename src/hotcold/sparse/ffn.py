@@ -55,6 +55,9 @@ class FFNWeights:
     down_bias: torch.Tensor | None = None  # [D]
     kind: str = "gated"
     activation: str = "relu"
+    # row i of up, gate and down_t (and up_bias[i]) is the file's neuron order[i] (TensorSource puts the
+    # hottest neurons first); None: the file's order
+    order: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.kind not in FFN_KINDS:
@@ -67,6 +70,15 @@ class FFNWeights:
     @property
     def n_ff(self) -> int:
         return self.up.shape[0]
+
+    def in_file_order(self, per_neuron: torch.Tensor) -> torch.Tensor:
+        """[T, F] values per neuron (a mask, an activation) with the columns in the file's neuron order,
+        whatever order the rows are kept in: what profiling and predictor training record."""
+        if self.order is None:
+            return per_neuron
+        file_order = torch.empty_like(per_neuron)
+        file_order[:, self.order.to(per_neuron.device)] = per_neuron
+        return file_order
 
     def combine(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
         # CPU float32 tensors: one C call (relu: torch's bits; silu: the one CPU SiLU, see `silu`)
@@ -191,7 +203,7 @@ class FFN:
         profiling keeps them, its masks with the predictor input p."""
         ctx.count(self.layer, mask, fired)
         if ctx.keep_masks and self.expert is None:
-            ctx.keep(self.layer, p, mask)
+            ctx.keep(self.layer, p, self.weights.in_file_order(mask))
 
     def _c_tail_fields(self, wo: Weight, d: int, keep: object, **fields) -> dict | None:
         """c_tail's result for a tail plan `keep` taking D = d: wo's struct (None if wo does not map d), the
@@ -270,7 +282,7 @@ class FFN:
     def _dense(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch, up_gate: LinearGroup):
         out, a = dense_step(self.weights, h, up_gate)
         if ctx.observe is not None and self.expert is None:
-            ctx.observe(self.layer, h, p, a)
+            ctx.observe(self.layer, h, p, self.weights.in_file_order(a))
         ctx.count_all(self.layer, a)
         return self.weights.add_down_bias(out)
 
