@@ -172,7 +172,7 @@ def load_model(
     cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
     src = TensorSource(model_file, config, devices)
     if (
-        kv_sequences > 1  # a batch's tokens share the hot rows; one sequence gains ~1%, not the copy's time
+        kv_sequences > 1  # a batch's tokens share the hot rows; one sequence gains too little for the copy
         and not dense
         and thresholded is None
         and devices.hot is None
@@ -395,9 +395,10 @@ def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torc
     statistics beside the model (`hotcold profile` writes them; PowerInfer's models ship them). A sparse CPU
     layer of a model loaded for several sequences keeps its rows in this order, copied at load into memory
     with huge pages asked for: the rows a batch's tokens share, mostly the hottest, then lie side by side
-    (8 prompts of the 1B synthetic through generate_batch: 0.91x the time; one sequence 0.99x, so a model
-    loaded for one is left as stored, mapped from the file). None without statistics, with unreadable ones
-    (noted), or with HOTCOLD_NEURON_ORDER=0 (to compare the two)."""
+    (8 prompts x 32 tokens of the 1B synthetic through generate_batch: 0.91-0.95x the time in in-process
+    A/B runs; one sequence 0.95-1.06x, within this host's noise, against ~2.5 s of copying at load here, so
+    a model loaded for one sequence is left as stored, mapped from the file). None without statistics, with
+    unreadable ones (noted), or with HOTCOLD_NEURON_ORDER=0 (to compare the two)."""
     if os.environ.get("HOTCOLD_NEURON_ORDER", "1") == "0":
         notes.append("FFN neurons in the file's order (HOTCOLD_NEURON_ORDER=0)")
         return None
