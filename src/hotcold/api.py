@@ -213,7 +213,8 @@ def load(
     sparsity: for a file written by `hotcold sparsify`, the share of FFN neurons (with --attention: and of
     the attention products' input channels) skipped per token, in [0, 1) (None: the file's own target; 0: dense).
     kv_sequences: KV caches the program will hold at once (the Model's own, plus one per server slot or
-    thread engine), so a VRAM budget charges each of them."""
+    thread engine), so a VRAM budget charges each of them; above 1, with activation statistics beside a
+    sparse file, the CPU's FFN rows are kept hottest first for batches (`generate_batch`, loader.neuron_order)."""
     start = time.perf_counter()
     loaded = load_model(
         path,

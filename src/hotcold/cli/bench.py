@@ -194,6 +194,7 @@ def run_bench(
             dense=m == "dense",
             ctx_size=ctx,
             sparsity=sparsity if m == "sparse" else None,
+            kv_sequences=max(batches),  # -b B holds B caches at once, as a server's slots do
         )
 
     first = load("sparse")
