@@ -97,3 +97,13 @@ def test_file_order_when_asked_or_when_the_statistics_are_unreadable(model_with_
     assert _ffn(bad, 0).weights.order is None
     assert any("activation_1.pt" in n and "file's order" in n for n in bad.notes)
     assert hotcold.Model(bad).generate("hello", max_tokens=3, temperature=0) is not None
+
+
+def test_a_layer_stored_hottest_first_is_not_copied(model_with_stats):
+    path, counts = model_with_stats
+    torch.save(torch.arange(1280, 0, -1), path.parent / "activation" / "activation_1.pt")  # already in order
+    loaded = load_model(path, device="cpu", kv_sequences=2)
+    assert any("1 of 2 layers reordered" in n for n in loaded.notes)
+    assert _ffn(loaded, 0).weights.order is not None and _ffn(loaded, 1).weights.order is None
+    stored = load_model(path, device="cpu")
+    assert torch.equal(_ffn(loaded, 1).weights.up, _ffn(stored, 1).weights.up)  # the file's rows, as stored

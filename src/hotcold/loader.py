@@ -390,7 +390,7 @@ def resolve_placement(
     return hot
 
 
-def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torch.Tensor] | None:
+def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torch.Tensor | None] | None:
     """Per layer, the FFN neurons by activation count, hottest first (ties in the file's order), from the
     statistics beside the model (`hotcold profile` writes them; PowerInfer's models ship them). A sparse CPU
     layer of a model loaded for several sequences keeps its rows in this order, copied at load into memory
@@ -398,7 +398,8 @@ def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torc
     (8 prompts x 32 tokens of the 1B synthetic through generate_batch: 0.91-0.95x the time in in-process
     A/B runs; one sequence 0.95-1.06x, within this host's noise, against ~2.5 s of copying at load here, so
     a model loaded for one sequence is left as stored, mapped from the file). None without statistics, with
-    unreadable ones (noted), or with HOTCOLD_NEURON_ORDER=0 (to compare the two)."""
+    unreadable ones (noted), or with HOTCOLD_NEURON_ORDER=0 (to compare the two); a layer already stored
+    hottest first gets None (nothing to copy)."""
     if os.environ.get("HOTCOLD_NEURON_ORDER", "1") == "0":
         notes.append("FFN neurons in the file's order (HOTCOLD_NEURON_ORDER=0)")
         return None
@@ -410,8 +411,14 @@ def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torc
         return None
     if counts is None:
         return None
-    notes.append(f"FFN neurons kept hottest first, by the activation statistics in {activation_dir}")
-    return [torch.argsort(c, descending=True, stable=True) for c in counts]
+    orders = [torch.argsort(c, descending=True, stable=True) for c in counts]
+    orders = [None if torch.equal(o, torch.arange(len(o))) else o for o in orders]
+    moved = sum(o is not None for o in orders)
+    notes.append(
+        f"FFN neurons kept hottest first, by the activation statistics in {activation_dir} "
+        f"({moved} of {len(orders)} layers reordered, the rest stored so)"
+    )
+    return orders if moved else None
 
 
 def load_activations(activation_dir: Path, config: ModelConfig) -> list[torch.Tensor] | None:

@@ -31,7 +31,7 @@ class TensorSource:
         self.sparse_inputs = None
         # per layer, the FFN neurons hottest first (from the activation statistics): a sparse layer's rows
         # are kept in this order, so the rows a batch shares lie side by side (loader.neuron_order)
-        self.neuron_order: list[torch.Tensor] | None = None
+        self.neuron_order: list[torch.Tensor | None] | None = None
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors
