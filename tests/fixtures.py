@@ -440,3 +440,18 @@ def swiglu_files(folder: Path, spm_model: Path, *, sparsity: float = 0.5, tokens
             probe="none",
         )
     return SwigluFiles(hf, corpus, dense, sparse, tokens)
+
+
+def with_activation_stats(model: Path, folder: Path, *, high: int = 1000) -> tuple[Path, list[torch.Tensor]]:
+    """A copy of a 2-layer, 1280-neuron model in `folder` with random activation counts in [0, high) beside it
+    (folder/activation/activation_{i}.pt, as `hotcold profile` writes them): (the copy, the counts)."""
+    import shutil
+
+    path = folder / "m.powerinfer.gguf"
+    shutil.copy(model, path)
+    (folder / "activation").mkdir()
+    g = torch.Generator().manual_seed(0)
+    counts = [torch.randint(0, high, (1280,), generator=g) for _ in range(2)]
+    for i, c in enumerate(counts):
+        torch.save(c, folder / "activation" / f"activation_{i}.pt")
+    return path, counts

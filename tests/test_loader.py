@@ -3,28 +3,19 @@ activation statistics beside it), computing the same function; what it records s
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
 import hotcold
 from hotcold.loader import load_model
-from tests.fixtures import record_masks
+from tests.fixtures import record_masks, with_activation_stats
 
 PROMPTS = ["Line 3: the quick brown fox", "Line 7: a lazy dog", "Once upon a time"]
 
 
 @pytest.fixture()
 def model_with_stats(tmp_path, tiny_sparse_gguf):
-    path = tmp_path / "m.powerinfer.gguf"
-    shutil.copy(tiny_sparse_gguf, path)
-    (tmp_path / "activation").mkdir()
-    g = torch.Generator().manual_seed(0)
-    counts = [torch.randint(0, 50, (1280,), generator=g) for _ in range(2)]  # ties: kept in file order
-    for i, c in enumerate(counts):
-        torch.save(c, tmp_path / "activation" / f"activation_{i}.pt")
-    return path, counts
+    return with_activation_stats(tiny_sparse_gguf, tmp_path, high=50)  # ties: kept in the file's order
 
 
 def _ffn(loaded, layer: int):

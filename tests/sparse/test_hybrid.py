@@ -18,7 +18,7 @@ from hotcold.loader import load_model
 from hotcold.placement.gpuidx import gpuidx_path, read_gpuidx
 from hotcold.sparse.ffn import SparseFFN
 from hotcold.sparse.hybrid import HybridFFN
-from tests.fixtures import ffn_state, ffn_weights
+from tests.fixtures import ffn_state, ffn_weights, with_activation_stats
 
 F, D = 1280, 64
 
@@ -61,15 +61,7 @@ def test_hybrid_with_f16_weights():
 
 @pytest.fixture()
 def model_with_stats(tmp_path, tiny_sparse_gguf):
-    path = tmp_path / "m.powerinfer.gguf"
-    shutil.copy(tiny_sparse_gguf, path)
-    (tmp_path / "activation").mkdir()
-    g = torch.Generator().manual_seed(0)
-    for i in range(2):
-        torch.save(
-            torch.randint(0, 1000, (1280,), generator=g), tmp_path / "activation" / f"activation_{i}.pt"
-        )
-    return path
+    return with_activation_stats(tiny_sparse_gguf, tmp_path)[0]
 
 
 IDS = list(range(3, 40))
@@ -186,7 +178,7 @@ COUNT_ON_META = textwrap.dedent(
     from hotcold.kernels.launches import LaunchCounter
     from hotcold.sparse.hybrid import HybridFFN
     from hotcold.sparse.predictor import Predictor
-    from tests.fixtures import ffn_state, ffn_weights
+    from tests.fixtures import ffn_state, ffn_weights, with_activation_stats
 
     F, D, R = 1280, 256, 64
     out = {{}}
@@ -296,7 +288,7 @@ ONE_TOKEN = textwrap.dedent(
     from hotcold.sparse.ffn import SparseFFN
     from hotcold.sparse.hybrid import HybridFFN
     from hotcold.sparse.predictor import Predictor
-    from tests.fixtures import ffn_state, ffn_weights
+    from tests.fixtures import ffn_state, ffn_weights, with_activation_stats
 
     F, D, R = 1280, 64, 32
     g = torch.Generator().manual_seed(5)
