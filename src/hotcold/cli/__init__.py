@@ -16,6 +16,10 @@ COMMANDS = {
         "quantize",
         "requantize a GGUF / PowerInfer file (llama.cpp's types: q4_k_m, q5_k_m, q6_k, q8_0, q4_0, ...)",
     ),
+    "reorder": (
+        "reorder",
+        "rewrite a PowerInfer file with each layer's FFN neurons hottest first (faster CPU decode)",
+    ),
     "place": ("place", "solve the hot-neuron placement for a VRAM budget (writes .generated.gpuidx)"),
     "bench": ("bench", "llama-bench-like speed table: prompt processing and generation, sparse vs dense"),
     "serve": ("serve", "OpenAI-compatible HTTP server with a chat page at /"),
