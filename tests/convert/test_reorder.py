@@ -66,6 +66,11 @@ def test_refusals_name_the_problem(model_with_stats, tmp_path, tiny_dense_gguf, 
     for args, message in cases:
         assert main(["reorder", *args]) == 1
         assert message in capsys.readouterr().err
+    (tmp_path / "other" / "activation").mkdir(parents=True)  # another model's statistics: kept
+    torch.save(torch.ones(1280), tmp_path / "other" / "activation" / "activation_0.pt")
+    assert main(["reorder", str(src), str(tmp_path / "other" / "o.gguf")]) == 1
+    assert "already holds activation statistics" in capsys.readouterr().err
+    assert torch.equal(torch.load(tmp_path / "other" / "activation" / "activation_0.pt"), torch.ones(1280))
     torch.save(torch.zeros(3), src.parent / "activation" / "activation_1.pt")
     assert main(["reorder", str(src), str(tmp_path / "s.gguf")]) == 1
     assert "activation_1.pt: expected a 1-D tensor of 1280" in capsys.readouterr().err

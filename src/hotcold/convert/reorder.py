@@ -81,6 +81,12 @@ def reorder_file(
         raise ValueError(
             f"{dst}: its statistics would go to {stats_out}, over the input's: write the output to another folder"
         )
+    if any(
+        stats_out.glob("activation_*.pt")
+    ):  # another model's statistics, or an earlier run's: not ours to replace
+        raise ValueError(
+            f"{dst}: {stats_out} already holds activation statistics; write the output to another folder"
+        )
     counts = _read_counts(stats_in, config.n_layer, config.n_ff)
     orders = neuron_orders(counts)
     rows = {}  # tensor name -> the layer's order: every tensor whose first axis is the layer's neurons
