@@ -411,8 +411,9 @@ def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torc
         return None
     if counts is None:
         return None
-    orders = [torch.argsort(c, descending=True, stable=True) for c in counts]
-    orders = [None if torch.equal(o, torch.arange(len(o))) else o for o in orders]
+    from hotcold.placement.profile import hottest_first
+
+    orders = [None if torch.equal(o, torch.arange(len(o))) else o for o in hottest_first(counts)]
     moved = sum(o is not None for o in orders)
     notes.append(
         f"FFN neurons kept hottest first, by the activation statistics in {activation_dir} "
@@ -422,22 +423,8 @@ def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torc
 
 
 def load_activations(activation_dir: Path, config: ModelConfig) -> list[torch.Tensor] | None:
-    if not activation_dir.is_dir():
-        return None
-    out = []
-    for i in range(config.n_layer):
-        file = activation_dir / f"activation_{i}.pt"
-        if not file.exists():
-            raise GGUFError(
-                f"{activation_dir}: missing {file.name} (one file per layer, 0..{config.n_layer - 1})"
-            )
-        try:
-            counts = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # a torn or foreign file: name it instead of a pickle traceback
-            raise GGUFError(
-                f"{file}: not a readable activation tensor ({type(exc).__name__}: {exc})"
-            ) from exc
-        if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != config.n_ff:
-            raise GGUFError(f"{file}: expected a 1-D tensor of {config.n_ff} activation counts")
-        out.append(counts.float())
-    return out
+    """The activation statistics beside a model as float counts (None without the folder; bad files named)."""
+    from hotcold.placement.profile import read_activation_files
+
+    counts = read_activation_files(activation_dir, config.n_layer, config.n_ff)
+    return None if counts is None else [c.float() for c in counts]

@@ -18,40 +18,12 @@ import os
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from hotcold import names
 from hotcold.atomic import check_output
 from hotcold.config import config_from_file
 from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
-
-
-def neuron_orders(counts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Per layer, the neurons by activation count, hottest first; ties keep the file's order."""
-    return [torch.argsort(c, descending=True, stable=True) for c in counts]
-
-
-def _read_counts(activation_dir: Path, n_layer: int, n_ff: int) -> list[torch.Tensor]:
-    """The statistics as stored (int64 counts), each checked: a missing, torn or misshapen file is named."""
-    from hotcold.gguf_io import GGUFError
-
-    if not activation_dir.is_dir():
-        raise ValueError(
-            f"no activation statistics in {activation_dir}: run `hotcold profile -m MODEL -f corpus.txt` first"
-        )
-    out = []
-    for i in range(n_layer):
-        file = activation_dir / f"activation_{i}.pt"
-        try:
-            counts = torch.load(file, map_location="cpu", weights_only=True)
-        except Exception as exc:  # missing, torn or foreign: name it instead of a pickle traceback
-            raise GGUFError(
-                f"{file}: not a readable activation tensor ({type(exc).__name__}: {exc})"
-            ) from exc
-        if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != n_ff:
-            raise GGUFError(f"{file}: expected a 1-D tensor of {n_ff} activation counts")
-        out.append(counts)
-    return out
+from hotcold.placement.profile import hottest_first, read_activation_files, write_activation_files
 
 
 def reorder_file(
@@ -81,14 +53,16 @@ def reorder_file(
         raise ValueError(
             f"{dst}: its statistics would go to {stats_out}, over the input's: write the output to another folder"
         )
-    if any(
-        stats_out.glob("activation_*.pt")
-    ):  # another model's statistics, or an earlier run's: not ours to replace
+    if any(stats_out.glob("activation_*.pt")):  # another model's, or an earlier run's: not ours to replace
         raise ValueError(
             f"{dst}: {stats_out} already holds activation statistics; write the output to another folder"
         )
-    counts = _read_counts(stats_in, config.n_layer, config.n_ff)
-    orders = neuron_orders(counts)
+    counts = read_activation_files(stats_in, config.n_layer, config.n_ff)
+    if counts is None:
+        raise ValueError(
+            f"no activation statistics in {stats_in}: run `hotcold profile -m MODEL -f corpus.txt` first"
+        )
+    orders = hottest_first(counts)
     rows = {}  # tensor name -> the layer's order: every tensor whose first axis is the layer's neurons
     for i, order in enumerate(orders):
         if names.tensor(names.FFN_DOWN, i) in mf.tensors:  # [D, F]: neurons are columns, not rows
@@ -119,7 +93,5 @@ def reorder_file(
         for e in mf.tensors.values()
     ]
     write_model_file(dst, mf.architecture, metadata_items(mf), specs, sparse=True, inputs=[src])
-    from hotcold.placement.profile import write_activation_files
-
     write_activation_files([c[o] for c, o in zip(counts, orders, strict=True)], stats_out, inputs=[src, dst])
     return dst

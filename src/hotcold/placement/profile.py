@@ -218,6 +218,35 @@ def write_activation_files(
     return paths
 
 
+def read_activation_files(activation_dir: Path, n_layer: int, n_ff: int) -> list[torch.Tensor] | None:
+    """DIR/activation_{i}.pt for every layer as stored (1-D counts of n_ff), or None when DIR is not a folder;
+    a missing, torn, foreign or misshapen file is named (GGUFError), never a pickle traceback."""
+    from hotcold.gguf_io import GGUFError
+
+    if not activation_dir.is_dir():
+        return None
+    out = []
+    for i in range(n_layer):
+        file = activation_dir / f"activation_{i}.pt"
+        if not file.exists():
+            raise GGUFError(f"{activation_dir}: missing {file.name} (one file per layer, 0..{n_layer - 1})")
+        try:
+            counts = torch.load(file, map_location="cpu", weights_only=True)
+        except Exception as exc:  # a torn or foreign file: name it instead of a pickle traceback
+            raise GGUFError(
+                f"{file}: not a readable activation tensor ({type(exc).__name__}: {exc})"
+            ) from exc
+        if not isinstance(counts, torch.Tensor) or counts.dim() != 1 or counts.numel() != n_ff:
+            raise GGUFError(f"{file}: expected a 1-D tensor of {n_ff} activation counts")
+        out.append(counts)
+    return out
+
+
+def hottest_first(counts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per layer, the neurons by activation count, hottest first; ties keep the file's order."""
+    return [torch.argsort(c, descending=True, stable=True) for c in counts]
+
+
 def default_activation_dir(model_path: str | os.PathLike[str]) -> Path:
     """Where the loader looks for activation statistics: `<model dir>/activation`."""
     return Path(model_path).parent / "activation"
