@@ -162,11 +162,8 @@ class Generation:
             if whole
             else min(common_prefix(engine.cached_ids, self.prompt), len(self.prompt) - 1)
         )
-        engine.truncate(start)
-        engine.last_prefill_computed = len(self.prompt) - start
         self.stats.prompt_tokens = len(self.prompt)
-        self.stats.prompt_computed = len(self.prompt) - start
-        self._next = self._first = start  # next prompt position to prefill; the first
+        self._start_at(start)
         self._t0 = time.perf_counter()
         self._decode_t0 = 0.0
         if whole:
@@ -177,18 +174,20 @@ class Generation:
         """Its prompt still to prefill, no forward of it run yet."""
         return not self.done and self.prefilling and self._next == self._first
 
-    def take_cached(self) -> bool:
+    def take_cached(self) -> None:
         """Before its first prefill forward: start after what its engine's cache now holds of the prompt (keys
-        and values another slot's copy brought in since). Whether the start moved."""
+        and values another slot's copy brought in since)."""
         if not self.prefill_not_begun:
-            return False
+            return
         start = min(common_prefix(self.engine.cached_ids, self.prompt), len(self.prompt) - 1)
-        if start <= self._next:
-            return False
+        if start > self._next:
+            self._start_at(start)
+
+    def _start_at(self, start: int) -> None:
+        """The prompt's prefill begins at `start`: the engine keeps that much of its cache."""
         self.engine.truncate(start)
-        self._next = self._first = start
         self.engine.last_prefill_computed = self.stats.prompt_computed = len(self.prompt) - start
-        return True
+        self._next = self._first = start  # next prompt position to prefill; the first
 
     @property
     def prefilling(self) -> bool:

@@ -395,9 +395,9 @@ def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torc
     statistics beside the model (`hotcold profile` writes them; PowerInfer's models ship them). A sparse CPU
     layer of a model loaded for several sequences keeps its rows in this order, copied at load into memory
     with huge pages asked for: the rows a batch's tokens share, mostly the hottest, then lie side by side
-    (8 prompts x 32 tokens of the 1B synthetic through generate_batch: 0.91-0.95x the time in in-process
-    A/B runs; one sequence 0.95-1.06x, within this host's noise, against ~2.5 s of copying at load here, so
-    a model loaded for one sequence is left as stored, mapped from the file). None without statistics, with
+    (8 prompts x 32 tokens of the 1B synthetic through generate_batch: 0.935x the time over 20 in-process A/B
+    rounds, 0.91-0.99x in shorter runs; one sequence 0.95-1.06x, within this host's noise, against ~2.5 s of
+    copying at load here, so a model loaded for one sequence is left as stored, mapped from the file). None without statistics, with
     unreadable ones (noted), or with HOTCOLD_NEURON_ORDER=0 (to compare the two); a layer already stored
     hottest first gets None (nothing to copy)."""
     if os.environ.get("HOTCOLD_NEURON_ORDER", "1") == "0":
