@@ -77,3 +77,44 @@ def test_steps_aside_for_profiling_and_overflows_like_the_layers(q4_sparse, monk
     assert used == [False, True]
     with pytest.raises(ValueError, match="context overflow"):
         engine._forward([7], 8, last_only=True)
+
+
+@pytest.mark.parametrize("outtype", ["f16", "q4_0"])
+def test_a_decode_batch_in_one_call_equals_the_layers(tmp_path, tiny_sparse_gguf, outtype, monkeypatch):
+    """One token of each of three sequences (different prompts, so different positions and caches) through
+    every layer in one C call (hc_decode_layers_rows) gives the logits, bit for bit, and the per-sequence
+    firing counts of the same batched step layer by layer."""
+    if cpu.backend() != "c":
+        pytest.skip("C kernels unavailable")
+    from hotcold.convert.quantize import quantize_file
+    from hotcold.state import Batch
+
+    path = quantize_file(tiny_sparse_gguf, tmp_path / f"m.{outtype}.gguf", outtype)
+    prompts = [[1, 5, 9], [1, 300, 2, 77, 8], [1, 42]]
+
+    def run():
+        llm = hotcold.load(path, device="cpu", threads=2)
+        model, tok = llm.loaded.model, llm.tokenizer
+        engines = [Engine(model, tok, 64) for _ in prompts]
+        for engine, ids in zip(engines, prompts):
+            engine.prefill(ids)
+        tokens, steps = [7, 11, 13], []
+        with torch.inference_mode():
+            for step in range(4):
+                ctx = Batch([e.seq for e in engines], [len(p) + step for p in prompts], [1] * len(prompts))
+                logits = model.forward(torch.tensor(tokens), ctx, last_only=True)
+                steps.append(logits)
+                tokens = [int(t) for t in logits.argmax(-1)]
+        return steps, [e.seq.neuron_totals() for e in engines]
+
+    used = counted(monkeypatch)
+    one_call = run()
+    assert len(used) == 4 and all(used)  # every batched step took the one call
+    real = CPUDecoder.__call__
+    monkeypatch.setattr(
+        CPUDecoder, "__call__", lambda self, x, ctx: None if len(ctx.seqs) > 1 else real(self, x, ctx)
+    )
+    layers = run()
+    assert all(torch.equal(a, b) for a, b in zip(one_call[0], layers[0]))
+    assert one_call[1] == layers[1]
+    assert len({c for c in one_call[1]}) == 3  # each sequence counted its own rows

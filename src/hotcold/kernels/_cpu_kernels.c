@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 23
+#define HC_ABI_VERSION 24
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -3715,6 +3715,56 @@ int hc_decode_layers(int n, const hc_layer *L, float *x, int64_t D, int64_t pos,
             fired[l] = a->up->rows;
         }
         if (rc == 0) memcpy(x, y2, sizeof(float) * (size_t)D);
+    }
+    free(buf);
+    free(mask);
+    return rc;
+}
+
+/* A batched decode step through n layers: one token of each of N sequences (rows of x [N, D], the embeddings in,
+ * the last layer's residuals out, in place), row j at position pos[j] over its own caches kcs[l * N + j] /
+ * vcs[l * N + j] of layer l, cos / sin [N, R/2] the rows' RoPE. Per layer the calls the layers make for such a
+ * step one by one (the q/k/v group over the N rows with the attention norm folded, hc_attn_decode_rows,
+ * hc_decode_tail over the N rows), so the same bits, without the interpreter between them. Only layers with the
+ * predictor's sparse tail (sparse == 1, no input-sparse q/k/v). fired[l * N + j]: row j's firing neurons in layer
+ * l. Returns 0, -1 (memory, or a call that failed: x is then undefined), or -2 for a layer it does not take. */
+int hc_decode_layers_rows(int n, const hc_layer *L, int64_t N, float *x, int64_t D, const int64_t *pos,
+                          const float *cos, const float *sin, float *const *kcs, float *const *vcs, int64_t *fired,
+                          int nth) {
+    int64_t qmax = 1, kvmax = 1, fmax = 1;
+    for (int l = 0; l < n; l++) {
+        if (L[l].sparse != 1 || L[l].qkv_t) return -2;
+        qmax = L[l].Fs[0] > qmax ? L[l].Fs[0] : qmax;
+        kvmax = L[l].Fs[1] > kvmax ? L[l].Fs[1] : kvmax;
+        fmax = L[l].up->rows > fmax ? L[l].up->rows : fmax;
+    }
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(N * (2 * qmax + 2 * kvmax + 2 * D)));
+    uint8_t *mask = (uint8_t *)malloc((size_t)(N * fmax));
+    int rc = buf && mask ? 0 : -1;
+    float *q = buf, *k = q + N * qmax, *v = k + N * kvmax, *attn = v + N * kvmax, *y1 = attn + N * qmax,
+          *y2 = y1 + N * D;
+    for (int l = 0; l < n && rc == 0; l++) {
+        const hc_layer *a = &L[l];
+        float *const qkv[3] = {q, k, v};
+        rc = a->packed ? hc_packed_matvec_multi(3, a->wts, a->Ws, a->Fs, D, x, N, a->attn_norm, a->attn_eps, qkv, nth)
+                       : hc_matvec_multi(3, a->wts, a->Ws, a->strides, a->Fs, D, x, N, a->attn_norm, a->attn_eps, qkv,
+                                         nth);
+        if (rc == 0)
+            rc = hc_attn_decode_rows(N, q, k, v, kcs + (int64_t)l * N, vcs + (int64_t)l * N, pos, a->H, a->Hkv, a->Dh,
+                                     a->R, cos, sin, a->neox, a->window, attn, nth);
+        if (rc != 0) break;
+        const int64_t F = a->up->rows;
+        if (hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias, a->kind, N,
+                           a->ffn_norm, a->ffn_eps, mask, y1, y2, nth) < 0) {
+            rc = -1;
+            break;
+        }
+        for (int64_t j = 0; j < N; j++) {
+            int64_t c = 0;
+            for (int64_t i = 0; i < F; i++) c += mask[j * F + i] != 0;
+            fired[(int64_t)l * N + j] = c;
+        }
+        memcpy(x, y2, sizeof(float) * (size_t)(N * D));
     }
     free(buf);
     free(mask);

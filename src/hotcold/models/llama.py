@@ -52,7 +52,7 @@ class Llama:
         c = self.config
         T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
-        if T == 1 and (y := self.cpu_decode(x, ctx)) is not None:  # every layer in one C call
+        if T == len(ctx.seqs) and (y := self.cpu_decode(x, ctx)) is not None:  # a decode step in one C call
             return self.head(y, ctx, last_only=last_only)
         heads = (c.n_head, c.n_head_kv, c.head_dim)
         watch = getattr(ctx.observe, "attention", None)  # calibration of input sparsity (sparsify.py)
