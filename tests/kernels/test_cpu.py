@@ -698,7 +698,7 @@ def test_pack_leaves_other_weights_alone(backend):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("t", [1, 5, 13])
+@pytest.mark.parametrize("t", [1, 5, 8, 13])  # 8: two token tiles, which take shorter passes
 def test_packed_f16_is_one_chain_per_output(backend, t, dtype):
     """A float16 / bfloat16 matrix packs too (rows in vector blocks, tokens broadcast): each (row, token) is one fma chain
     over the columns in order, so a token's result is the same bits alone, in any batch, with any thread count;
