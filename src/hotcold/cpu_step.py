@@ -74,7 +74,7 @@ class CPUDecoder:
         return plan
 
 
-def _run_rows(plans: list[_Plan], x: torch.Tensor, ctx) -> torch.Tensor:
+def _run_rows(plans: list[_Plan], x: torch.Tensor, ctx) -> torch.Tensor | None:
     """One decode token of each of len(plans) sequences through every layer in one C call
     (hc_decode_layers_rows: the calls a batched step makes layer by layer, so the same bits)."""
     n, layers = len(plans), len(plans[0].n_ff)
@@ -90,6 +90,8 @@ def _run_rows(plans: list[_Plan], x: torch.Tensor, ctx) -> torch.Tensor:
         layers, plans[0].layers, n, out.data_ptr(), out.shape[1], (ctypes.c_int64 * n)(*ctx.starts),
         cos.data_ptr(), sin.data_ptr(), kcs, vcs, fired, plans[0].threads,
     )  # fmt: skip
+    if rc == -2:  # a layer the call does not take (rows_ok said otherwise): nothing ran, the layers run it
+        return None
     if rc != 0:
         raise MemoryError("hc_decode_layers_rows failed")
     for j, seq in enumerate(ctx.seqs):
