@@ -79,17 +79,20 @@ def test_steps_aside_for_profiling_and_overflows_like_the_layers(q4_sparse, monk
         engine._forward([7], 8, last_only=True)
 
 
-@pytest.mark.parametrize("outtype", ["f16", "q4_0"])
-def test_a_decode_batch_in_one_call_equals_the_layers(tmp_path, tiny_sparse_gguf, outtype, monkeypatch):
+@pytest.mark.parametrize("outtype, kind", [("f16", "sparse"), ("q4_0", "sparse"), ("f16", "dense")])
+def test_a_decode_batch_in_one_call_equals_the_layers(
+    tmp_path, tiny_sparse_gguf, tiny_dense_gguf, outtype, kind, monkeypatch
+):
     """One token of each of three sequences (different prompts, so different positions and caches) through
     every layer in one C call (hc_decode_layers_rows) gives the logits, bit for bit, and the per-sequence
-    firing counts of the same batched step layer by layer."""
+    firing counts of the same batched step layer by layer: the predictor's sparse tail and a dense file's."""
     if cpu.backend() != "c":
         pytest.skip("C kernels unavailable")
     from hotcold.convert.quantize import quantize_file
     from hotcold.state import Batch
 
-    path = quantize_file(tiny_sparse_gguf, tmp_path / f"m.{outtype}.gguf", outtype)
+    src = tiny_sparse_gguf if kind == "sparse" else tiny_dense_gguf
+    path = quantize_file(src, tmp_path / f"m.{outtype}.gguf", outtype)
     prompts = [[1, 5, 9], [1, 300, 2, 77, 8], [1, 42]]
 
     def run():
@@ -117,4 +120,5 @@ def test_a_decode_batch_in_one_call_equals_the_layers(tmp_path, tiny_sparse_gguf
     layers = run()
     assert all(torch.equal(a, b) for a, b in zip(one_call[0], layers[0]))
     assert one_call[1] == layers[1]
-    assert len({c for c in one_call[1]}) == 3  # each sequence counted its own rows
+    if kind == "sparse":
+        assert len({c for c in one_call[1]}) == 3  # each sequence counted its own rows

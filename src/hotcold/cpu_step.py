@@ -10,8 +10,9 @@ A plan holds each layer's arguments for one sequence (its KV cache) and one kind
 `dense`), built on the first token that can use it; a batch's call takes the weights from one plan and each
 sequence's caches from its own. It applies where every layer would have made those C calls itself: one new token
 a sequence, no profiling (observe, keep_masks) and no hot neurons on a GPU, every layer on the CPU with a C
-q/k/v group and a C tail (`FFN.c_tail`); a batch only with the predictor's sparse tail in every layer (a dense
-tail's kernels depend on the token count; thresholded and input-sparse layers have one-token calls only).
+q/k/v group and a C tail (`FFN.c_tail`); a batch with the predictor's sparse tail or the dense tail in every
+layer (thresholded and input-sparse layers have one-token calls only; below the GEMM size a dense tail's
+matrices run in C for any row count, as for one).
 Elsewhere `CPUDecoder` returns None and the layers run as before.
 """
 
@@ -44,7 +45,7 @@ class CPUDecoder:
         n = len(ctx.seqs)
         if ctx.rows != n or ctx.keep_masks or ctx.observe is not None:
             return None
-        # a batch: the sparse tail only (a dense tail's kernels depend on the token count), under the GEMM size
+        # a batch under the GEMM size (every row its own bits), never a dense reference forward (one sequence)
         if n > 1 and (ctx.dense or n >= GEMM_MIN_TOKENS):
             return None
         if any(seq.hot is not None and any(h is not None for h in seq.hot) for seq in ctx.seqs):
@@ -108,8 +109,8 @@ class _Plan:
         self.keep = keep  # the tensors and structs the layers' pointers point into
         self.n_ff = n_ff
         self.fired = (ctypes.c_int64 * len(layers))()
-        # hc_decode_layers_rows takes the predictor's sparse tail only (not dense, thresholded or input-sparse)
-        self.rows_ok = all(layer.sparse == 1 and not layer.qkv_t for layer in self.layers)
+        # hc_decode_layers_rows takes the predictor's sparse tail and the dense tail (not thresholded or input-sparse)
+        self.rows_ok = all(layer.sparse in (0, 1) and not layer.qkv_t for layer in self.layers)
 
     @classmethod
     def build(cls, model, kv, dense: bool) -> _Plan | None:

@@ -3732,15 +3732,16 @@ int hc_decode_layers(int n, const hc_layer *L, float *x, int64_t D, int64_t pos,
  * the last layer's residuals out, in place), row j at position pos[j] over its own caches kcs[l * N + j] /
  * vcs[l * N + j] of layer l, cos / sin [N, R/2] the rows' RoPE. Per layer the calls the layers make for such a
  * step one by one (the q/k/v group over the N rows with the attention norm folded, hc_attn_decode_rows,
- * hc_decode_tail over the N rows), so the same bits, without the interpreter between them. Only layers with the
- * predictor's sparse tail (sparse == 1, no input-sparse q/k/v). fired[l * N + j]: row j's firing neurons in layer
- * l. Returns 0, -1 (memory, or a call that failed: x is then undefined), or -2 for a layer it does not take. */
+ * hc_decode_tail or hc_dense_tail over the N rows), so the same bits, without the interpreter between them. Only
+ * layers with the predictor's sparse tail or the dense tail (sparse 1 or 0, no input-sparse q/k/v).
+ * fired[l * N + j]: row j's firing neurons in layer l (dense: the layer's width). Returns 0, -1 (memory, or a call
+ * that failed: x is then undefined), or -2 for a layer it does not take (nothing computed). */
 int hc_decode_layers_rows(int n, const hc_layer *L, int64_t N, float *x, int64_t D, const int64_t *pos,
                           const float *cos, const float *sin, float *const *kcs, float *const *vcs, int64_t *fired,
                           int nth) {
     int64_t qmax = 1, kvmax = 1, fmax = 1;
     for (int l = 0; l < n; l++) {
-        if (L[l].sparse != 1 || L[l].qkv_t) return -2;
+        if ((L[l].sparse != 1 && L[l].sparse != 0) || L[l].qkv_t) return -2;
         qmax = L[l].Fs[0] > qmax ? L[l].Fs[0] : qmax;
         kvmax = L[l].Fs[1] > kvmax ? L[l].Fs[1] : kvmax;
         fmax = L[l].up->rows > fmax ? L[l].up->rows : fmax;
@@ -3761,15 +3762,22 @@ int hc_decode_layers_rows(int n, const hc_layer *L, int64_t N, float *x, int64_t
                                      a->R, cos, sin, a->neox, a->window, attn, nth);
         if (rc != 0) break;
         const int64_t F = a->up->rows;
-        if (hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias, a->kind, N,
-                           a->ffn_norm, a->ffn_eps, mask, y1, y2, nth) < 0) {
-            rc = -1;
-            break;
-        }
-        for (int64_t j = 0; j < N; j++) {
-            int64_t c = 0;
-            for (int64_t i = 0; i < F; i++) c += mask[j * F + i] != 0;
-            fired[(int64_t)l * N + j] = c;
+        if (!a->sparse) {
+            rc = hc_dense_tail(a->wo, attn, x, a->up, a->gate, a->down, a->down_is_t, a->up_bias, a->kind, a->act, N,
+                               a->ffn_norm, a->ffn_eps, y1, y2, nth);
+            if (rc != 0) break;
+            for (int64_t j = 0; j < N; j++) fired[(int64_t)l * N + j] = F;
+        } else {
+            if (hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias, a->kind,
+                               N, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth) < 0) {
+                rc = -1;
+                break;
+            }
+            for (int64_t j = 0; j < N; j++) {
+                int64_t c = 0;
+                for (int64_t i = 0; i < F; i++) c += mask[j * F + i] != 0;
+                fired[(int64_t)l * N + j] = c;
+            }
         }
         memcpy(x, y2, sizeof(float) * (size_t)(N * D));
     }
