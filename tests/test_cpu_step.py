@@ -84,7 +84,7 @@ def test_a_decode_batch_in_one_call_equals_the_layers(
     tmp_path, tiny_sparse_gguf, tiny_dense_gguf, outtype, kind, monkeypatch
 ):
     """One token of each of three sequences (different prompts, so different positions and caches) through
-    every layer in one C call (hc_decode_layers_rows) gives the logits, bit for bit, and the per-sequence
+    every layer in one C call (hc_decode_step) gives the logits, bit for bit, and the per-sequence
     firing counts of the same batched step layer by layer: the predictor's sparse tail and a dense file's."""
     if cpu.backend() != "c":
         pytest.skip("C kernels unavailable")

@@ -1,19 +1,18 @@
-"""A llama-family decode step on the CPU in one C call: one token of one sequence (`hc_decode_layers`), or one
-token of each sequence of a batch (`hc_decode_layers_rows`). Per layer the same calls the layers make one by one
-(q/k/v + RoPE attention: `hc_decode_head`, or for a batch the q/k/v group over its rows and
-`hc_attn_decode_rows`; o projection, residual, the FFN with its norm, residual: `hc_decode_tail` or
-`hc_dense_tail`), so the same bits, without the interpreter between the layers (about 50 us a layer on a 2-core
-machine: a sparse Q4_0 1B-shaped token measured 1.17x faster in one call, a dense one 1.05x; a batch of 8 on the
-F16 1B synthetic 0.89x the step time, 35.3 against 39.7 ms).
+"""A llama-family decode step on the CPU in one C call (`hc_decode_step`): one token of one sequence, or one token
+of each sequence of a batch. Per layer the same calls the layers make one by one (the q/k/v group over the rows
+with the attention norm folded, RoPE attention over each row's own caches: `hc_decode_head`'s calls; o
+projection, residual, the FFN with its norm, residual: `hc_decode_tail` or `hc_dense_tail`, and for one token the
+thresholded and input-sparse tails), so the same bits, without the interpreter between the layers (about 50 us a
+layer on a 2-core machine: a sparse Q4_0 1B-shaped token measured 1.17x faster in one call, a dense one 1.05x; a
+batch of 8 on the F16 1B synthetic 0.89x the step time, 35.3 against 39.7 ms).
 
 A plan holds each layer's arguments for one sequence (its KV cache) and one kind of forward (sparse, or
-`dense`), built on the first token that can use it; a batch's call takes the weights from one plan and each
-sequence's caches from its own. It applies where every layer would have made those C calls itself: one new token
-a sequence, no profiling (observe, keep_masks) and no hot neurons on a GPU, every layer on the CPU with a C
-q/k/v group and a C tail (`FFN.c_tail`); a batch with the predictor's sparse tail or the dense tail in every
-layer (thresholded and input-sparse layers have one-token calls only; below the GEMM size a dense tail's
-matrices run in C for any row count, as for one).
-Elsewhere `CPUDecoder` returns None and the layers run as before.
+`dense`), built on the first token that can use it; a batch's call takes each sequence's own plan (its caches;
+the weights are the same in all). It applies where every layer would have made those C calls itself: one new
+token a sequence, no profiling (observe, keep_masks) and no hot neurons on a GPU, every layer on the CPU with a C
+q/k/v group and a C tail (`FFN.c_tail`); a batch not over thresholded or input-sparse layers (their calls take one
+token; the C call says so before computing anything), and below the GEMM size (where a dense tail's matrices run
+in C for any row count, as for one). Elsewhere `CPUDecoder` returns None and the layers run as before.
 """
 
 from __future__ import annotations
@@ -56,12 +55,10 @@ class CPUDecoder:
         with self._lock:  # the server's slots decode on one model from several threads
             for seq in ctx.seqs:
                 plan = self._plan(seq, bool(ctx.dense))
-                if plan is None or (n > 1 and not plan.rows_ok):
+                if plan is None:
                     return None
                 plans.append(plan)
-        if n == 1:
-            return plans[0].run(x, ctx.starts[0], ctx.seqs[0])
-        return _run_rows(plans, x, ctx)
+        return _run(plans, x, ctx)
 
     def _plan(self, seq, dense: bool) -> _Plan | None:
         """The plan for seq's KV cache (caller holds the lock), built on first use."""
@@ -75,30 +72,31 @@ class CPUDecoder:
         return plan
 
 
-def _run_rows(plans: list[_Plan], x: torch.Tensor, ctx) -> torch.Tensor | None:
-    """One decode token of each of len(plans) sequences through every layer in one C call
-    (hc_decode_layers_rows: the calls a batched step makes layer by layer, so the same bits)."""
-    n, layers = len(plans), len(plans[0].n_ff)
+def _run(plans: list[_Plan], x: torch.Tensor, ctx) -> torch.Tensor | None:
+    """One decode token of each of len(plans) sequences (plan j: sequence j's) through every layer in one C call;
+    None where the call does not take the batch (nothing computed: the layers run it)."""
+    n = len(plans)
     for seq, pos in zip(ctx.seqs, ctx.starts):
         check_context(pos + 1, seq.kv.k[0].shape[0])
     cos, sin = (t.contiguous() for t in plans[0].rope.rows(list(ctx.starts), CPU))
     out = x.reshape(n, -1).to(torch.float32, copy=True).contiguous()
-    # the weights are the model's in every plan; each sequence brings its own caches (layer-major)
-    kcs = (ctypes.c_void_p * (layers * n))(*[p.layers[i].kc for i in range(layers) for p in plans])
-    vcs = (ctypes.c_void_p * (layers * n))(*[p.layers[i].vc for i in range(layers) for p in plans])
-    fired = (ctypes.c_int64 * (layers * n))()
-    rc = build.get_lib().hc_decode_layers_rows(
-        layers, plans[0].layers, n, out.data_ptr(), out.shape[1], (ctypes.c_int64 * n)(*ctx.starts),
-        cos.data_ptr(), sin.data_ptr(), kcs, vcs, fired, plans[0].threads,
+    rc = build.get_lib().hc_decode_step(
+        len(plans[0].n_ff), n, (_LAYERS * n)(*[p.layers_ptr for p in plans]), out.data_ptr(), out.shape[1],
+        (ctypes.c_int64 * n)(*ctx.starts), cos.data_ptr(), sin.data_ptr(), (_FIRED * n)(*[p.fired_ptr for p in plans]),
+        plans[0].threads,
     )  # fmt: skip
-    if rc == -2:  # a layer the call does not take (rows_ok said otherwise): nothing ran, the layers run it
+    if rc == -2:  # a layer whose tail takes one token, in a batch
         return None
     if rc != 0:
-        raise MemoryError("hc_decode_layers_rows failed")
-    for j, seq in enumerate(ctx.seqs):
-        for i, f in enumerate(plans[0].n_ff):
-            seq.count(i, int(fired[i * n + j]), f)
+        raise MemoryError("hc_decode_step failed")
+    for seq, plan in zip(ctx.seqs, plans):
+        for i, f in enumerate(plan.n_ff):
+            seq.count(i, int(plan.fired[i]), f)
     return out
+
+
+_LAYERS = ctypes.POINTER(HCLayer)
+_FIRED = ctypes.POINTER(ctypes.c_int64)
 
 
 class _Plan:
@@ -109,8 +107,7 @@ class _Plan:
         self.keep = keep  # the tensors and structs the layers' pointers point into
         self.n_ff = n_ff
         self.fired = (ctypes.c_int64 * len(layers))()
-        # hc_decode_layers_rows takes the predictor's sparse tail and the dense tail (not thresholded or input-sparse)
-        self.rows_ok = all(layer.sparse in (0, 1) and not layer.qkv_t for layer in self.layers)
+        self.layers_ptr, self.fired_ptr = ctypes.cast(self.layers, _LAYERS), ctypes.cast(self.fired, _FIRED)
 
     @classmethod
     def build(cls, model, kv, dense: bool) -> _Plan | None:
@@ -164,17 +161,3 @@ class _Plan:
             n_ff.append(layer.ffn.n_ff)
         threads = nthreads(getattr(model.layers[0].ffn, "threads", None))  # the layers' own C calls use it
         return cls(kv, model.rope, threads, layers, keep, n_ff)
-
-    def run(self, x: torch.Tensor, pos: int, seq) -> torch.Tensor:
-        check_context(pos + 1, seq.kv.k[0].shape[0])
-        cos, sin = (t.contiguous() for t in self.rope(pos, 1, CPU))
-        out = x.reshape(1, -1).to(torch.float32, copy=True).contiguous()
-        rc = build.get_lib().hc_decode_layers(
-            len(self.n_ff), self.layers, out.data_ptr(), out.shape[1], pos, cos.data_ptr(), sin.data_ptr(),
-            self.fired, self.threads,
-        )  # fmt: skip
-        if rc != 0:
-            raise MemoryError("hc_decode_layers failed")
-        for i, f in enumerate(self.n_ff):
-            seq.count(i, int(self.fired[i]), f)
-        return out

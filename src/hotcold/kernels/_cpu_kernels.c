@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 24
+#define HC_ABI_VERSION 25
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -3619,7 +3619,7 @@ int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int
                                nth);
 }
 
-/* One layer of a llama-family decode token, for hc_decode_layers: the arguments of its hc_decode_head
+/* One layer of a llama-family decode token, for hc_decode_step: the arguments of its hc_decode_head
  * call (q/k/v group, attention norm, the sequence's KV cache of this layer, RoPE) and of its tail
  * (hc_decode_tail with a predictor, or hc_dense_tail). Keep in step with build.HCLayer. */
 typedef struct {
@@ -3652,12 +3652,14 @@ typedef struct {
     const hc_in_rule *score_in; /* thresholded tail: an input-sparse score (score is gate_t), or NULL */
 } hc_layer;
 
-/* q/k/v of an input-sparse layer (hc_layer.qkv_t) for one token, then attention as hc_decode_head. */
-static int input_sparse_head(const hc_layer *a, int64_t D, const float *x, int64_t pos, const float *cos,
-                             const float *sin, float *xn, float *qkv, uint8_t *smask, float *out, int nth) {
+/* q/k/v of an input-sparse layer (hc_layer.qkv_t) for one token, then attention over the caches kc / vc as
+ * hc_decode_head. */
+static int input_sparse_head(const hc_layer *a, int64_t D, const float *x, int64_t pos, float *kc, float *vc,
+                             const float *cos, const float *sin, float *xn, float *qkv, uint8_t *smask, float *out,
+                             int nth) {
     hc_rms_norm(x, a->attn_norm, a->attn_eps, 1, D, xn);
     if (hc_input_sparse_matvec(a->qkv_t, a->qkv_scale, a->qkv_thr, xn, 1, smask, qkv, nth) != 0) return -1;
-    float *kcs[1] = {a->kc}, *vcs[1] = {a->vc};
+    float *kcs[1] = {kc}, *vcs[1] = {vc};
     return hc_attn_decode_rows(1, qkv, qkv + a->Fs[0], qkv + a->Fs[0] + a->Fs[1], kcs, vcs, &pos, a->H, a->Hkv,
                                a->Dh, a->R, cos, sin, a->neox, a->window, out, nth);
 }
@@ -3676,113 +3678,78 @@ static int64_t input_sparse_tail(const hc_layer *a, const float *attn, const flo
                                a->ffn_eps, mask, y1, y2, nth);
 }
 
-/* A whole decode token of one sequence through n layers: x [D] (the embedding in, the last layer's
- * residual out, in place) at position pos, cos / sin the RoPE row of pos; per layer hc_decode_head then
- * its tail, the same calls the layers make one by one, so the same bits, without the interpreter between
- * them. fired[l]: the layer's firing neurons (sparse), or its width (dense). Returns 0, or -1 (memory,
- * or a layer whose call failed: x is then undefined). */
-int hc_decode_layers(int n, const hc_layer *L, float *x, int64_t D, int64_t pos, const float *cos, const float *sin,
-                     int64_t *fired, int nth) {
+/* A decode step through n layers: one token of each of N sequences (rows of x [N, D], the embeddings in, the last
+ * layer's residuals out, in place). Sequence j's layers are Ls[j] (its own KV caches; the weights are the same in
+ * every one, taken from Ls[0]), its row at position pos[j], cos / sin [N, R/2] the rows' RoPE. Per layer the calls
+ * the layers make one by one: the q/k/v group over the rows with the attention norm folded (hc_decode_head's, for
+ * one row), hc_attn_decode_rows over each row's own caches, then the tail over the rows (hc_decode_tail,
+ * hc_dense_tail, or for one token the thresholded and input-sparse tails), so the same bits, without the
+ * interpreter between them. fired[j][l]: row j's firing neurons in layer l (dense: the layer's width). Returns 0,
+ * -1 (memory, or a call that failed: x is then undefined), or -2 (nothing computed) for several rows over a layer
+ * with a one-token tail (thresholded or input-sparse). */
+int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_t D, const int64_t *pos,
+                   const float *cos, const float *sin, int64_t *const *fired, int nth) {
+    const hc_layer *L = Ls[0];
     int64_t qmax = 1, kvmax = 1, fmax = 1;
     for (int l = 0; l < n; l++) {
+        if (N > 1 && (L[l].sparse == 2 || L[l].qkv_t)) return -2;
         qmax = L[l].Fs[0] > qmax ? L[l].Fs[0] : qmax;
         kvmax = L[l].Fs[1] > kvmax ? L[l].Fs[1] : kvmax;
         fmax = L[l].up->rows > fmax ? L[l].up->rows : fmax;
     }
     const int64_t smax = qmax > D ? qmax : D; /* an input-sparse product's input channels */
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * qmax + 2 * kvmax + 3 * D));
-    uint8_t *mask = (uint8_t *)malloc((size_t)(fmax + smax));
-    int rc = buf && mask ? 0 : -1;
-    float *q = buf, *k = q + qmax, *v = k + kvmax, *attn = v + kvmax, *y1 = attn + qmax, *y2 = y1 + D, *xn = y2 + D;
-    uint8_t *smask = mask ? mask + fmax : NULL;
-    for (int l = 0; l < n && rc == 0; l++) {
-        const hc_layer *a = &L[l];
-        float *const qkv[3] = {q, k, v};
-        if (a->qkv_t) /* q, k, v side by side in q's and k's buffers: q + k + v <= qmax + 2 * kvmax */
-            rc = input_sparse_head(a, D, x, pos, cos, sin, xn, q, smask, attn, nth);
-        else
-            rc = hc_decode_head(3, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, x, a->attn_norm, a->attn_eps,
-                                qkv, a->kc, a->vc, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox, a->window,
-                                attn, nth);
-        if (rc != 0) break;
-        if (a->sparse == 2 && a->wo_t) {
-            fired[l] = input_sparse_tail(a, attn, x, D, smask, mask, y1, y2, nth);
-            rc = fired[l] < 0 ? -1 : 0;
-        } else if (a->sparse == 2) {
-            fired[l] = hc_thresholded_tail(a->wo, attn, x, a->score, a->score_in, a->scale, a->thr, a->up, a->gate,
-                                           a->down, 1, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
-            rc = fired[l] < 0 ? -1 : 0;
-        } else if (a->sparse) {
-            fired[l] = hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias,
-                                      a->kind, 1, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
-            rc = fired[l] < 0 ? -1 : 0;
-        } else {
-            rc = hc_dense_tail(a->wo, attn, x, a->up, a->gate, a->down, a->down_is_t, a->up_bias, a->kind, a->act, 1,
-                               a->ffn_norm, a->ffn_eps, y1, y2, nth);
-            fired[l] = a->up->rows;
-        }
-        if (rc == 0) memcpy(x, y2, sizeof(float) * (size_t)D);
-    }
-    free(buf);
-    free(mask);
-    return rc;
-}
-
-/* A batched decode step through n layers: one token of each of N sequences (rows of x [N, D], the embeddings in,
- * the last layer's residuals out, in place), row j at position pos[j] over its own caches kcs[l * N + j] /
- * vcs[l * N + j] of layer l, cos / sin [N, R/2] the rows' RoPE. Per layer the calls the layers make for such a
- * step one by one (the q/k/v group over the N rows with the attention norm folded, hc_attn_decode_rows,
- * hc_decode_tail or hc_dense_tail over the N rows), so the same bits, without the interpreter between them. Only
- * layers with the predictor's sparse tail or the dense tail (sparse 1 or 0, no input-sparse q/k/v).
- * fired[l * N + j]: row j's firing neurons in layer l (dense: the layer's width). Returns 0, -1 (memory, or a call
- * that failed: x is then undefined), or -2 for a layer it does not take (nothing computed). */
-int hc_decode_layers_rows(int n, const hc_layer *L, int64_t N, float *x, int64_t D, const int64_t *pos,
-                          const float *cos, const float *sin, float *const *kcs, float *const *vcs, int64_t *fired,
-                          int nth) {
-    int64_t qmax = 1, kvmax = 1, fmax = 1;
-    for (int l = 0; l < n; l++) {
-        if ((L[l].sparse != 1 && L[l].sparse != 0) || L[l].qkv_t) return -2;
-        qmax = L[l].Fs[0] > qmax ? L[l].Fs[0] : qmax;
-        kvmax = L[l].Fs[1] > kvmax ? L[l].Fs[1] : kvmax;
-        fmax = L[l].up->rows > fmax ? L[l].up->rows : fmax;
-    }
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(N * (2 * qmax + 2 * kvmax + 2 * D)));
-    uint8_t *mask = (uint8_t *)malloc((size_t)(N * fmax));
-    int rc = buf && mask ? 0 : -1;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(N * (2 * qmax + 2 * kvmax + 2 * D) + D));
+    uint8_t *mask = (uint8_t *)malloc((size_t)(N * fmax + smax));
+    float **caches = (float **)malloc(sizeof(float *) * (size_t)(2 * N)); /* a layer's caches, row by row */
+    int rc = buf && mask && caches ? 0 : -1;
     float *q = buf, *k = q + N * qmax, *v = k + N * kvmax, *attn = v + N * kvmax, *y1 = attn + N * qmax,
-          *y2 = y1 + N * D;
+          *y2 = y1 + N * D, *xn = y2 + N * D;
+    uint8_t *smask = mask ? mask + N * fmax : NULL;
     for (int l = 0; l < n && rc == 0; l++) {
         const hc_layer *a = &L[l];
-        float *const qkv[3] = {q, k, v};
-        rc = a->packed ? hc_packed_matvec_multi(3, a->wts, a->Ws, a->Fs, D, x, N, a->attn_norm, a->attn_eps, qkv, nth)
-                       : hc_matvec_multi(3, a->wts, a->Ws, a->strides, a->Fs, D, x, N, a->attn_norm, a->attn_eps, qkv,
-                                         nth);
-        if (rc == 0)
-            rc = hc_attn_decode_rows(N, q, k, v, kcs + (int64_t)l * N, vcs + (int64_t)l * N, pos, a->H, a->Hkv, a->Dh,
-                                     a->R, cos, sin, a->neox, a->window, attn, nth);
+        float **kcs = caches, **vcs = caches + N;
+        for (int64_t j = 0; j < N; j++) kcs[j] = Ls[j][l].kc, vcs[j] = Ls[j][l].vc;
+        if (a->qkv_t) { /* q, k, v side by side in q's and k's buffers: q + k + v <= qmax + 2 * kvmax */
+            rc = input_sparse_head(a, D, x, pos[0], kcs[0], vcs[0], cos, sin, xn, q, smask, attn, nth);
+        } else {
+            float *const qkv[3] = {q, k, v};
+            rc = a->packed
+                     ? hc_packed_matvec_multi(3, a->wts, a->Ws, a->Fs, D, x, N, a->attn_norm, a->attn_eps, qkv, nth)
+                     : hc_matvec_multi(3, a->wts, a->Ws, a->strides, a->Fs, D, x, N, a->attn_norm, a->attn_eps, qkv,
+                                       nth);
+            if (rc == 0)
+                rc = hc_attn_decode_rows(N, q, k, v, kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox,
+                                         a->window, attn, nth);
+        }
         if (rc != 0) break;
         const int64_t F = a->up->rows;
-        if (!a->sparse) {
-            rc = hc_dense_tail(a->wo, attn, x, a->up, a->gate, a->down, a->down_is_t, a->up_bias, a->kind, a->act, N,
-                               a->ffn_norm, a->ffn_eps, y1, y2, nth);
-            if (rc != 0) break;
-            for (int64_t j = 0; j < N; j++) fired[(int64_t)l * N + j] = F;
-        } else {
-            if (hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias, a->kind,
-                               N, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth) < 0) {
-                rc = -1;
-                break;
-            }
-            for (int64_t j = 0; j < N; j++) {
+        int64_t got = 0;
+        if (a->sparse == 2 && a->wo_t) {
+            got = fired[0][l] = input_sparse_tail(a, attn, x, D, smask, mask, y1, y2, nth);
+        } else if (a->sparse == 2) {
+            got = fired[0][l] = hc_thresholded_tail(a->wo, attn, x, a->score, a->score_in, a->scale, a->thr, a->up,
+                                                    a->gate, a->down, 1, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
+        } else if (a->sparse) {
+            got = hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias, a->kind,
+                                 N, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
+            for (int64_t j = 0; j < N && got >= 0; j++) { /* the kernel counts the batch; each row its own */
                 int64_t c = 0;
-                for (int64_t i = 0; i < F; i++) c += mask[j * F + i] != 0;
-                fired[(int64_t)l * N + j] = c;
+                if (N == 1) c = got;
+                else
+                    for (int64_t i = 0; i < F; i++) c += mask[j * F + i] != 0;
+                fired[j][l] = c;
             }
+        } else {
+            got = hc_dense_tail(a->wo, attn, x, a->up, a->gate, a->down, a->down_is_t, a->up_bias, a->kind, a->act, N,
+                                a->ffn_norm, a->ffn_eps, y1, y2, nth) == 0 ? 0 : -1;
+            for (int64_t j = 0; j < N; j++) fired[j][l] = F;
         }
-        memcpy(x, y2, sizeof(float) * (size_t)(N * D));
+        rc = got < 0 ? -1 : 0;
+        if (rc == 0) memcpy(x, y2, sizeof(float) * (size_t)(N * D));
     }
     free(buf);
     free(mask);
+    free(caches);
     return rc;
 }
 

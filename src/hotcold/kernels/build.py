@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-ABI_VERSION = 24  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
+ABI_VERSION = 25  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -77,7 +77,7 @@ class HCInRule(ctypes.Structure):
 
 
 class HCLayer(ctypes.Structure):
-    """hc_layer in _cpu_kernels.c: one llama-family layer's arguments for hc_decode_layers (its q/k/v group,
+    """hc_layer in _cpu_kernels.c: one llama-family layer's arguments for hc_decode_step (its q/k/v group,
     attention norm, KV cache and RoPE, then the sparse, thresholded or dense tail)."""
 
     _w = ctypes.POINTER(HCWeight)
@@ -225,11 +225,7 @@ def _bind(lib: ctypes.CDLL) -> None:
             ],
             c_int,
         ),
-        "hc_decode_layers": ([c_int, ctypes.POINTER(HCLayer), p, i64, i64, p, p, p, c_int], c_int),
-        "hc_decode_layers_rows": (
-            [c_int, ctypes.POINTER(HCLayer), i64, p, i64, p, p, p, p, p, p, c_int],
-            c_int,
-        ),
+        "hc_decode_step": ([c_int, i64, p, p, i64, p, p, p, p, c_int], c_int),
         "hc_dense_tail": ([w, p, p, w, w, w, c_int, p, c_int, c_int, i64, p, f32, p, p, c_int], c_int),
         "hc_ffn_combine": ([c_int, c_int, p, p, p, i64, i64, p, c_int], None),
         "hc_matvec_multi": ([c_int, p, p, p, p, i64, p, i64, p, f32, p, c_int], c_int),
