@@ -349,10 +349,11 @@ def resolve_placement(
     """The hot neurons per layer: from the `.generated.gpuidx` cache when it was solved for this budget,
     model file and statistics, else solved anew from `<model dir>/activation/` and cached."""
     from hotcold.placement.gpuidx import Placement, gpuidx_path, read_gpuidx, source_signature, write_gpuidx
+    from hotcold.placement.profile import default_activation_dir
     from hotcold.placement.solver import solve_placement
 
     cache = gpuidx_path(path)
-    activation_dir = path.parent / "activation"
+    activation_dir = default_activation_dir(path)
     signature = source_signature(path, activation_dir)
     n_ff = [config.n_ff] * config.n_layer
     if cache.exists() and not reset:
@@ -403,7 +404,9 @@ def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torc
     if os.environ.get("HOTCOLD_NEURON_ORDER", "1") == "0":
         notes.append("FFN neurons in the file's order (HOTCOLD_NEURON_ORDER=0)")
         return None
-    activation_dir = path.parent / "activation"
+    from hotcold.placement.profile import default_activation_dir, hottest_first
+
+    activation_dir = default_activation_dir(path)
     try:
         counts = load_activations(activation_dir, config)
     except GGUFError as exc:
@@ -411,8 +414,6 @@ def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torc
         return None
     if counts is None:
         return None
-    from hotcold.placement.profile import hottest_first
-
     orders = [None if torch.equal(o, torch.arange(len(o))) else o for o in hottest_first(counts)]
     moved = sum(o is not None for o in orders)
     notes.append(

@@ -19,10 +19,11 @@ def add_args(p) -> None:
 
 def run(args) -> int:
     from hotcold.convert.reorder import reorder_file
+    from hotcold.placement.profile import default_activation_dir
 
     out = reorder_file(args.input, args.output, activation_dir=args.activation)
     print(
-        f"hotcold: wrote {out} (FFN neurons hottest first) and its statistics in {out.parent / 'activation'}",
+        f"hotcold: wrote {out} (FFN neurons hottest first) and its statistics in {default_activation_dir(out)}",
         file=sys.stderr,
     )
     return 0

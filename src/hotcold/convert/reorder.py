@@ -23,7 +23,12 @@ from hotcold import names
 from hotcold.atomic import check_output
 from hotcold.config import config_from_file
 from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
-from hotcold.placement.profile import hottest_first, read_activation_files, write_activation_files
+from hotcold.placement.profile import (
+    default_activation_dir,
+    hottest_first,
+    read_activation_files,
+    write_activation_files,
+)
 
 
 def reorder_file(
@@ -47,8 +52,8 @@ def reorder_file(
         raise ValueError(
             f"{src}: {what}: its per-neuron tensors are not all rows; reorder takes PowerInfer files"
         )
-    stats_in = Path(activation_dir) if activation_dir is not None else src.parent / "activation"
-    stats_out = dst.parent / "activation"
+    stats_in = Path(activation_dir) if activation_dir is not None else default_activation_dir(src)
+    stats_out = default_activation_dir(dst)
     if stats_out.resolve() == stats_in.resolve():
         raise ValueError(
             f"{dst}: its statistics would go to {stats_out}, over the input's: write the output to another folder"
