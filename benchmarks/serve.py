@@ -196,16 +196,35 @@ def run_clients(url: str, n: int, max_tokens: int) -> dict:
     }
 
 
-def median_load(url: str, n: int, max_tokens: int, rounds: int) -> dict:
-    """run_clients `rounds` times (fresh prompts each time): the run with the median aggregate rate, with every
-    round's rate beside it (a shared 2-core host moves 30-40% within minutes)."""
-    runs = sorted(
-        (run_clients(url, n, max_tokens) for _ in range(rounds)), key=lambda r: r["aggregate_tokens_per_s"]
-    )
+def median_of(loads: list[dict]) -> dict:
+    """The load with the median aggregate rate, with every load's rate beside it."""
+    runs = sorted(loads, key=lambda r: r["aggregate_tokens_per_s"])
     median = dict(runs[(len(runs) - 1) // 2])
-    if rounds > 1:
+    if len(runs) > 1:
         median["rounds_aggregate_tokens_per_s"] = [r["aggregate_tokens_per_s"] for r in runs]
     return median
+
+
+def interleaved_loads(url: str, clients: list[int], max_tokens: int, rounds: int, name: str) -> list[dict]:
+    """`rounds` loads of each client count (fresh prompts each time), taken in turns (1, 8, 1, 8, ...), each
+    count's median load reported. In turns, the host's drift (a shared 2-core host moves 30-40% within minutes)
+    falls on every count alike; all loads of one count and then all of the next let the 1-client loads meet a
+    fast stretch and the 8-client loads a slow one (the 8 / 1 ratio moved 2.63-3.53x over six runs so). With
+    several counts, the largest's entry also lists each turn's ratio of its aggregate to the smallest's."""
+    loads: dict[int, list[dict]] = {n: [] for n in clients}
+    for turn in range(rounds):
+        for n in clients:
+            loads[n].append(run_clients(url, n, max_tokens))
+        print(f"# {name}: turn {turn + 1} of {rounds} done", file=sys.stderr, flush=True)
+    runs = [median_of(loads[n]) for n in clients]
+    fewest, most = min(clients), max(clients)
+    if fewest != most:
+        ratios = [
+            round(b["aggregate_tokens_per_s"] / a["aggregate_tokens_per_s"], 2)
+            for a, b in zip(loads[fewest], loads[most])
+        ]
+        runs[clients.index(most)]["rounds_ratio_to_fewest"] = {"clients": fewest, "ratios": ratios}
+    return runs
 
 
 def late_arrival(url: str, busy: int, max_tokens: int) -> dict:
@@ -283,6 +302,14 @@ def results_section(res: dict, cmd: str, label: str) -> str:
             f" {ray_rows[0]['cluster_start_s']} s to start with its replicas loaded."
         )
     for name, runs in res["servers"].items():
+        turns = next((r["rounds_ratio_to_fewest"] for r in runs if "rounds_ratio_to_fewest" in r), None)
+        if turns:
+            most = max(r["clients"] for r in runs)
+            lines.append(
+                f"\n{name}: {most} clients' aggregate over {turns['clients']} client's, load by load (the loads ran in"
+                f" turns): {', '.join(f'{x}x' for x in turns['ratios'])}."
+            )
+    for name, runs in res["servers"].items():
         late = runs[-1].get("late_arrival") if runs else None
         if late:
             lines.append(
@@ -319,10 +346,7 @@ def process_runs(
                 raise RuntimeError(f"{name} did not start: {shlex.join(cmd)}")
             time.sleep(0.5)
         run_clients(url, 1, 4)  # warm up
-        runs = []
-        for n in clients:
-            runs.append(median_load(url, n, max_tokens, rounds))
-            print(f"# {name}: {n} clients done", file=sys.stderr, flush=True)
+        runs = interleaved_loads(url, clients, max_tokens, rounds, name)
         if late and max(clients) > 1:
             runs[-1]["late_arrival"] = late_arrival(url, max(clients) - 1, max_tokens)
         return runs
@@ -410,7 +434,10 @@ def main(argv: list[str] | None = None) -> dict:
         help="run hotcold's server in this process (uvicorn in a thread) instead of `hotcold serve`",
     )
     ap.add_argument(
-        "--rounds", type=int, default=1, help="loads per client count; the median one is reported (default 1)"
+        "--rounds",
+        type=int,
+        default=1,
+        help="loads per client count, the counts in turns; the median one is reported (default 1)",
     )
     ap.add_argument(
         "--prompts",
@@ -470,12 +497,9 @@ def main(argv: list[str] | None = None) -> dict:
         worker.join()
         res["direct_tokens_per_s"][label(mode)] = round(direct[0], 2)
         if args.in_process:  # the model just measured serves
-            runs = []
             with Server(create_app(llm, parallel=parallel)) as url:
                 run_clients(url, 1, 4)  # warm up the HTTP path
-                for n in clients:
-                    runs.append(median_load(url, n, args.max_tokens, args.rounds))
-                    print(f"# hotcold {mode}: {n} clients done", file=sys.stderr, flush=True)
+                runs = interleaved_loads(url, clients, args.max_tokens, args.rounds, label(mode))
         else:
             del llm  # `hotcold serve` loads its own
             runs = hotcold_server_runs(
