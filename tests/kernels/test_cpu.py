@@ -219,14 +219,41 @@ def test_axpy_blocks_and_wide_rows(backend):
 @pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("d", [229, 433, 704])
 def test_axpy_batch_every_chunk_remainder(backend, fmt, d):
-    """The float batch axpy passes over a column item's chunks AXPY_CHUNKS at a time (3 on AVX2, 4 on
-    AVX-512) and then the rest: these widths and thread counts give items of every length mod 3 and mod
-    4, with and without a column tail (AVX-512 once read and wrote a 4th chunk past an item of 3)."""
+    """The float batch axpy of more than HC_TBLOCK_MAX_T (16) tokens passes over a column item's chunks
+    AXPY_CHUNKS at a time (3 on AVX2, 4 on AVX-512) and then the rest: these widths and thread counts give
+    items of every length mod 3 and mod 4, with and without a column tail (AVX-512 once read and wrote a 4th
+    chunk past an item of 3)."""
     gen = torch.Generator().manual_seed(d)
     w = torch.randn(300, d, generator=gen).to(FLOAT[fmt])
-    a = torch.relu(torch.randn(5, 300, generator=gen))
-    m = torch.rand(5, 300, generator=gen) < 0.6  # ~90 active rows a token: two 64-row blocks
+    a = torch.relu(torch.randn(17, 300, generator=gen))
+    m = torch.rand(17, 300, generator=gen) < 0.6  # ~90 active rows a token: two 64-row blocks
     check_batch_axpy(backend, w, a, m, token_threads=(2,))
+
+
+@pytest.mark.parametrize("fmt", ["f32", "f16", "bf16"])
+@pytest.mark.parametrize("t", [2, 8, 16])
+def test_batch_axpy_by_token_blocks(backend, fmt, t):
+    """Float rows and up to HC_TBLOCK_MAX_T (16) tokens: each token's blocks of 64 rows computed one by one, all
+    tokens' blocks handed out by their first rows (hot rows most tokens take, cold rows one token takes, rows
+    hundreds apart), then added in block order: the float64 answer, the same bits for 1, 2 and 3 threads and
+    for each token alone, rows nobody takes never read, a NaN coefficient in its own token's output only."""
+    gen = torch.Generator().manual_seed(t)
+    f, d = 1500, 230  # 7 chunks and a column tail of 6
+    share = torch.zeros(f, dtype=torch.float64)
+    share[:300] = 0.9  # ~5 blocks a token here
+    share[300:1200] = 1.0 / t
+    share[1200::37] = 0.5
+    m = torch.rand(t, f, generator=gen, dtype=torch.float64) < share
+    a = torch.rand(t, f, generator=gen) + 0.1
+    a[m.logical_not()] = torch.where(torch.rand(t, f, generator=gen) < 0.5, 0.0, 3.0)[m.logical_not()]
+    w, _ = make_weight(fmt, f, torch.Generator().manual_seed(2), d=d)
+    check_batch_axpy(backend, w, a, m, token_threads=(1, 2))
+    y = cpu.sparse_axpy(w, a, m, threads=2)
+    poisoned, _ = make_weight(fmt, f, torch.Generator().manual_seed(2), ~m.any(0), d=d)
+    assert torch.equal(cpu.sparse_axpy(poisoned, a, m, threads=2), y)
+    a[t - 1, 7], m[t - 1, 7] = float("nan"), True
+    y = cpu.sparse_axpy(w, a, m, threads=2)
+    assert y[t - 1].isnan().all() and not y[: t - 1].isnan().any()
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q5_0"])
