@@ -1,6 +1,7 @@
 """hotcold bench: a llama-bench-like table of prompt processing (ppN) and generation (tgN) speed, sparse and
-dense measured in the same run (interleaved), with effective GB/s of weights read and the firing rate.
-`-t 1,2` measures each thread count in turn; `--plot OUT.png` draws tokens/s by thread count (several
+dense measured in the same run (interleaved), with effective GB/s of weights read and the firing rate, and
+under the table each test's sparse / dense ratio (for `-b` batches with the union firing rate: the rows a
+step reads). `-t 1,2` measures each thread count in turn; `--plot OUT.png` draws tokens/s by thread count (several
 -t) or by batch size (-b), sparse vs dense (hotcold.plots)."""
 
 from __future__ import annotations
@@ -360,4 +361,23 @@ def run(args) -> int:
             f"| {r['model'][:30]:30s} | {r['size_bytes'] / 2**30:7.2f} G | {r['params'] / 1e6:7.1f}M | {r['mode']:6s} | {r['test']:12s}"
             f" | {r['tokens_per_s']:9.2f} | {gbs:>6s} | {100 * r['firing_rate']:5.1f}% | {100 * r['union_firing_rate']:5.1f}% |"
         )
+    for line in sparse_over_dense(rows):
+        print(line)
     return 0
+
+
+def sparse_over_dense(rows: list[dict]) -> list[str]:
+    """One line per test that ran sparse and dense at the same thread count: the sparse rate over the dense one,
+    with the sparse run's union firing rate (for a batch, the share of neurons any of its tokens fired: the rows
+    a step reads)."""
+    dense = {(r["test"], r["threads"]): r for r in rows if r["mode"] == "dense"}
+    lines = []
+    for r in rows:
+        d = dense.get((r["test"], r["threads"]))
+        if r["mode"] != "sparse" or d is None or not d["tokens_per_s"]:
+            continue
+        lines.append(
+            f"{r['test']}, {r['threads']} thread(s): sparse / dense {r['tokens_per_s'] / d['tokens_per_s']:.2f}x"
+            f" (sparse firing {100 * r['firing_rate']:.1f}% a token, union {100 * r['union_firing_rate']:.1f}%)"
+        )
+    return lines
