@@ -7,7 +7,7 @@ import pytest
 import hotcold
 from hotcold import batching, ops
 from hotcold.engine import Engine
-from hotcold.generation import Generation
+from hotcold.generation import Generation, common_prefix
 
 SHORT = ["In the beginning", "And God said", "Jesus wept", "Blessed are the meek"]
 
@@ -77,3 +77,27 @@ def test_tokens_equal_each_generation_alone(llm, monkeypatch, rows_work):
             texts[i] += "".join(c.text for c in g.drain())
     alone = [llm.generate(p, max_tokens=12, ignore_eos=True) for p in SHORT]
     assert texts == alone and len(set(texts)) == len(SHORT)
+
+
+def test_a_prompt_waits_to_copy_the_start_an_earlier_one_computes(llm, forwards):
+    """Two prompts from one template arriving together: the second waits one step, copies the start the first
+    computed (share_starts) and prefills only the rest; each still gets the tokens it gets alone. A prompt
+    sharing fewer than SHARE_WAIT_MIN tokens does not wait."""
+    template = "Once upon a time there was a little girl who lived in a village near the forest."
+    prompts = [template + " Jesus wept", template + " And God said", "Blessed are the meek"]
+    ids, gens = _generations(llm, prompts, max_tokens=6)
+    shared = common_prefix(ids[0], ids[1])
+    assert shared >= batching.SHARE_WAIT_MIN and common_prefix(ids[0], ids[2]) < batching.SHARE_WAIT_MIN
+    texts = [""] * len(gens)
+    while any(not g.done for g in gens):
+        batching.share_starts(gens)
+        batching.step(llm.loaded.model, gens)
+        for i, g in enumerate(gens):
+            texts[i] += "".join(c.text for c in g.drain())
+    assert forwards[0] == [len(ids[0]), len(ids[2])]  # the second waits; the third shares only the BOS
+    assert (
+        forwards[1][:2] == [1, 1] and forwards[1][2] == len(ids[1]) - shared
+    )  # its rest beside two decode rows
+    assert sum(n for f in forwards for n in f if n > 1) == len(ids[0]) + len(ids[2]) + len(ids[1]) - shared
+    alone = [llm.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
+    assert texts == alone

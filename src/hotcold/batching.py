@@ -4,7 +4,10 @@ Each step runs every decoding generation's next token in one forward (the weight
 all of them; in the sparse FFN the rows fired by any of the tokens are read once), plus the next chunk
 of the first prefilling generation (chunked prefill: a long prompt holds the others up for one chunk
 at a time, never for its whole prefill), plus the next chunks of the prefilling generations after it
-that still fit in the forward (a burst of short prompts prefills in one step, not one step each).
+that still fit in the forward (a burst of short prompts prefills in one step, not one step each). A prompt
+not yet begun whose start an earlier prompt of the batch is still to compute (at least SHARE_WAIT_MIN tokens
+past what its own cache holds) waits for it and then copies those keys and values (`share_starts`): requests
+from one template or with one system prompt that arrive together compute their common start once.
 
 Output does not depend on the batch. Below `cpu.GEMM_MIN_TOKENS` rows every CPU kernel computes each
 row with the same arithmetic whatever the other rows are (the C kernels' contract), attention runs per
@@ -19,22 +22,38 @@ from collections.abc import Sequence
 
 import torch
 
-from hotcold.generation import Generation
+from hotcold.generation import Generation, common_prefix
 from hotcold.kernels import cpu
 from hotcold.state import Batch
 
 MAX_ROWS = cpu.GEMM_MIN_TOKENS - 1  # rows per forward for which every row's bits are its own
+# Tokens of a start that an earlier prompt will compute, from which a prompt waits to copy them: computing 8
+# prompt rows costs about what the waiting prompt's first token loses by starting a step later.
+SHARE_WAIT_MIN = 8
+
+
+def waits_for_shared_start(gen: Generation, earlier: Sequence[Generation]) -> bool:
+    """Whether `gen`, its prompt not begun, should skip this step: one of the `earlier` generations (earlier in
+    the batch, so the first one never waits) is still prefilling a prompt that shares at least SHARE_WAIT_MIN
+    tokens of start with gen's beyond what gen's cache already holds; once computed, gen copies them."""
+    if not gen.prefill_not_begun:
+        return False
+    have = gen.want()[1]
+    return any(h.prefilling and common_prefix(h.prompt, gen.prompt) - have >= SHARE_WAIT_MIN for h in earlier)
 
 
 def step(model, generations: Sequence[Generation]) -> None:
     """Advance every generation that is not done by one forward's worth: decoders by one token, the
-    first prefilling one by one chunk, later prefilling ones by one chunk where it fits in a forward.
-    Chunks pile up in each generation (`drain()`)."""
+    first prefilling one by one chunk, later prefilling ones by one chunk where it fits in a forward and
+    they are not waiting for an earlier one's shared start. Chunks pile up in each generation (`drain()`)."""
     live = [g for g in generations if not g.done]
     decoding = [g for g in live if not g.prefilling]
     groups = [decoding[i : i + MAX_ROWS] for i in range(0, len(decoding), MAX_ROWS)]
     rows = [len(group) for group in groups]
-    for j, gen in enumerate(g for g in live if g.prefilling):
+    prefilling = [g for g in live if g.prefilling]
+    for j, gen in enumerate(prefilling):
+        if waits_for_shared_start(gen, prefilling[:j]):
+            continue
         n = len(gen.want()[0])
         if groups and rows[-1] + n <= MAX_ROWS:
             groups[-1].append(gen)
