@@ -237,23 +237,10 @@ def test_batch_axpy_by_token_blocks(backend, fmt, t):
     tokens' blocks handed out by their first rows (hot rows most tokens take, cold rows one token takes, rows
     hundreds apart), then added in block order: the float64 answer, the same bits for 1, 2 and 3 threads and
     for each token alone, rows nobody takes never read, a NaN coefficient in its own token's output only."""
-    gen = torch.Generator().manual_seed(t)
-    f, d = 1500, 230  # 7 chunks and a column tail of 6
-    share = torch.zeros(f, dtype=torch.float64)
-    share[:300] = 0.9  # ~5 blocks a token here
-    share[300:1200] = 1.0 / t
-    share[1200::37] = 0.5
-    m = torch.rand(t, f, generator=gen, dtype=torch.float64) < share
-    a = torch.rand(t, f, generator=gen) + 0.1
-    a[m.logical_not()] = torch.where(torch.rand(t, f, generator=gen) < 0.5, 0.0, 3.0)[m.logical_not()]
-    w, _ = make_weight(fmt, f, torch.Generator().manual_seed(2), d=d)
-    check_batch_axpy(backend, w, a, m, token_threads=(1, 2))
-    y = cpu.sparse_axpy(w, a, m, threads=2)
-    poisoned, _ = make_weight(fmt, f, torch.Generator().manual_seed(2), ~m.any(0), d=d)
-    assert torch.equal(cpu.sparse_axpy(poisoned, a, m, threads=2), y)
-    a[t - 1, 7], m[t - 1, 7] = float("nan"), True
-    y = cpu.sparse_axpy(w, a, m, threads=2)
-    assert y[t - 1].isnan().all() and not y[: t - 1].isnan().any()
+    # 7 chunks and a column tail of 6; hot rows ~5 blocks a token; the NaN coefficient in the last token
+    check_hot_cold_far_axpy(
+        backend, fmt, t, 230, hot=(300, 0.9), cold_end=1200, far_step=37, seed=t, weights=2
+    )
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q5_0"])
@@ -275,24 +262,34 @@ def test_batch_axpy_copied_and_direct_groups(backend, fmt):
     (copied groups), the next by one token each (read in place), and the last few lie hundreds of rows
     apart (a group spanning most of the matrix). NaN rows nobody takes, a NaN coefficient, blocks of 64
     rows and a column tail: the float64 answer, and the same bits for any thread count and token alone."""
-    gen = torch.Generator().manual_seed(24)
-    t, f, d = 24, 1500, 100 if fmt in FLOAT else 96
+    d = 100 if fmt in FLOAT else 96
+    check_hot_cold_far_axpy(
+        backend, fmt, 24, d, hot=(400, 0.8), cold_end=1000, far_step=97, seed=24, weights=1
+    )
+
+
+def check_hot_cold_far_axpy(backend, fmt, t, d, *, hot, cold_end, far_step, seed, weights) -> None:
+    """A batch axpy over 1500 rows of d columns: rows [0, hot[0]) taken by a share hot[1] of the t tokens, then
+    to cold_end by about one token each, then every far_step-th row by half of them; coefficients 0 or 3 where the
+    mask is not set. check_batch_axpy, then: rows nobody takes NaN are never read, and a NaN coefficient of the
+    last token reaches that token's output only."""
+    gen = torch.Generator().manual_seed(seed)
+    f = 1500
     share = torch.zeros(f, dtype=torch.float64)
-    share[:400] = 0.8  # hot: ~19 takers a row
-    share[400:1000] = 1.0 / t  # cold: about one taker a row
-    share[1000::97] = 0.5  # far apart
+    share[: hot[0]] = hot[1]
+    share[hot[0] : cold_end] = 1.0 / t
+    share[cold_end::far_step] = 0.5
     m = torch.rand(t, f, generator=gen, dtype=torch.float64) < share
     a = torch.rand(t, f, generator=gen) + 0.1
     a[m.logical_not()] = torch.where(torch.rand(t, f, generator=gen) < 0.5, 0.0, 3.0)[m.logical_not()]
-    w, _ = make_weight(fmt, f, torch.Generator().manual_seed(1), d=d)
+    w, _ = make_weight(fmt, f, torch.Generator().manual_seed(weights), d=d)
     check_batch_axpy(backend, w, a, m, token_threads=(1, 2))
     y = cpu.sparse_axpy(w, a, m, threads=2)
-    # the same weights with the rows nobody takes NaN: never read
-    poisoned, _ = make_weight(fmt, f, torch.Generator().manual_seed(1), ~m.any(0), d=d)
+    poisoned, _ = make_weight(fmt, f, torch.Generator().manual_seed(weights), ~m.any(0), d=d)
     assert torch.equal(cpu.sparse_axpy(poisoned, a, m, threads=2), y)
-    a[3, 5], m[3, 5] = float("nan"), True  # a NaN coefficient reaches its own token's output only
+    a[t - 1, 5], m[t - 1, 5] = float("nan"), True
     y = cpu.sparse_axpy(w, a, m, threads=2)
-    assert y[3].isnan().all() and not y[torch.arange(t) != 3].isnan().any()
+    assert y[t - 1].isnan().all() and not y[: t - 1].isnan().any()
 
 
 def check_batch_axpy(backend, w, a, m, *, token_threads) -> None:
