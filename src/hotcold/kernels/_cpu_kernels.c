@@ -2605,6 +2605,9 @@ int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t 
                    const uint8_t *mask, float *out, int nth) {
     hc_args A = {W, stride, F, D, T, a, mask, out, NULL, NULL, 0, NULL};
     memset(out, 0, sizeof(float) * (size_t)(T * D));
+    /* a few tokens of float rows: each token's own rows, so the union below is not needed */
+    if (T > 1 && T <= HC_TBLOCK_MAX_T && (wt == WT_F16 || wt == WT_BF16 || wt == WT_F32))
+        return axpy_token_blocks(wt, &A, nth);
     int32_t *idx = (int32_t *)malloc(sizeof(int32_t) * (size_t)(F > 0 ? F : 1));
     float *coef = (float *)malloc(sizeof(float) * (size_t)(F > 0 ? F : 1));
     A.n = idx && coef ? union_rows(mask, a, T, F, idx, nth) : -1;
@@ -2676,8 +2679,6 @@ int hc_sparse_axpy(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t 
             }
         }
         free(part);
-    } else if (n > 0 && T <= HC_TBLOCK_MAX_T && (wt == WT_F16 || wt == WT_BF16 || wt == WT_F32)) {
-        rc = axpy_token_blocks(wt, &A, nth);
     } else if (n > 0) {
         /* Columns split among the threads; each item keeps every token's open block for its columns
          * (at most ~256 KB of partial sums per thread). */
@@ -3714,17 +3715,28 @@ int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float 
  * the RMS-normed x (the packed or the row layout: the call LinearGroup makes), then hc_attn_decode_rows of
  * that one row; qkv [3] are the caller's buffers (q and k are left rotated, as op by op). The same calls,
  * so the same bits, without the interpreter between them. Returns 0, or -1 (memory, or no packed form). */
+/* hc_decode_head for N rows x [N, D] (one decode token of each of N sequences): the q/k/v group over the rows, then
+ * RoPE attention over each row's own caches kcs[j] / vcs[j] at pos[j] (cos / sin [N, R/2]). */
+static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws, const int64_t *strides,
+                            const int64_t *Fs, int packed, int64_t D, const float *x, const float *norm_w, float eps,
+                            float *const *qkv, float *const *kcs, float *const *vcs, const int64_t *pos, int64_t H,
+                            int64_t Hkv, int64_t Dh, int64_t R, const float *cos, const float *sin, int neox,
+                            int64_t window, float *out, int nth) {
+    const int rc = packed ? hc_packed_matvec_multi(3, wts, Ws, Fs, D, x, N, norm_w, eps, qkv, nth)
+                          : hc_matvec_multi(3, wts, Ws, strides, Fs, D, x, N, norm_w, eps, qkv, nth);
+    if (rc != 0) return rc;
+    return hc_attn_decode_rows(N, qkv[0], qkv[1], qkv[2], kcs, vcs, pos, H, Hkv, Dh, R, cos, sin, neox, window, out,
+                               nth);
+}
+
 int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int64_t *strides, const int64_t *Fs,
                    int packed, int64_t D, const float *x, const float *norm_w, float eps, float *const *qkv,
                    float *kc, float *vc, int64_t pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
                    const float *sin, int neox, int64_t window, float *out, int nth) {
     if (nmat != 3) return -1;
-    const int rc = packed ? hc_packed_matvec_multi(3, wts, Ws, Fs, D, x, 1, norm_w, eps, qkv, nth)
-                          : hc_matvec_multi(3, wts, Ws, strides, Fs, D, x, 1, norm_w, eps, qkv, nth);
-    if (rc != 0) return rc;
     float *kcs[1] = {kc}, *vcs[1] = {vc};
-    return hc_attn_decode_rows(1, qkv[0], qkv[1], qkv[2], kcs, vcs, &pos, H, Hkv, Dh, R, cos, sin, neox, window, out,
-                               nth);
+    return decode_head_rows(1, wts, Ws, strides, Fs, packed, D, x, norm_w, eps, qkv, kcs, vcs, &pos, H, Hkv, Dh, R,
+                            cos, sin, neox, window, out, nth);
 }
 
 /* One layer of a llama-family decode token, for hc_decode_step: the arguments of its hc_decode_head
@@ -3821,13 +3833,8 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
             rc = input_sparse_head(a, D, x, pos[0], kcs[0], vcs[0], cos, sin, xn, q, smask, attn, nth);
         } else {
             float *const qkv[3] = {q, k, v};
-            rc = a->packed
-                     ? hc_packed_matvec_multi(3, a->wts, a->Ws, a->Fs, D, x, N, a->attn_norm, a->attn_eps, qkv, nth)
-                     : hc_matvec_multi(3, a->wts, a->Ws, a->strides, a->Fs, D, x, N, a->attn_norm, a->attn_eps, qkv,
-                                       nth);
-            if (rc == 0)
-                rc = hc_attn_decode_rows(N, q, k, v, kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox,
-                                         a->window, attn, nth);
+            rc = decode_head_rows(N, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, x, a->attn_norm, a->attn_eps, qkv,
+                                  kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox, a->window, attn, nth);
         }
         if (rc != 0) break;
         const int64_t F = a->up->rows;
