@@ -261,3 +261,59 @@ def test_thresholded_plan_rejects_what_it_cannot_take():
         ffn_calls.ThresholdedPlan(w, w, None, torch.randn(32, 64).half(), threshold=0.1)
     with pytest.raises(ValueError, match="scale has shape"):
         ffn_calls.ThresholdedPlan(w, w, None, w, threshold=0.1, scale=torch.ones(3))
+
+
+def _hot_ffn(kind, dtype, f=256, d=64, seed=3):
+    gen = torch.Generator().manual_seed(seed)
+    w = lambda *s: (torch.randn(*s, generator=gen) / 4).to(dtype)  # noqa: E731
+    up, gate, down_t = w(f, d), None if kind == "plain" else w(f, d), w(f, d)
+    bias = torch.randn(f, generator=gen) if kind == "plain" else None
+    return up, gate, down_t, bias
+
+
+@pytest.mark.parametrize("kind", ["gated", "gated_both", "plain"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [64, 100])
+def test_hot_block_computes_the_first_rows_for_every_token(backend, kind, dtype, rows):
+    """A hot block gives the step's answer to float rounding (its rows' arithmetic is the packed products'),
+    and the same bits for a token whatever the batch and the thread count. Without the C kernels there is none."""
+    up, gate, down_t, bias = _hot_ffn(kind, dtype)
+    hot = ffn_calls.hot_block(up, gate, down_t, rows)
+    if backend == "torch":
+        assert hot is None
+        return
+    assert hot is not None and hot.rows == rows
+    plain = ffn_calls.SparseFFNPlan(up, gate, down_t, kind=kind, up_bias=bias)
+    hotted = ffn_calls.SparseFFNPlan(up, gate, down_t, kind=kind, up_bias=bias, hot=hot)
+    gen = torch.Generator().manual_seed(9)
+    t, f = 7, up.shape[0]
+    x = torch.randn(t, up.shape[1], generator=gen)
+    mask = torch.rand(t, f, generator=gen) < torch.linspace(0.95, 0.05, f)  # the first rows fire most
+    want, want_mask, fired = plain(x, rows=mask, threads=2)
+    got, got_mask, got_fired = hotted(x, rows=mask, threads=2)
+    assert torch.equal(got_mask, want_mask) and got_fired == fired == int(mask.sum())
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    assert not torch.equal(got, want)  # the hot rows did go through the packed products
+    # the same as the op-by-op step on the hot rows' outputs alone: rows past the block unchanged by it
+    cold_only = mask.clone()
+    cold_only[:, :rows] = False
+    assert torch.equal(hotted(x, rows=cold_only, threads=2)[0], plain(x, rows=cold_only, threads=2)[0])
+    for threads in (1, 2):
+        for i in range(t):
+            alone = hotted(x[i : i + 1], rows=mask[i : i + 1], threads=threads)[0]
+            assert torch.equal(alone[0], got[i]), (threads, i)
+
+
+def test_hot_block_is_refused_where_it_does_not_fit(backend):
+    up, gate, down_t, _ = _hot_ffn("gated", torch.float16)
+    if backend == "torch":
+        assert ffn_calls.hot_block(up, gate, down_t, 64) is None
+        return
+    assert ffn_calls.hot_block(up, gate, down_t, 0) is None
+    assert ffn_calls.hot_block(up, gate, down_t, up.shape[0]) is None
+    assert ffn_calls.hot_block(up.float(), gate.float(), down_t.float(), 64) is None  # no packed float32 rows
+    other = ffn_calls.hot_block(*_hot_ffn("gated", torch.float16, f=256, d=32)[:3], 64)
+    with pytest.raises(ValueError, match="not a packed"):
+        ffn_calls.SparseFFNPlan(up, gate, down_t, hot=other)
+    with pytest.raises(ValueError, match="does not fit"):
+        ffn_calls.SparseFFNPlan(up, None, down_t, kind="plain", hot=ffn_calls.hot_block(up, gate, down_t, 64))

@@ -250,3 +250,41 @@ def hottest_first(counts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 def default_activation_dir(model_path: str | os.PathLike[str]) -> Path:
     """Where the loader looks for activation statistics: `<model dir>/activation`."""
     return Path(model_path).parent / "activation"
+
+
+# A neuron joins its layer's hot block when its activation count is at least this share of the layer's hottest
+# neuron's (which fires for about every token). On the 1B synthetic (rows 0-255 firing for 0.93 of the tokens):
+# a batch-8 step's gate and down 1.2 ms faster, one token the same; 512 rows (0.69) cost one token 0.45 ms
+# (benchmarks/ffn_split.py, RESULTS 2026-12-04 03:51).
+HOT_SHARE = 0.8
+HOT_BLOCK_ROWS = 64  # the packed layout's rows per block: a hot block is whole blocks
+
+
+def hot_rows(counts: list[torch.Tensor] | None, notes: list[str]) -> list[int] | None:
+    """Per layer, the rows (kept hottest first, `counts` in that order) of the sparse step's hot block: the
+    neurons counted at least HOT_SHARE of the hottest's, in whole blocks of HOT_BLOCK_ROWS. HOTCOLD_HOT_ROWS=N
+    gives every layer N rows instead (0: no hot blocks, to compare); None without counts."""
+    if counts is None:
+        return None
+    env = os.environ.get("HOTCOLD_HOT_ROWS")
+    if env is not None:
+        try:
+            n = int(env)
+        except ValueError:
+            raise ValueError(f"HOTCOLD_HOT_ROWS={env!r}: expected a whole number of rows") from None
+        if n < 0:
+            raise ValueError(f"HOTCOLD_HOT_ROWS={env!r}: expected a whole number of rows")
+        rows = [min(n, len(c) - 1) for c in counts]
+    else:
+        rows = [
+            int((c >= HOT_SHARE * c.max()).sum()) // HOT_BLOCK_ROWS * HOT_BLOCK_ROWS
+            if float(c.max()) > 0
+            else 0
+            for c in counts
+        ]
+    if any(rows):
+        notes.append(
+            f"sparse FFN hot blocks (the rows that fire for nearly every token, packed products for every "
+            f"token): {min(rows)}-{max(rows)} rows a layer"
+        )
+    return rows if any(rows) else None
