@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 import hotcold
 from hotcold import batching, ops
 from hotcold.engine import Engine
 from hotcold.generation import Generation, common_prefix
-from hotcold.kernels import cpu
 
 SHORT = ["In the beginning", "And God said", "Jesus wept", "Blessed are the meek"]
 
@@ -103,32 +101,3 @@ def test_a_prompt_waits_to_copy_the_start_an_earlier_one_computes(llm, forwards)
     assert sum(n for f in forwards for n in f if n > 1) == len(ids[0]) + len(ids[2]) + len(ids[1]) - shared
     alone = [llm.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
     assert texts == alone
-
-
-@pytest.fixture(scope="module")
-def hot_llm():
-    """The bundled model loaded for batches with a hot block of 128 rows in every layer."""
-    if cpu.backend() != "c":
-        pytest.skip("hot blocks are a C kernel path")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("HOTCOLD_HOT_ROWS", "128")
-        model = hotcold.load(device="cpu", threads=2, kv_sequences=4)
-    assert all(
-        L.ffn.weights.hot is not None and L.ffn.weights.hot.rows == 128 for L in model.loaded.model.layers
-    )
-    return model
-
-
-def test_with_hot_blocks_tokens_still_equal_each_generation_alone(hot_llm, llm):
-    """The hot rows take the packed products' arithmetic at every token count: a batch is still each prompt
-    alone, and the model's logits stay those without hot blocks to float rounding."""
-    _, gens = _generations(hot_llm, SHORT, max_tokens=12)
-    texts = [""] * len(gens)
-    while any(not g.done for g in gens):
-        batching.step(hot_llm.loaded.model, gens)
-        for i, g in enumerate(gens):
-            texts[i] += "".join(c.text for c in g.drain())
-    alone = [hot_llm.generate(p, max_tokens=12, ignore_eos=True) for p in SHORT]
-    assert texts == alone and len(set(texts)) == len(SHORT)
-    ids = hot_llm.tokenize(SHORT[0])
-    torch.testing.assert_close(hot_llm.logits(ids), llm.logits(ids), rtol=1e-3, atol=1e-3)

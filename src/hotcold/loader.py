@@ -178,10 +178,7 @@ def load_model(
         and devices.hot is None
         and all(d.type == "cpu" for d in devices.ffn)
     ):
-        from hotcold.placement.profile import hot_rows
-
-        src.neuron_order, counts = neuron_order(path, config, notes)
-        src.hot_rows = hot_rows(counts, notes)
+        src.neuron_order = neuron_order(path, config, notes)
     make_ffn = ffn_maker(devices, dense=dense, threads=threads)
     if thresholded is not None:
         from hotcold.sparse.attention_inputs import InputAssets
@@ -394,9 +391,7 @@ def resolve_placement(
     return hot
 
 
-def neuron_order(
-    path: Path, config: ModelConfig, notes: list[str]
-) -> tuple[list[torch.Tensor | None] | None, list[torch.Tensor] | None]:
+def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torch.Tensor | None] | None:
     """Per layer, the FFN neurons by activation count, hottest first (ties in the file's order), from the
     statistics beside the model (`hotcold profile` writes them; PowerInfer's models ship them). A sparse CPU
     layer of a model loaded for several sequences keeps its rows in this order, copied at load into memory
@@ -405,11 +400,10 @@ def neuron_order(
     rounds, 0.91-0.99x in shorter runs; one sequence 0.95-1.06x, within this host's noise, against ~2.5 s of
     copying at load here, so a model loaded for one sequence is left as stored, mapped from the file). None without statistics, with
     unreadable ones (noted), or with HOTCOLD_NEURON_ORDER=0 (to compare the two); a layer already stored
-    hottest first gets None (nothing to copy). Returned with the counts, hottest first (None where the rows
-    keep the file's order)."""
+    hottest first gets None (nothing to copy)."""
     if os.environ.get("HOTCOLD_NEURON_ORDER", "1") == "0":
         notes.append("FFN neurons in the file's order (HOTCOLD_NEURON_ORDER=0)")
-        return None, None
+        return None
     from hotcold.placement.profile import default_activation_dir, hottest_first
 
     activation_dir = default_activation_dir(path)
@@ -417,17 +411,16 @@ def neuron_order(
         counts = load_activations(activation_dir, config)
     except GGUFError as exc:
         notes.append(f"FFN neurons in the file's order: {exc}")
-        return None, None
+        return None
     if counts is None:
-        return None, None
-    ranked = hottest_first(counts)
-    orders = [None if torch.equal(o, torch.arange(len(o))) else o for o in ranked]
+        return None
+    orders = [None if torch.equal(o, torch.arange(len(o))) else o for o in hottest_first(counts)]
     moved = sum(o is not None for o in orders)
     notes.append(
         f"FFN neurons kept hottest first, by the activation statistics in {activation_dir} "
         f"({moved} of {len(orders)} layers reordered, the rest stored so)"
     )
-    return (orders if moved else None), [c[o] for c, o in zip(counts, ranked)]
+    return orders if moved else None
 
 
 def load_activations(activation_dir: Path, config: ModelConfig) -> list[torch.Tensor] | None:

@@ -13,7 +13,7 @@ from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan, place, place_vector
 from hotcold.gguf_io import ModelFile
-from hotcold.kernels import cpu, ffn_calls
+from hotcold.kernels import cpu
 from hotcold.ops import Norm, Weight
 from hotcold.sparse.ffn import FFNWeights
 from hotcold.sparse.predictor import Predictor
@@ -32,9 +32,6 @@ class TensorSource:
         # per layer, the FFN neurons hottest first (from the activation statistics): a sparse layer's rows
         # are kept in this order, so the rows a batch shares lie side by side (loader.neuron_order)
         self.neuron_order: list[torch.Tensor | None] | None = None
-        # per layer, how many of those first rows fire for nearly every token: the sparse step's hot block
-        # (loader.hot_rows; None or 0: none)
-        self.hot_rows: list[int] | None = None
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors
@@ -87,28 +84,17 @@ class TensorSource:
             return w if order is None else cpu.rows_in_order(w, order)
 
         up_bias = place_vector(self.raw(names.FFN_UP, layer, (F,), "bias"), device) if biases else None
-        up, gate = rows(names.FFN_UP), rows(names.FFN_GATE) if gated else None
-        down_t = rows(names.FFN_DOWN_T) if sparse_layout else None
-        hot_rows = self._hot(layer, expert, device) if sparse_layout else 0
-        hot = ffn_calls.hot_block(up, gate, down_t, hot_rows) if hot_rows else None
         return FFNWeights(
-            up=up,
-            gate=gate,
-            down_t=down_t,
+            up=rows(names.FFN_UP),
+            gate=rows(names.FFN_GATE) if gated else None,
+            down_t=rows(names.FFN_DOWN_T) if sparse_layout else None,
             down=None if sparse_layout else matrix(names.FFN_DOWN, (D, F)),
             up_bias=up_bias if up_bias is None or order is None else up_bias[order],
             down_bias=place_vector(self.raw(down, layer, (D,), "bias"), device) if biases else None,
             kind=c.ffn_kind,
             activation=c.ffn_activation,
             order=order,
-            hot=hot,
         )
-
-    def _hot(self, layer: int, expert: int | None, device: torch.device) -> int:
-        """The rows of a sparse layer's hot block (0: none): only a CPU layer's own FFN, its rows hottest first."""
-        if self.hot_rows is None or expert is not None or device.type != "cpu" or not self.config.sparse:
-            return 0
-        return self.hot_rows[layer]
 
     def _order(self, layer: int, expert: int | None, device: torch.device) -> torch.Tensor | None:
         """The order a sparse layer's neurons are kept in (None: the file's): only a layer's own FFN (the

@@ -9,7 +9,6 @@ import torch
 
 import hotcold
 from hotcold.cli import main
-from hotcold.placement import profile
 from hotcold.placement.profile import corpus_tokens, profile_activations, token_windows
 from tests.fixtures import training_text
 
@@ -133,24 +132,3 @@ def test_profile_never_writes_over_its_corpus(tiny_dense_gguf, tmp_path, capsys)
     assert code == 1 and "is the input" in err
     assert corpus.read_text() == training_text()
     assert sorted(p.name for p in out.iterdir()) == ["activation_1.pt"]  # none written, not even layer 0
-
-
-def test_hot_rows_are_the_neurons_firing_nearly_as_often_as_the_hottest(monkeypatch):
-    monkeypatch.delenv("HOTCOLD_HOT_ROWS", raising=False)
-    notes: list[str] = []
-    hottest_first = [torch.cat([torch.full((150,), 100.0), torch.full((200,), 50.0)])]  # 150 at the top
-    assert profile.hot_rows(hottest_first, notes) == [128]  # whole blocks of 64
-    assert "hot blocks" in notes[-1]
-    few = [torch.cat([torch.full((40,), 100.0), torch.full((300,), 10.0)])]  # under one block
-    assert profile.hot_rows(few, []) is None
-    assert profile.hot_rows([torch.zeros(300)], []) is None  # nothing counted
-    assert profile.hot_rows(None, []) is None
-    monkeypatch.setenv("HOTCOLD_HOT_ROWS", "100")
-    assert profile.hot_rows(few, []) == [100]
-    monkeypatch.setenv("HOTCOLD_HOT_ROWS", "1000")
-    assert profile.hot_rows(few, []) == [339]  # never the whole layer
-    monkeypatch.setenv("HOTCOLD_HOT_ROWS", "0")
-    assert profile.hot_rows(hottest_first, []) is None
-    monkeypatch.setenv("HOTCOLD_HOT_ROWS", "many")
-    with pytest.raises(ValueError, match="HOTCOLD_HOT_ROWS='many'"):
-        profile.hot_rows(hottest_first, [])

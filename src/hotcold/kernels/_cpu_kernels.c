@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 26
+#define HC_ABI_VERSION 25
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -2402,7 +2402,7 @@ static int64_t union_rows(const uint8_t *mask, const float *a, int64_t T, int64_
  * weights) or made here. Each matrix's results are those of its own call. */
 static int gather_masked_xq(int nmat, const int *wts, const uint8_t *const *Ws, const int64_t *strides, int64_t F,
                             int64_t D, const float *x, int64_t T, const uint8_t *mask, float *const *outs, int nth,
-                            const hc_xq *xq, int64_t r0) {
+                            const hc_xq *xq) {
     hc_xq_set own = {NULL, NULL};
     int block = 0;
     for (int m = 0; m < nmat; m++) block |= wt_is_block(wts[m]);
@@ -2420,9 +2420,6 @@ static int gather_masked_xq(int nmat, const int *wts, const uint8_t *const *Ws, 
             xq_free(&own);
             return -1;
         }
-        int64_t skip = 0; /* rows below r0 (a hot block's) are not gathered */
-        while (skip < n && idx[skip] < r0) skip++;
-        if (skip) memmove(idx, idx + skip, sizeof(int32_t) * (size_t)(n - skip)), n -= skip;
     }
     hc_args A[2]; /* nmat <= 2 */
     for (int m = 0; m < nmat; m++) {
@@ -2438,21 +2435,20 @@ static int gather_masked_xq(int nmat, const int *wts, const uint8_t *const *Ws, 
 }
 
 /* out[t, i] = dot(W[i], x[t]) where mask is NULL or mask[t, i]; exactly 0 elsewhere (hc_gather_matvec with
- * the tokens' quantized activations given or made here); with a mask, rows below r0 are only zeroed (a hot
- * block computes them). Returns 0, or -1 if memory ran out. */
+ * the tokens' quantized activations given or made here). Returns 0, or -1 if memory ran out. */
 static int gather_matvec_xq(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *x, int64_t T,
-                            const uint8_t *mask, float *out, int nth, const hc_xq *xq, int64_t r0) {
+                            const uint8_t *mask, float *out, int nth, const hc_xq *xq) {
     const uint8_t *Ws[1] = {W};
     const int64_t strides[1] = {stride};
     float *outs[1] = {out};
-    return gather_masked_xq(1, &wt, Ws, strides, F, D, x, T, mask, outs, nth, xq, r0);
+    return gather_masked_xq(1, &wt, Ws, strides, F, D, x, T, mask, outs, nth, xq);
 }
 
 /* out[t, i] = dot(W[i], x[t]) where mask is NULL or mask[t, i]; exactly 0 elsewhere (block weights:
  * the integer dot product with x quantized, see above). Returns 0, or -1 if memory ran out. */
 int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, const float *x, int64_t T,
                      const uint8_t *mask, float *out, int nth) {
-    return gather_matvec_xq(wt, W, stride, F, D, x, T, mask, out, nth, NULL, 0);
+    return gather_matvec_xq(wt, W, stride, F, D, x, T, mask, out, nth, NULL);
 }
 
 void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D, float *out);
@@ -3350,10 +3346,6 @@ typedef struct {
     const uint8_t *data; /* row i at data + i * stride */
     int64_t stride, rows, cols;
     const uint8_t *packed; /* the packed GEMV copy (hc_pack) or NULL */
-    /* A sparse FFN's hot block (hc_sparse_ffn; else NULL / 0): the packed copy (F16 / BF16) of rows [0, hot_rows)
-     * of up or gate, of down_t's rows [0, hot_rows) transposed ([cols, hot_rows]) for down_t. */
-    const uint8_t *hot;
-    int64_t hot_rows;
 } hc_weight;
 
 /* out [T, rows] = x @ W.T over every row: the packed GEMV where W has a packed copy (the predictor's
@@ -3365,38 +3357,9 @@ static int weight_matvec(const hc_weight *w, const float *x, int64_t T, float *o
 
 enum { KIND_GATED = 0, KIND_GATED_BOTH = 1, KIND_PLAIN = 2 };
 
-/* The rows of a sparse FFN's hot block: up's, gate's (if any) and down_t's, all set and equal, else 0. */
-static int64_t hot_rows(const hc_weight *up, const hc_weight *gate, const hc_weight *down_t) {
-    const int64_t H = up->hot ? up->hot_rows : 0;
-    if (H <= 0 || H >= up->rows || !down_t->hot || down_t->hot_rows != H) return 0;
-    if (gate && (!gate->hot || gate->hot_rows != H)) return 0;
-    return H;
-}
-
-/* Rows [0, H) of out [T, F] from a hot block: the packed product of w's hot rows for every token, kept where mask
- * [T, F] wants it and exactly 0 elsewhere (what the gather gives the rows it computes). Returns 0 or -1. */
-static int hot_gather(const hc_weight *w, int64_t H, const float *x, int64_t T, const uint8_t *mask, float *out,
-                      int nth) {
-    const int64_t F = w->rows, D = w->cols;
-    float *h = (float *)malloc(sizeof(float) * (size_t)(T * H));
-    if (!h || hc_packed_matvec(w->wt, w->hot, H, D, x, T, h, nth) != 0) {
-        free(h);
-        return -1;
-    }
-    for (int64_t t = 0; t < T; t++)
-        for (int64_t i = 0; i < H; i++) out[t * F + i] = mask[t * F + i] ? h[t * H + i] : 0.0f;
-    free(h);
-    return 0;
-}
-
 HC_INLINE float relu1(float v) { return v < 0.0f ? 0.0f : v; } /* NaN stays NaN, as torch.relu */
 
-/* With a hot block (hot_rows: up's, gate's and down_t's hot copies, H rows) rows [0, H) are not gathered: their
- * gate and up are packed products for every token (kept where the mask wants them) and their share of the output
- * one packed product over their activations, added after the axpy of the other rows. The hot rows' arithmetic
- * (one fma chain per row and token) differs from the gather's, but is the same for any token count, so a batch
- * still equals each token alone.
- * mask [T, F] (bytes 0/1): computed by the predictor when fc1 is not NULL (fire iff
+/* mask [T, F] (bytes 0/1): computed by the predictor when fc1 is not NULL (fire iff
  * (fc2 @ relu(fc1 @ p))[i] >= thr), else given. With v = up (+ up_bias), a = relu(gate) * v (gated),
  * relu(gate) * relu(v) (gated_both) or relu(v) (plain) on the firing rows, 0 elsewhere (up is read
  * only where relu(gate) != 0, as SparseFFN does); with norm_w the FFN input is hc_rms_norm(x); out [T, D] = the axpy of
@@ -3405,7 +3368,7 @@ HC_INLINE float relu1(float v) { return v < 0.0f ? 0.0f : v; } /* NaN stays NaN,
 int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, const float *p, const hc_weight *up,
                       const hc_weight *gate, const hc_weight *down_t, const float *up_bias, int kind, int64_t T,
                       const float *x, const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {
-    const int64_t F = up->rows, D = up->cols, H = hot_rows(up, gate, down_t);
+    const int64_t F = up->rows, D = up->cols;
     /* the passes over [T, F] run in parallel for a prompt chunk (serial they were ~2% of a 52-token step) */
     const int pth = T * F < (1 << 16) ? 1 : nth;
     (void)pth; /* unused without OpenMP */
@@ -3448,8 +3411,7 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
     if ((wt_is_block(up->wt) || (gate && wt_is_block(gate->wt))) && xq_make(x, T, D, &xq) != 0) rc = -1;
     if (gate && rc == 0) {
         live = (uint8_t *)malloc((size_t)(T * F > 0 ? T * F : 1));
-        rc = live ? gather_matvec_xq(gate->wt, gate->data, gate->stride, F, D, x, T, mask, g, nth, xq.tok, H) : -1;
-        if (rc == 0 && H) rc = hot_gather(gate, H, x, T, mask, g, nth);
+        rc = live ? gather_matvec_xq(gate->wt, gate->data, gate->stride, F, D, x, T, mask, g, nth, xq.tok) : -1;
         if (rc == 0) {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(pth) schedule(static)
@@ -3457,8 +3419,7 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
             for (int64_t j = 0; j < T * F; j++) live[j] = mask[j] && relu1(g[j]) != 0.0f; /* NaN stays alive */
         }
     }
-    if (rc == 0) rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, live, u, nth, xq.tok, H);
-    if (rc == 0 && H) rc = hot_gather(up, H, x, T, live, u, nth);
+    if (rc == 0) rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, live, u, nth, xq.tok);
     xq_free(&xq);
     if (rc == 0) {
 #ifdef _OPENMP
@@ -3473,22 +3434,7 @@ int64_t hc_sparse_ffn(const hc_weight *fc1, const hc_weight *fc2, float thr, con
                 else if (kind == KIND_GATED_BOTH) u[j] = relu1(g[j]) * relu1(v);
                 else u[j] = relu1(v);
             }
-        float *a_hot = NULL, *o_hot = NULL;
-        if (H) { /* the hot rows' activations leave u (the axpy skips zeros) for the hot block's product */
-            a_hot = (float *)malloc(sizeof(float) * (size_t)(T * H));
-            o_hot = (float *)malloc(sizeof(float) * (size_t)(T * D));
-            if (!a_hot || !o_hot) rc = -1;
-            for (int64_t t = 0; t < T && rc == 0; t++) {
-                memcpy(a_hot + t * H, u + t * F, sizeof(float) * (size_t)H);
-                memset(u + t * F, 0, sizeof(float) * (size_t)H);
-            }
-        }
-        if (rc == 0) rc = hc_sparse_axpy(down_t->wt, down_t->data, down_t->stride, F, D, u, T, live, out, nth);
-        if (rc == 0 && H) rc = hc_packed_matvec(down_t->wt, down_t->hot, D, H, a_hot, T, o_hot, nth);
-        if (rc == 0 && H)
-            for (int64_t j = 0; j < T * D; j++) out[j] += o_hot[j]; /* the cold rows' sum, then the hot block's */
-        free(a_hot);
-        free(o_hot);
+        rc = hc_sparse_axpy(down_t->wt, down_t->data, down_t->stride, F, D, u, T, live, out, nth);
     }
     if (live && live != mask) free(live);
     free(buf);
@@ -3716,7 +3662,7 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const hc_in_rule *score_in, c
         const uint8_t *Ws[2] = {gate->data, up->data};
         const int64_t strides[2] = {gate->stride, up->stride};
         float *outs[2] = {act, u};
-        rc = gather_masked_xq(2, wts, Ws, strides, F, D, x, T, mask, outs, nth, xq.tok, 0);
+        rc = gather_masked_xq(2, wts, Ws, strides, F, D, x, T, mask, outs, nth, xq.tok);
         if (rc == 0) {
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(pth) schedule(static)
@@ -3724,7 +3670,7 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const hc_in_rule *score_in, c
             for (int64_t j = 0; j < T * F; j++) act[j] = silu1(act[j]); /* silu(0) = 0 where not kept */
         }
     } else if (rc == 0) {
-        rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, mask, u, nth, xq.tok, 0);
+        rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, mask, u, nth, xq.tok);
     }
     xq_free(&xq);
     if (rc == 0) {

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-ABI_VERSION = 26  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
+ABI_VERSION = 25  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -57,8 +57,7 @@ _loaded = False
 
 class HCWeight(ctypes.Structure):
     """hc_weight in _cpu_kernels.c: one [rows, cols] matrix, row i at data + i * stride bytes; packed:
-    its copy in the packed GEMV layout (kernels/cpu.pack) or NULL; hot, hot_rows: a sparse FFN's hot block
-    (ffn_calls.SparseFFNPlan sets them) or NULL, 0."""
+    its copy in the packed GEMV layout (kernels/cpu.pack) or NULL."""
 
     _fields_ = [
         ("wt", ctypes.c_int),
@@ -67,8 +66,6 @@ class HCWeight(ctypes.Structure):
         ("rows", ctypes.c_int64),
         ("cols", ctypes.c_int64),
         ("packed", ctypes.c_void_p),
-        ("hot", ctypes.c_void_p),
-        ("hot_rows", ctypes.c_int64),
     ]
 
 

@@ -6,56 +6,14 @@ by one."""
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
 
 import torch
 
 from hotcold.kernels import build
-from hotcold.kernels.build import as_mask, as_tokens, hc_weight, nthreads, ptr, weight_view
-from hotcold.kernels.cpu import Weight, gather_matvec, norm_weight, pack, rms_norm, sparse_axpy
+from hotcold.kernels.build import as_mask, as_tokens, hc_weight, nthreads, ptr
+from hotcold.kernels.cpu import Weight, gather_matvec, norm_weight, rms_norm, sparse_axpy
 
-__all__ = ["HotBlock", "hot_block", "SparseFFNPlan", "ThresholdedPlan", "DenseTail", "ffn_combine"]
-
-_HALF = {build.Q.F16: torch.float16, build.Q.BF16: torch.bfloat16}
-
-
-@dataclass(frozen=True)
-class HotBlock:
-    """A sparse FFN's hot block: its first `rows` neurons (rows kept hottest first: they fire for nearly every
-    token) computed for every token as packed products inside the sparse step (hc_sparse_ffn), where a batch's
-    gathers would read them once per token or in a tile at about half the packed product's rate. up and gate:
-    the packed copies of rows [rows, D]; down: of down_t's rows transposed, [D, rows]."""
-
-    rows: int
-    up: torch.Tensor
-    gate: torch.Tensor | None
-    down: torch.Tensor
-
-
-def _packed_first_rows(weight: Weight, rows: int, *, transpose: bool = False) -> torch.Tensor | None:
-    """The packed copy (uint8) of a float16 / bfloat16 CPU weight's first `rows` rows (transposed: of their
-    transpose), or None where there is none."""
-    qtype, data, _, _, d = weight_view(weight)
-    if qtype not in _HALF or build.get_lib() is None:
-        return None
-    part = data[:rows]
-    if part.dtype == torch.uint8:  # a QuantTensor's rows as bytes
-        part = part.contiguous().view(_HALF[qtype])[:, :d]
-    part = part.t() if transpose else part
-    return getattr(pack(part.contiguous()), "packed", None)
-
-
-def hot_block(up: Weight, gate: Weight | None, down_t: Weight, rows: int) -> HotBlock | None:
-    """The hot block of a sparse FFN's first `rows` neurons, or None where it has none (rows outside 1..F-1,
-    weights that are not float16 / bfloat16 on the CPU, no C kernels)."""
-    if rows < 1 or rows >= up.shape[0]:
-        return None
-    parts = [_packed_first_rows(up, rows), None if gate is None else _packed_first_rows(gate, rows)]
-    parts.append(_packed_first_rows(down_t, rows, transpose=True))
-    if parts[0] is None or parts[2] is None or (gate is not None and parts[1] is None):
-        return None
-    return HotBlock(rows, parts[0], parts[1], parts[2])
-
+__all__ = ["SparseFFNPlan", "ThresholdedPlan", "DenseTail", "ffn_combine"]
 
 _FFN_KINDS = {"gated": 0, "gated_both": 1, "plain": 2}
 
@@ -143,7 +101,6 @@ class SparseFFNPlan(_LayerTail):
         fc1: Weight | None = None,
         fc2: Weight | None = None,
         threshold: float = 0.0,
-        hot: HotBlock | None = None,
     ):
         if (fc1 is None) != (fc2 is None):
             raise ValueError("a predictor needs both fc1 and fc2")
@@ -151,7 +108,7 @@ class SparseFFNPlan(_LayerTail):
             raise ValueError(f"unknown FFN kind {kind!r}; expected one of {tuple(_FFN_KINDS)}")
         if gate is None and kind != "plain":
             raise ValueError(f"a {kind!r} FFN needs a gate")
-        self.weights = (up, gate, down_t, fc1, fc2, hot)  # kept alive: the structs point into them
+        self.weights = (up, gate, down_t, fc1, fc2)  # kept alive: the structs point into them
         self.up, self.gate, self.down_t = hc_weight(up), hc_weight(gate), hc_weight(down_t)
         self.fc1, self.fc2 = hc_weight(fc1), hc_weight(fc2)
         self.f, self.d = self.up.rows, self.up.cols
@@ -169,8 +126,6 @@ class SparseFFNPlan(_LayerTail):
                 raise ValueError(f"up_bias has shape {tuple(self.bias.shape)}, expected [{f}]")
         self.kind = _FFN_KINDS[kind]
         self.threshold = threshold
-        if hot is not None:
-            self._set_hot(hot)
         structs = (self.fc1, self.fc2, self.up, self.gate, self.down_t)
         self._args = tuple(None if w is None else ctypes.byref(w) for w in structs)
 
@@ -211,26 +166,6 @@ class SparseFFNPlan(_LayerTail):
             raise MemoryError("hc_sparse_ffn: out of memory")
         return out, mask, int(fired)
 
-    def _set_hot(self, hot: HotBlock) -> None:
-        """Point the structs at the hot block's packed copies (checked against the weights' types and shapes)."""
-        lib = build.get_lib()
-        if lib is None:
-            raise ValueError("a hot block needs the C kernels")
-        if (hot.gate is None) != (self.gate is None) or not 0 < hot.rows < self.f:
-            raise ValueError(f"hot block of {hot.rows} rows does not fit this FFN ({self.f} neurons)")
-        for w, part, (f, d) in (
-            (self.up, hot.up, (hot.rows, self.d)),
-            (self.gate, hot.gate, (hot.rows, self.d)),
-            (self.down_t, hot.down, (self.d, hot.rows)),
-        ):
-            if w is None:
-                continue
-            if part.numel() != lib.hc_packed_nbytes(w.wt, f, d):
-                raise ValueError(
-                    f"hot block part of {part.numel()} bytes is not a packed [{f}, {d}] of this type"
-                )
-            w.hot, w.hot_rows = part.data_ptr(), hot.rows
-
     _tail_fn = "hc_decode_tail"
 
     def _tail_ffn_args(self) -> tuple | None:
@@ -242,7 +177,7 @@ class SparseFFNPlan(_LayerTail):
 
     def _torch_step(self, x, p, mask, norm_w, eps, threads) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The C step's arithmetic in this module's ops (the torch fallback)."""
-        up, gate, down_t, fc1, fc2, _ = self.weights  # no hot block without the C kernels
+        up, gate, down_t, fc1, fc2 = self.weights
         if norm_w is not None:
             x = rms_norm(x, norm_w, eps)
         if fc1 is not None:

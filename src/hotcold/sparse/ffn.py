@@ -58,8 +58,6 @@ class FFNWeights:
     # row i of up, gate and down_t (and up_bias[i]) is the file's neuron order[i] (TensorSource puts the
     # hottest neurons first); None: the file's order
     order: torch.Tensor | None = None
-    # the first rows as packed products for every token in the C sparse step (rows kept hottest first)
-    hot: ffn_calls.HotBlock | None = None
 
     def __post_init__(self):
         if self.kind not in FFN_KINDS:
@@ -128,7 +126,7 @@ def row_plan(w: FFNWeights) -> ffn_calls.SparseFFNPlan | None:
     if any(m is not None and _device(m).type != "cpu" for m in (w.up, w.gate, w.down_t)):
         return None
     try:
-        return ffn_calls.SparseFFNPlan(w.up, w.gate, w.down_t, kind=w.kind, up_bias=w.up_bias, hot=w.hot)
+        return ffn_calls.SparseFFNPlan(w.up, w.gate, w.down_t, kind=w.kind, up_bias=w.up_bias)
     except ValueError:  # a weight type without a C kernel
         return None
 
@@ -349,7 +347,6 @@ class SparseFFN(FFN):
                 fc1=pred.fc1,
                 fc2=pred.fc2,
                 threshold=pred.threshold,
-                hot=w.hot,
             )
         except ValueError:
             return None
