@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
 import statistics
 import sys
 import time
@@ -35,17 +34,10 @@ from hotcold.generation import Generation
 from hotcold.kernels import build, cpu
 from hotcold.kernels.build import WT, Q, weight_view
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import cpu_name  # noqa: E402  (benchmarks/kernels.py)
+
 _HALF = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def in_row_order(llm, masks: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -126,58 +118,38 @@ def measure_case(lib, layers, masks: list[torch.Tensor], hot: int, rounds: int, 
     g_whole, g_cold, g_hot = torch.empty(t, f), torch.empty(t, f), torch.empty(t, hot)
     a_whole, a_cold, a_hot = torch.empty(t, d), torch.empty(t, d), torch.empty(t, d)
 
-    def gate(masks_, out, packed):
-        for i, (qt, data, stride, _, _) in enumerate(gates):
-            lib.hc_gather_matvec(
-                WT[qt],
-                data.data_ptr(),
-                stride,
-                f,
-                d,
-                x.data_ptr(),
-                t,
-                masks_[i].data_ptr(),
-                out.data_ptr(),
-                threads,
-            )
-            if packed:
-                p = gate_hot[i]
-                lib.hc_packed_matvec(
-                    WT[p.qtype], p.packed.data_ptr(), hot, d, x.data_ptr(), t, g_hot.data_ptr(), threads
-                )
+    xs = [x] * len(layers)
 
-    def down(masks_, out, packed):
-        for i, (qt, data, stride, _, _) in enumerate(downs):
-            lib.hc_sparse_axpy(
-                WT[qt],
-                data.data_ptr(),
-                stride,
-                f,
-                d,
-                coef[i].data_ptr(),
-                t,
-                masks_[i].data_ptr(),
-                out.data_ptr(),
-                threads,
-            )
-            if packed:
-                p = down_hot[i]
+    def layers_run(
+        fn, views, inputs, masks_, out, hot_parts=None, hot_shape=None, hot_inputs=None, hot_out=None
+    ):
+        """fn (hc_gather_matvec or hc_sparse_axpy) over every layer, each followed by its hot block's packed
+        product when hot_parts are given."""
+        for i, (qt, data, stride, _, _) in enumerate(views):
+            masks_ptr, in_ptr = masks_[i].data_ptr(), inputs[i].data_ptr()
+            fn(WT[qt], data.data_ptr(), stride, f, d, in_ptr, t, masks_ptr, out.data_ptr(), threads)
+            if hot_parts is not None:
+                p = hot_parts[i]
+                rows, cols = hot_shape
                 lib.hc_packed_matvec(
                     WT[p.qtype],
                     p.packed.data_ptr(),
-                    d,
-                    hot,
-                    coef_hot[i].data_ptr(),
+                    rows,
+                    cols,
+                    hot_inputs[i].data_ptr(),
                     t,
-                    a_hot.data_ptr(),
+                    hot_out.data_ptr(),
                     threads,
                 )
 
+    gather, axpy = lib.hc_gather_matvec, lib.hc_sparse_axpy
     runs = {
-        "gate_whole": lambda: gate(full, g_whole, False),
-        "gate_split": lambda: gate(cold, g_cold, True),
-        "down_whole": lambda: down(full, a_whole, False),
-        "down_split": lambda: down(cold, a_cold, True),
+        "gate_whole": lambda: layers_run(gather, gates, xs, full, g_whole),
+        "gate_split": lambda: layers_run(gather, gates, xs, cold, g_cold, gate_hot, (hot, d), xs, g_hot),
+        "down_whole": lambda: layers_run(axpy, downs, coef, full, a_whole),
+        "down_split": lambda: layers_run(
+            axpy, downs, coef, cold, a_cold, down_hot, (d, hot), coef_hot, a_hot
+        ),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
     for r in range(rounds):
