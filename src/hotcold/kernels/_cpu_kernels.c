@@ -3711,12 +3711,8 @@ int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float 
              : -1;
 }
 
-/* The attention half of a decode layer for one token of one sequence: q, k, v = the group's matvecs of
- * the RMS-normed x (the packed or the row layout: the call LinearGroup makes), then hc_attn_decode_rows of
- * that one row; qkv [3] are the caller's buffers (q and k are left rotated, as op by op). The same calls,
- * so the same bits, without the interpreter between them. Returns 0, or -1 (memory, or no packed form). */
-/* hc_decode_head for N rows x [N, D] (one decode token of each of N sequences): the q/k/v group over the rows, then
- * RoPE attention over each row's own caches kcs[j] / vcs[j] at pos[j] (cos / sin [N, R/2]). */
+/* hc_decode_head (below) for N rows x [N, D], one decode token of each of N sequences: the q/k/v group over the rows,
+ * then RoPE attention over each row's own caches kcs[j] / vcs[j] at pos[j] (cos / sin [N, R/2]). */
 static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws, const int64_t *strides,
                             const int64_t *Fs, int packed, int64_t D, const float *x, const float *norm_w, float eps,
                             float *const *qkv, float *const *kcs, float *const *vcs, const int64_t *pos, int64_t H,
@@ -3729,6 +3725,10 @@ static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws,
                                nth);
 }
 
+/* The attention half of a decode layer for one token of one sequence: q, k, v = the group's matvecs of
+ * the RMS-normed x (the packed or the row layout: the call LinearGroup makes), then hc_attn_decode_rows of
+ * that one row; qkv [3] are the caller's buffers (q and k are left rotated, as op by op). The same calls,
+ * so the same bits, without the interpreter between them. Returns 0, or -1 (memory, or no packed form). */
 int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int64_t *strides, const int64_t *Fs,
                    int packed, int64_t D, const float *x, const float *norm_w, float eps, float *const *qkv,
                    float *kc, float *vc, int64_t pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
