@@ -122,35 +122,35 @@ def measure_case(lib, layers, masks: list[torch.Tensor], hot: int, rounds: int, 
 
     xs = [x] * len(layers)
 
-    def layers_run(
-        fn, views, inputs, masks_, out, hot_parts=None, hot_shape=None, hot_inputs=None, hot_out=None
-    ):
+    def layers_run(fn, views, inputs, masks_, out, hot_block=None):
         """fn (hc_gather_matvec or hc_sparse_axpy) over every layer, each followed by its hot block's packed
-        product when hot_parts are given."""
+        product when hot_block = (packed parts, rows, cols, inputs, out) is given."""
         for i, (qt, data, stride, _, _) in enumerate(views):
-            masks_ptr, in_ptr = masks_[i].data_ptr(), inputs[i].data_ptr()
-            fn(WT[qt], data.data_ptr(), stride, f, d, in_ptr, t, masks_ptr, out.data_ptr(), threads)
-            if hot_parts is not None:
-                p = hot_parts[i]
-                rows, cols = hot_shape
-                lib.hc_packed_matvec(
-                    WT[p.qtype],
-                    p.packed.data_ptr(),
-                    rows,
-                    cols,
-                    hot_inputs[i].data_ptr(),
-                    t,
-                    hot_out.data_ptr(),
-                    threads,
-                )
+            fn(
+                WT[qt],
+                data.data_ptr(),
+                stride,
+                f,
+                d,
+                inputs[i].data_ptr(),
+                t,
+                masks_[i].data_ptr(),
+                out.data_ptr(),
+                threads,
+            )
+            if hot_block is not None:
+                parts, rows, cols, hot_inputs, hot_out = hot_block
+                p = parts[i]
+                packed, hot_in, hot_res = p.packed.data_ptr(), hot_inputs[i].data_ptr(), hot_out.data_ptr()
+                lib.hc_packed_matvec(WT[p.qtype], packed, rows, cols, hot_in, t, hot_res, threads)
 
     gather, axpy = lib.hc_gather_matvec, lib.hc_sparse_axpy
     runs = {
         "gate_whole": lambda: layers_run(gather, gates, xs, full, g_whole),
-        "gate_split": lambda: layers_run(gather, gates, xs, cold, g_cold, gate_hot, (hot, d), xs, g_hot),
+        "gate_split": lambda: layers_run(gather, gates, xs, cold, g_cold, (gate_hot, hot, d, xs, g_hot)),
         "down_whole": lambda: layers_run(axpy, downs, coef, full, a_whole),
         "down_split": lambda: layers_run(
-            axpy, downs, coef, cold, a_cold, down_hot, (d, hot), coef_hot, a_hot
+            axpy, downs, coef, cold, a_cold, (down_hot, d, hot, coef_hot, a_hot)
         ),
     }
     times: dict[str, list[float]] = {k: [] for k in runs}
