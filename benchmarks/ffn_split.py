@@ -36,8 +36,11 @@ from hotcold.generation import Generation
 from hotcold.kernels import build, cpu
 from hotcold.kernels.build import WT, Q, weight_view
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import cpu_name  # noqa: E402  (benchmarks/kernels.py)
+if not __package__:  # run as `python benchmarks/ffn_split.py`: the checkout, not benchmarks/, goes first on
+    sys.path[0] = str(
+        Path(__file__).resolve().parents[1]
+    )  # sys.path (a sibling must never shadow a dependency)
+from benchmarks.kernel_bandwidth import cpu_name  # noqa: E402
 
 _HALF = {Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 

@@ -47,6 +47,8 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+if not __package__:  # run as `python benchmarks/gpu.py`: the checkout, not benchmarks/, goes first on
+    sys.path[0] = str(REPO)  # sys.path (a sibling must never shadow a dependency)
 GIB = 1 << 30
 # fields every gpu.json has (null when not measured); the GPU issues judge these
 REQUIRED = (
@@ -489,8 +491,7 @@ def fused_kernels(device: str) -> dict:
     """benchmarks/gpu_fused.benchmark(device): the fused decode kernels (hotcold.kernels.triton_decode)."""
     if device != "cuda":
         return {"skipped": "the fused kernels' benchmark needs a CUDA GPU"}
-    sys.path.insert(0, str(Path(__file__).parent))
-    from gpu_fused import benchmark
+    from benchmarks.gpu_fused import benchmark
 
     return {"result": benchmark(torch.device("cuda"))}
 

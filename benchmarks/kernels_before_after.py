@@ -32,9 +32,13 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from kernels import FORMATS, make_weights  # noqa: E402
-
+if (
+    not __package__
+):  # run as `python benchmarks/kernels_before_after.py`: the checkout, not benchmarks/, goes first on
+    sys.path[0] = str(
+        Path(__file__).resolve().parents[1]
+    )  # sys.path (a sibling must never shadow a dependency)
+from benchmarks.kernel_bandwidth import FORMATS, make_weights  # noqa: E402
 from hotcold.kernels import build, cpu  # noqa: E402
 
 F, D = 5632, 2048

@@ -32,11 +32,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from quant_vs_llama import copy_gbps, hotcold_tg, llama_tg, weight_bytes  # noqa: E402
-from synth import SHAPES, synthesize  # noqa: E402
-
+if (
+    not __package__
+):  # run as `python benchmarks/sparsify_speed.py`: the checkout, not benchmarks/, goes first on
+    sys.path[0] = str(
+        Path(__file__).resolve().parents[1]
+    )  # sys.path (a sibling must never shadow a dependency)
+from benchmarks.quant_vs_llama import copy_gbps, hotcold_tg, llama_tg, weight_bytes  # noqa: E402
+from benchmarks.synth import SHAPES, synthesize  # noqa: E402
 from hotcold import names  # noqa: E402
 from hotcold.gguf_io import ModelFile  # noqa: E402
 

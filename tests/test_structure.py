@@ -74,3 +74,65 @@ def test_family_files_do_not_pick_ffn_classes():
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
                 assert "FFN" not in ast.unparse(node), f"{path.name}: {ast.unparse(node)}"
+
+
+# ---------------------------------------------------------------- names the checkout puts on sys.path
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+OUR_PACKAGES = ("hotcold", "tests", "benchmarks")
+
+
+def taken_top_level_names() -> set[str]:
+    """Top-level import names of the standard library and of every installed distribution."""
+    import importlib.metadata
+    import sys
+
+    return set(sys.stdlib_module_names) | set(importlib.metadata.packages_distributions())
+
+
+def test_script_folders_shadow_no_installed_package():
+    """`python benchmarks/x.py` puts benchmarks/ first on sys.path (scripts/*/ likewise): a file there named
+    like an installed package replaces it for every library that imports it (benchmarks/kernels.py once
+    hid Hugging Face's `kernels` from transformers, failing 340 tests)."""
+    taken = taken_top_level_names()
+    folders = [CHECKOUT / "benchmarks", *(p for p in (CHECKOUT / "scripts").iterdir() if p.is_dir())]
+    clashes = sorted(
+        str(p.relative_to(CHECKOUT))
+        for folder in folders
+        for p in folder.iterdir()
+        if (p.suffix == ".py" or (p / "__init__.py").is_file()) and p.stem != "__init__" and p.stem in taken
+    )
+    assert not clashes, f"rename these: their names are taken by installed packages or the stdlib: {clashes}"
+
+
+def test_collecting_and_importing_benchmarks_keeps_our_modules_in_our_packages():
+    """After collecting every test and importing every benchmark (what a full run does), each module loaded
+    from inside the checkout is under hotcold, tests or benchmarks: nothing of ours took a top-level name
+    that a dependency could import."""
+    import json
+    import subprocess
+    import sys
+
+    probe = f"""
+import importlib, json, sys, pathlib, pytest
+checkout = pathlib.Path({str(CHECKOUT)!r})
+rc = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", str(checkout / "tests")])
+for p in sorted((checkout / "benchmarks").glob("*.py")):
+    if p.stem != "__init__":
+        importlib.import_module("benchmarks." + p.stem)
+ours = {{}}
+for name, mod in list(sys.modules.items()):
+    f = getattr(mod, "__file__", None)
+    # (absolute paths only: torch.ops and torch.classes carry bare names such as "_ops.py")
+    if f and pathlib.Path(f).is_absolute() and pathlib.Path(f).resolve().is_relative_to(checkout) and name.split(".")[0] not in {OUR_PACKAGES!r}:
+        ours[name] = f
+print("RESULT " + json.dumps({{"rc": int(rc), "stray": ours}}))
+"""
+    res = subprocess.run(
+        [sys.executable, "-c", probe], cwd=CHECKOUT, capture_output=True, text=True, timeout=300
+    )
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, f"the probe failed:\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}"
+    result = json.loads(lines[-1][len("RESULT ") :])
+    assert result["rc"] == 0, f"collection failed:\n{res.stdout[-3000:]}"
+    assert not result["stray"], f"modules of the checkout under a top-level name not ours: {result['stray']}"

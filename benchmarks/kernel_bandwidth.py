@@ -8,7 +8,7 @@ is measured side by side in one run, in interleaved rounds, and the median is re
 is the gather kernel over all rows in order, the fastest dense matrix-vector product measured here.
 `ffn_step` times the decode path's single C call for a whole sparse FFN (SparseFFNPlan with a mask).
 
-    python benchmarks/kernels.py [--quick] [--threads 1,2] [--shapes 1b,7b] [--no-results]
+    python benchmarks/kernel_bandwidth.py [--quick] [--threads 1,2] [--shapes 1b,7b] [--no-results]
 """
 
 from __future__ import annotations
@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> dict:
             path.write_text(
                 "# Benchmark results\n\nEvery figure quoted in the docs, with the command that produced it.\n"
             )
-        cmd = "python benchmarks/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        cmd = "python benchmarks/kernel_bandwidth.py " + " ".join(argv if argv is not None else sys.argv[1:])
         with path.open("a") as f:
             f.write(results_section(res, cmd.strip()))
     return res
