@@ -375,11 +375,11 @@ def step_check(llm, decoder, n: int = 4) -> dict:
             worst, same = 0.0, True
             for i in range(n):
                 token, pos = int(b.argmax()), len(ids) + i
-                a = graphed._forward([token], pos, last_only=True)[-1]
+                a = graphed.forward([token], pos, last_only=True)[-1]
                 model.static_step = None
                 switch.enabled = False  # the reference: torch ops only, no fused kernel on either path
                 try:
-                    b = eager._forward([token], pos, last_only=True)[-1]
+                    b = eager.forward([token], pos, last_only=True)[-1]
                 finally:
                     model.static_step, switch.enabled = decoder, was_on
                 worst = max(worst, float((a - b).abs().max() / b.abs().max()))

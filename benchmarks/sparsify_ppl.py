@@ -44,7 +44,7 @@ def stepwise_ppl(llm, ids, ctx: int, piece: int) -> float:
         with torch.inference_mode():
             logits = torch.cat(
                 [
-                    engine._forward(chunk[s : s + piece], s, last_only=False)
+                    engine.forward(chunk[s : s + piece], s, last_only=False)
                     for s in range(0, len(chunk), piece)
                 ]
             )

@@ -179,15 +179,28 @@ class _FFNState:
 ffn_state = _FFNState
 
 
-def run_family_checks(path, hf, *, greedy: bool = True, rel: float = 1e-4) -> None:
+def run_family_checks(
+    path, hf, *, greedy: bool = True, rel: float = 1e-4, decoder: str = "cpu_one_call"
+) -> None:
     """The checks every family passes, run the same way for each (as mlx-lm's shared model runner):
     logits == transformers' on 40 random tokens; greedy tokens == transformers' generate (unless greedy is
     False); cached decode == one full forward; a generation split in two == the same generation in one go
-    (the second half reuses the cached prefix); a batch of sequences == each alone."""
+    (the second half reuses the cached prefix); a batch of sequences == each alone; the decoder chosen at load
+    on the CPU is `decoder`, and its decode steps give the eager decoder's logits and greedy tokens."""
     import hotcold
     from hotcold.sampling import SamplingParams
 
     llm = hotcold.load(path, device="cpu")
+    # float32 files decode layer by layer (torch multiplies float32); the decoder chosen for the F16 copy
+    from hotcold.convert.quantize import quantize_file
+
+    assert llm.decoder in ("eager", decoder), llm.loaded.notes
+    f16 = Path(path).with_suffix(".decoder-f16.gguf")
+    if not f16.exists():
+        quantize_file(path, f16, "f16")
+    fast = hotcold.load(f16, device="cpu")
+    assert fast.decoder == decoder, fast.loaded.notes
+    check_decoder_equals_eager(fast, hotcold.load(f16, device="cpu", decoder="eager"))
     assert_logits_match(llm, hf, random_ids(40), rel)
     if greedy:
         assert_greedy_matches(llm, hf)
@@ -198,7 +211,7 @@ def run_family_checks(path, hf, *, greedy: bool = True, rel: float = 1e-4) -> No
     engine.cached_ids = []
     stepwise = [engine.prefill(ids[:10])]
     for pos in range(10, 24):
-        stepwise.append(engine._forward([ids[pos]], pos, last_only=True)[-1])
+        stepwise.append(engine.forward([ids[pos]], pos, last_only=True)[-1])
     assert torch.allclose(torch.stack(stepwise), full[9:], atol=rel * full.abs().max())
 
     prompt = llm.tokenize("Line 12: the")
@@ -212,6 +225,33 @@ def run_family_checks(path, hf, *, greedy: bool = True, rel: float = 1e-4) -> No
     prompts = [random_ids(n, seed=10 + n) for n in (3, 7, 12)]
     alone = [llm.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
     assert llm.generate_batch(prompts, max_tokens=6, ignore_eos=True) == alone
+
+
+def decode_logits(llm, ids: list[int], split: int) -> torch.Tensor:
+    """The prompt ids[:split], then one token a step (the decoder's steps): each position's logits from split-1 on."""
+    engine = llm.engine
+    engine.truncate(0)
+    out = [engine.prefill(ids[:split])]
+    with torch.inference_mode():
+        for pos in range(split, len(ids)):
+            out.append(engine.forward([ids[pos]], pos, last_only=True)[-1])
+    return torch.stack(out)
+
+
+def check_decoder_equals_eager(llm, eager, rel: float = 1e-5) -> None:
+    """`llm`'s decoder (chosen at load) against the eager decoder on the same file: decode-step logits within
+    `rel` of the logit scale, the same greedy tokens, and the same for a batch of sequences decoding together."""
+    assert eager.decoder == "eager"
+    ids = random_ids(20, seed=3)
+    fast, slow = decode_logits(llm, ids, 6), decode_logits(eager, ids, 6)
+    assert torch.allclose(fast, slow, rtol=0, atol=rel * slow.abs().max()), (fast - slow).abs().max()
+    prompts = [random_ids(n, seed=20 + n) for n in (2, 5, 9)]
+    assert [llm.generate(p, max_tokens=8, ignore_eos=True) for p in prompts] == [
+        eager.generate(p, max_tokens=8, ignore_eos=True) for p in prompts
+    ]
+    assert llm.generate_batch(prompts, max_tokens=8, ignore_eos=True) == eager.generate_batch(
+        prompts, max_tokens=8, ignore_eos=True
+    )
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ def test_engines_sharing_a_model_keep_their_own_caches(q4_sparse, monkeypatch):
         out = []
         for pos in range(len(ids), len(ids) + n):
             out.append(int(torch.argmax(logits.reshape(-1))))
-            logits = engine._forward([out[-1]], pos, last_only=True)[-1]
+            logits = engine.forward([out[-1]], pos, last_only=True)[-1]
         return out
 
     alone = [greedy(Engine(model, tok, 64), ids, 6) for ids in ([1, 5, 9], [1, 300, 2, 77])]
@@ -55,7 +55,7 @@ def test_engines_sharing_a_model_keep_their_own_caches(q4_sparse, monkeypatch):
     for step in range(6):
         for j, engine in enumerate(engines):  # one token of each engine in turn
             got[j].append(int(torch.argmax(logits[j].reshape(-1))))
-            logits[j] = engine._forward([got[j][-1]], starts[j] + step, last_only=True)[-1]
+            logits[j] = engine.forward([got[j][-1]], starts[j] + step, last_only=True)[-1]
     assert [got[0], got[1]] == alone
     assert used and all(used)
 
@@ -70,13 +70,13 @@ def test_steps_aside_for_profiling_and_overflows_like_the_layers(q4_sparse, monk
     engine = llm.engine
     engine.prefill([1, 5, 9])
     engine.seq.keep_masks = True
-    engine._forward([7], 3, last_only=True)
+    engine.forward([7], 3, last_only=True)
     assert used == [False]
     engine.seq.keep_masks = False
-    engine._forward([7], 4, last_only=True)
+    engine.forward([7], 4, last_only=True)
     assert used == [False, True]
     with pytest.raises(ValueError, match="context overflow"):
-        engine._forward([7], 8, last_only=True)
+        engine.forward([7], 8, last_only=True)
 
 
 @pytest.mark.parametrize("outtype, kind", [("f16", "sparse"), ("q4_0", "sparse"), ("f16", "dense")])

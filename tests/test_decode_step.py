@@ -54,7 +54,7 @@ def test_all_hot_cpu_stand_in_takes_the_step(sparse_with_stats):
     x = embed_row(loaded.model, int(logits.argmax()))
     got, _ = decoder.step(a.seq.kv, x, len(PROMPT))
     with torch.inference_mode():
-        ref = b._forward([int(logits.argmax())], len(PROMPT), last_only=True)[-1]
+        ref = b.forward([int(logits.argmax())], len(PROMPT), last_only=True)[-1]
     torch.testing.assert_close(got, ref, rtol=0, atol=2e-5 * ref.abs().max().item())
 
 
@@ -78,7 +78,7 @@ def eager_and_static(path, **load_args):
         pos = len(PROMPT) + i
         before = [c.computed for c in eager.seq.counts]
         with torch.inference_mode():
-            logits_e.append(eager._forward([token], pos, last_only=True)[-1])
+            logits_e.append(eager.forward([token], pos, last_only=True)[-1])
             x = embed_row(model, token)
             logits, counts = decoder.step(static.seq.kv, x, pos)
         logits_s.append(logits)

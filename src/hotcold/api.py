@@ -53,6 +53,11 @@ class Model:
         self._turn.release()
 
     @property
+    def decoder(self) -> str:
+        """ "eager", "cpu_one_call" or "cuda_graph": the decoder chosen at load ("eager" once a fast one failed)."""
+        return self.loaded.decoder
+
+    @property
     def ctx_size(self) -> int:
         return self.engine.ctx_size
 
@@ -205,6 +210,7 @@ def load(
     n_gpu_layers: int | None = None,
     sparsity: float | None = None,
     kv_sequences: int = 1,
+    decoder: str = "auto",
 ) -> Model:
     """Load a GGUF / PowerInfer model (None: the bundled demo model).
 
@@ -214,7 +220,10 @@ def load(
     the attention products' input channels) skipped per token, in [0, 1) (None: the file's own target; 0: dense).
     kv_sequences: KV caches the program will hold at once (the Model's own, plus one per server slot or
     thread engine), so a VRAM budget charges each of them; above 1, with activation statistics beside a
-    sparse file, the CPU's FFN rows are kept hottest first for batches (`generate_batch`, loader.neuron_order)."""
+    sparse file, the CPU's FFN rows are kept hottest first for batches (`generate_batch`, loader.neuron_order).
+    decoder: "auto" (the fastest the model's layers and devices allow: "cuda_graph" for a model all on one GPU,
+    "cpu_one_call" for one the C decode layer computes on the CPU) or "eager" (layer by layer); `Model.decoder`
+    says which runs."""
     start = time.perf_counter()
     loaded = load_model(
         path,
@@ -228,5 +237,6 @@ def load(
         n_gpu_layers=n_gpu_layers,
         sparsity=sparsity,
         kv_sequences=kv_sequences,
+        decoder=decoder,
     )
     return Model(loaded, time.perf_counter() - start)

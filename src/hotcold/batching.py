@@ -71,7 +71,7 @@ def run(model, group: Sequence[Generation]) -> None:
     wants = [g.want() for g in group]
     if len(group) == 1:  # one generation: its engine's own path (on a GPU, the fixed-shape decode step)
         ids, pos = wants[0]
-        group[0].take(group[0].engine._forward(ids, pos, last_only=True)[-1])
+        group[0].take(group[0].engine.forward(ids, pos, last_only=True)[-1])
         return
     tokens = torch.tensor([t for ids, _ in wants for t in ids], dtype=torch.long)
     ctx = Batch([g.engine.seq for g in group], [pos for _, pos in wants], [len(ids) for ids, _ in wants])

@@ -6,9 +6,10 @@ thresholded and input-sparse tails), so the same bits, without the interpreter b
 layer on a 2-core machine: a sparse Q4_0 1B-shaped token measured 1.17x faster in one call, a dense one 1.05x; a
 batch of 8 on the F16 1B synthetic 0.89x the step time, 35.3 against 39.7 ms).
 
-A plan holds each layer's arguments for one sequence (its KV cache) and one kind of forward (sparse, or
-`dense`), built on the first token that can use it; a batch's call takes each sequence's own plan (its caches;
-the weights are the same in all). It applies where every layer would have made those C calls itself: one new
+Whether a model decodes this way is decided once, at load (`unsupported`, read by decoders.choose_decoder). A
+plan holds each layer's arguments for one sequence (its KV cache) and one kind of forward (sparse, or `dense`),
+built on the first token that can use it and kept in that sequence's state; a batch's call takes each sequence's
+own plan (its caches; the weights are the same in all). It applies where every layer would have made those C calls itself: one new
 token a sequence, no profiling (observe, keep_masks) and no hot neurons on a GPU, every layer on the CPU with a C
 q/k/v group and a C tail (`FFN.c_tail`); a batch not over thresholded or input-sparse layers (their calls take one
 token; the C call says so before computing anything), and below the GEMM size (where a dense tail's matrices run
@@ -18,8 +19,6 @@ in C for any row count, as for one). Elsewhere `CPUDecoder` returns None and the
 from __future__ import annotations
 
 import ctypes
-import threading
-import weakref
 
 import torch
 
@@ -31,14 +30,53 @@ from hotcold.ops import check_context
 CPU = torch.device("cpu")
 
 
+def unsupported(model) -> str | None:
+    """Why the one-call step cannot run this model's decode tokens, or None where it can: read once, at load
+    (decoders.choose_decoder), from the layer descriptions, where the layers live and the kernels they hold.
+    Conditions of one forward (profiling, a dense batch, a cache the plan cannot point into) are checked per
+    step: there the layers run that forward."""
+    if build.get_lib() is None:
+        return "no C kernels on this machine"
+    c = model.config
+    if not model.layers or c.n_head % c.n_head_kv:
+        return "no layers, or query heads not a multiple of the KV heads"
+    rope = getattr(model, "rope", None)
+    if rope is None or rope.tables(1, CPU)[0].shape[-1] * 2 > c.head_dim:
+        return "no RoPE tables of at most the head size"
+    plan = getattr(model, "plan", None)
+    if plan is not None and plan.hot is not None and any(len(h) for h in plan.hot if h is not None):
+        return "hot neurons on the fast device: hybrid layers run one by one"
+    h, hkv, dh = c.n_head, c.n_head_kv, c.head_dim
+    for i, layer in enumerate(model.layers):
+        if (what := layer.spec.beyond_llama()) is not None:
+            return f"layer {i}: {what} (not in the C layer yet)"
+        if layer.device.type != "cpu":
+            return f"layer {i} is on {layer.device}"
+        group = layer.qkv.c_group
+        if any(isinstance(w, torch.Tensor) and w.dtype == torch.float32 for w in layer.qkv.weights):
+            return (
+                f"layer {i}: float32 q/k/v (torch multiplies float32; the C layer runs F16, BF16 and blocks)"
+            )
+        if group is None or group.rows != [h * dh, hkv * dh, hkv * dh] or not layer.attn_norm.rms:
+            return f"layer {i}: q/k/v not one C group over an RMS norm"
+        if layer.ffn.c_tail(layer.wo, dense=False) is None:
+            return f"layer {i}: its FFN has no C tail"
+        if layer.spec.input_sparse and layer.inputs.c_fields() is None:
+            return f"layer {i}: its input-sparse q/k/v and o have no C form"
+    return None
+
+
 class CPUDecoder:
     """`decoder(x, ctx)` -> the last layer's residual [rows, D] for a decode step (one token of one sequence, or
-    one token of each sequence of a batch), or None (not applicable)."""
+    one token of each sequence of a batch), or None where this forward is not one it runs (then the layers do).
+    Chosen at load (decoders.choose_decoder, after `unsupported`); each sequence's plan lives in its state."""
 
-    def __init__(self, model):
+    def __init__(self, model, *, on_failure=None):
         self.model = model
-        self._plans: dict[tuple[int, bool], _Plan | None] = {}  # (id of the sequence's KV cache, dense)
-        self._lock = threading.Lock()
+        self.steps = (
+            0  # decode steps run; a failure before the first one hands the model to the eager decoder
+        )
+        self.on_failure = on_failure  # on_failure(why): decoders.fall_back
 
     def __call__(self, x: torch.Tensor, ctx) -> torch.Tensor | None:
         n = len(ctx.seqs)
@@ -47,28 +85,30 @@ class CPUDecoder:
         # a batch under the GEMM size (every row its own bits), never a dense reference forward (one sequence)
         if n > 1 and (ctx.dense or n >= GEMM_MIN_TOKENS):
             return None
-        if any(seq.hot is not None and any(h is not None for h in seq.hot) for seq in ctx.seqs):
-            return None
-        if x.device.type != "cpu" or x.dtype != torch.float32 or build.get_lib() is None:
+        if x.device.type != "cpu" or x.dtype != torch.float32:
             return None
         plans = []
-        with self._lock:  # the server's slots decode on one model from several threads
-            for seq in ctx.seqs:
-                plan = self._plan(seq, bool(ctx.dense))
-                if plan is None:
-                    return None
-                plans.append(plan)
-        return _run(plans, x, ctx)
+        for seq in ctx.seqs:
+            plan = self._plan(seq, bool(ctx.dense))
+            if plan is None:
+                return None
+            plans.append(plan)
+        try:
+            out = _run(plans, x, ctx)
+        except MemoryError as exc:
+            if self.steps or self.on_failure is None:  # it has worked before: out of memory now, a real error
+                raise
+            self.on_failure(f"{type(exc).__name__}: {exc}")
+            return None
+        self.steps += out is not None
+        return out
 
     def _plan(self, seq, dense: bool) -> _Plan | None:
-        """The plan for seq's KV cache (caller holds the lock), built on first use."""
-        key = (id(seq.kv), dense)
-        plan = self._plans.get(key, False)
-        if plan is False or (plan is not None and plan.kv() is not seq.kv):
-            # a new cache (or a new one at a dropped cache's address): plans hold their cache weakly,
-            # so the plans of dropped engines go, not their caches' memory
-            self._plans = {k: p for k, p in self._plans.items() if p is not None and p.kv() is not None}
-            plan = self._plans[key] = _Plan.build(self.model, seq.kv, dense)
+        """The plan for seq's KV cache, built on its first decode token and kept in its state (a sequence
+        belongs to one thread at a time, so no lock); None where this cache or a dense forward has none."""
+        plan = seq.decode_plans.get(dense, False)
+        if plan is False or (plan is not None and plan.kv is not seq.kv):
+            plan = seq.decode_plans[dense] = _Plan.build(self.model, seq.kv, dense)
         return plan
 
 
@@ -101,7 +141,7 @@ _FIRED = ctypes.POINTER(ctypes.c_int64)
 
 class _Plan:
     def __init__(self, kv, rope, threads: int, layers: list, keep: list, n_ff: list[int]):
-        self.kv = weakref.ref(kv)  # the layers point into its tensors: used only while it lives
+        self.kv = kv  # the layers point into its tensors (the plan lives in the state that owns it)
         self.rope, self.threads = rope, threads
         self.layers = (HCLayer * len(layers))(*layers)
         self.keep = keep  # the tensors and structs the layers' pointers point into
@@ -154,7 +194,7 @@ class _Plan:
                 HCLayer(
                     **group.c_fields, attn_norm=attn_w.data_ptr(), attn_eps=norm.eps,
                     kc=kc.data_ptr(), vc=vc.data_ptr(), H=h, Hkv=hkv, Dh=dh, R=r, neox=0,
-                    window=c.sliding_window or 0, **fields,
+                    window=layer.spec.sliding_window, **fields,
                 )
             )  # fmt: skip
             keep += [group, attn_w, tail["keep"], fields]

@@ -276,10 +276,15 @@ def from_model(
     """(StaticDecoder, None) for a llama-family model whose every layer, FFN and head live on one device
     (float matrices; FFN rows may be Q8_0 / Q4_0 blocks for the fused kernels), else (None, why not).
     Sparse layers must be all-hot (every neuron on that device)."""
-    from hotcold.models.llama import Llama
-
-    if type(model) is not Llama:
-        return None, f"{type(model).__name__} models take the eager step"
+    for i, layer in enumerate(model.layers):
+        spec = getattr(layer, "spec", None)
+        what = (
+            "no layer description"
+            if spec is None
+            else spec.beyond_llama() or (spec.input_sparse and "input sparsity")
+        )
+        if what:
+            return None, f"layer {i}: {what} takes the eager step"
     c = model.config
     device = model.head.device
     if kernels is None:

@@ -10,6 +10,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from hotcold import decoders
 from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats, common_prefix
 from hotcold.kernels import build, cpu
 from hotcold.ops import embed
@@ -63,7 +64,11 @@ class Engine:
         self.cached_ids = self.cached_ids[:n]
         self.exact = min(self.exact, n)
 
-    def _forward(self, ids: Sequence[int], pos: int, *, last_only: bool) -> torch.Tensor:
+    def forward(self, ids: Sequence[int], pos: int, *, last_only: bool) -> torch.Tensor:
+        """The model over `ids` at positions pos, pos + 1, ... of this engine's sequence: their keys and values
+        go into its cache (recorded here, the one place that says what the cache holds) and the logits come
+        back, [len(ids), V] float32 (last_only: [1, V]). One token at a time goes through the decoder chosen at
+        load (hotcold.decoders); prompt chunks through the family's forward."""
         tokens = torch.tensor(ids, dtype=torch.long)
         step = getattr(self.model, "static_step", None)  # a model all on the GPU: the CUDA-graph step
         seq = self.seq
@@ -81,9 +86,8 @@ class Engine:
                 # the first step compiles the fused kernels and captures the graph; if this GPU or this
                 # Triton cannot, the model decodes through the eager step from now on, and says why
                 step.failure = f"{type(exc).__name__}: {exc}"
-                log.warning("the fixed-shape decode step failed, decoding eagerly: %s", step.failure)
-                self.model.static_step = None
-                return self._forward(ids, pos, last_only=last_only)
+                decoders.fall_back(self.model, step.failure)
+                return self.forward(ids, pos, last_only=last_only)
             for layer, (n, n_ff, sparse) in enumerate(zip(fired, step.n_ff, step.sparse, strict=True)):
                 computed = n if sparse else n_ff
                 seq.count(layer, computed, n_ff, computed if seq.hot_mask(layer, n_ff) is not None else 0)
@@ -140,7 +144,7 @@ class Engine:
         seq.dense, seq.observe = dense or observe is not None, observe
         try:
             out = [
-                self._forward(ids[s : s + PREFILL_CHUNK], s, last_only=False)
+                self.forward(ids[s : s + PREFILL_CHUNK], s, last_only=False)
                 for s in range(0, len(ids), PREFILL_CHUNK)
             ]
         finally:
@@ -160,7 +164,7 @@ class Engine:
         self.last_prefill_computed = len(ids) - start
         logits = None
         for s in range(start, len(ids), PREFILL_CHUNK):
-            logits = self._forward(ids[s : s + PREFILL_CHUNK], s, last_only=True)
+            logits = self.forward(ids[s : s + PREFILL_CHUNK], s, last_only=True)
         return logits[-1]
 
     def generate_step(
@@ -185,7 +189,7 @@ class Engine:
             if pos >= self.ctx_size:
                 return
             with torch.inference_mode():
-                logits = self._forward([token], pos, last_only=True)[-1]
+                logits = self.forward([token], pos, last_only=True)[-1]
             stats.generate_seconds = time.perf_counter() - decode_start
 
     def stream(
@@ -214,6 +218,6 @@ class Engine:
         while not gen.done:
             ids, pos = gen.want()
             with torch.inference_mode():
-                logits = self._forward(ids, pos, last_only=True)[-1]
+                logits = self.forward(ids, pos, last_only=True)[-1]
             gen.take(logits)
             yield from gen.drain()

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hotcold import cores, registry, validate
+from hotcold import cores, decoders, registry, validate
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import CPU, DevicePlan
 from hotcold.gguf_io import GGUFError, ModelFile
@@ -55,6 +55,11 @@ class LoadedModel:
         None  # the plan's VRAM by part (dense, kv, scratch, hot); None: no plan
     )
 
+    @property
+    def decoder(self) -> str:
+        """The decoder running decode steps: chosen at load (decoders.py), "eager" after a fast one failed."""
+        return getattr(self.model, "decoder", "eager")
+
 
 def resolve_device(device: str) -> str:
     if device not in ("auto", "cpu", "cuda"):
@@ -82,12 +87,14 @@ def load_model(
     fast_device: str | None = None,
     sparsity: float | None = None,
     kv_sequences: int = 1,
+    decoder: str = "auto",
 ) -> LoadedModel:
     """fast_device: where hot rows and offloaded layers go; default the GPU when `device` resolves to cuda.
     Tests pass "cpu" to exercise the hybrid split with a second CPU placement standing in for the GPU.
     sparsity: for a `hotcold sparsify` file, the share of FFN neurons to skip (None: the file's target;
     0: dense, the same as dense=True). kv_sequences: how many sequences will hold a KV cache at once (a
-    server's slots): the budget charges each GPU layer's cache that many times."""
+    server's slots): the budget charges each GPU layer's cache that many times. decoder: "auto" (the fastest
+    decoder the model's layers and devices allow, decoders.py) or "eager" (layer by layer)."""
     path = Path(path) if path is not None else demo_model_path()
     # the rules the CLI and the server apply too (NaN, infinities, out of range: ValueError naming the argument)
     threads = validate.check_optional("threads", threads)
@@ -97,6 +104,7 @@ def load_model(
     sparsity = validate.check_optional("sparsity", sparsity)
     if kv_sequences < 1:
         raise ValueError(f"kv_sequences must be >= 1, got {kv_sequences}")
+    decoders.check_request(decoder)
     if threads is None:  # the cores other processes leave free (cores.py says why)
         threads = cores.default_threads()
     torch.set_num_threads(threads)
@@ -202,8 +210,7 @@ def load_model(
             f"(the file was calibrated for {100 * assets.sparsity:.0f}%)"
         )
     model = module.build(src, make_ffn)
-    if fast is not None and fast.type == "cuda" and os.environ.get("HOTCOLD_STATIC_STEP", "1") != "0":
-        _attach_static_step(model, notes, ctx)
+    decoders.choose_decoder(model, requested=decoder, ctx_size=ctx, notes=notes)
     mode = "dense" if dense and thresholded is None else "sparse"
     where = "cpu" if fast is None else f"cpu + {fast}"
     notes.insert(
@@ -252,20 +259,6 @@ def hot_rows_bytes(plan: BudgetPlan, hot: list[np.ndarray] | None) -> int:
     if hot is None:
         return 0
     return sum(len(h) * int(b) for h, b in zip(hot, plan.bytes_per_neuron, strict=True))
-
-
-def _attach_static_step(model, notes: list[str], ctx_size: int) -> None:
-    """A model entirely on the GPU decodes through the fixed-shape, CUDA-graph step (decode_step.py);
-    HOTCOLD_STATIC_STEP=0 keeps the eager step (to compare the two)."""
-    from hotcold import decode_step
-
-    decoder, why = decode_step.from_model(model, ctx_size=ctx_size)
-    if decoder is None:
-        notes.append(f"decode: the eager step ({why})")
-        return
-    model.static_step = decoder
-    kernels = "fused Triton kernels" if decoder.fused else "torch kernels"
-    notes.append(f"decode: the fixed-shape step in a CUDA graph ({kernels})")
 
 
 def _thresholded_sparsity(model_file: ModelFile, config: ModelConfig, sparsity: float | None, dense: bool):

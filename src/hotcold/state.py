@@ -81,6 +81,8 @@ class SequenceState:
     observe: Observer | None = None
     keep_masks: bool = False
     hot: list[torch.Tensor | None] | None = None
+    # the one-call CPU decoder's plans over this sequence's caches (cpu_step), by dense: built on first use
+    decode_plans: dict = field(default_factory=dict)
 
     @classmethod
     def new(cls, config, devices: Sequence[torch.device], dtypes: Sequence[torch.dtype], n_ctx: int):

@@ -29,13 +29,13 @@ def test_depth_times_decode_after_that_many_cached_tokens(tiny_dense_gguf, capsy
     from hotcold.engine import Engine
 
     positions = []
-    forward = Engine._forward
+    forward = Engine.forward
 
     def spy(self, ids, pos, **kwargs):
         positions.append(pos)
         return forward(self, ids, pos, **kwargs)
 
-    monkeypatch.setattr(Engine, "_forward", spy)
+    monkeypatch.setattr(Engine, "forward", spy)
     argv = ["bench", "-m", str(tiny_dense_gguf), "-p", "0", "-n", "4", "-d", "0,16", "-r", "1", "--json"]
     assert main(argv) == 0
     rows = json.loads(capsys.readouterr().out)

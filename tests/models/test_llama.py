@@ -50,7 +50,7 @@ def test_sparse_prefill_batch_equals_token_by_token(tiny_sparse_gguf):
     engine.cached_ids = []
     steps = [engine.prefill(ids[:1])]
     for pos in range(1, 20):
-        steps.append(engine._forward([ids[pos]], pos, last_only=True)[-1])
+        steps.append(engine.forward([ids[pos]], pos, last_only=True)[-1])
     assert torch.allclose(torch.stack(steps), full, atol=1e-4 * full.abs().max())
     computed, total = llm.engine.seq.neuron_totals()
     rate = computed / total

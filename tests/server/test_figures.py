@@ -48,7 +48,7 @@ def mask_counts(llm, prompt_ids: list[int], max_tokens: int) -> tuple[int, int, 
     with torch.inference_mode():
         while not gen.done:
             ids, pos = gen.want()
-            logits = engine._forward(ids, pos, last_only=True)[-1]
+            logits = engine.forward(ids, pos, last_only=True)[-1]
             for layer, (_, mask) in engine.seq.masks.items():
                 computed += int(mask.sum())
                 total += mask.numel()

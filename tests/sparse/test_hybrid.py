@@ -230,13 +230,13 @@ def test_hybrid_on_gpu_equals_cpu_sparse_and_waits_once_a_layer(model_with_stats
     logits = engine.prefill(IDS[:10])
     token = int(logits.argmax())
     with LaunchCounter("cuda") as count, torch.inference_mode():
-        decoded = engine._forward([token], 10, last_only=True)[-1]  # the fused decode paths
+        decoded = engine.forward([token], 10, last_only=True)[-1]  # the fused decode paths
     assert count.sync_ops.get("event_wait", 0) == sum(1 for h in loaded.hot if len(h)), count.sync_ops
     cpu = load_model(model_with_stats, device="cpu")
     reference = Engine(cpu.model, cpu.tokenizer, 64)
     reference.prefill(IDS[:10])
     with torch.inference_mode():
-        expected = reference._forward([token], 10, last_only=True)[-1]
+        expected = reference.forward([token], 10, last_only=True)[-1]
     assert torch.allclose(decoded, expected, atol=2e-3 * expected.abs().max(), rtol=0)
 
 

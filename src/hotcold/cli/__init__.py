@@ -95,6 +95,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense", action="store_true", help="compute every neuron (ignore predictors)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument(
+        "--decoder",
+        choices=("auto", "eager"),
+        default="auto",
+        help="decode steps: the fastest decoder the model allows (auto: a CUDA graph on one GPU, one C call a "
+        "token on the CPU), or layer by layer (eager)",
+    )
+    parser.add_argument(
         "--sparsity",
         type=float,
         default=None,
@@ -118,6 +125,7 @@ def load_from_args(args):
         n_gpu_layers=args.n_gpu_layers,
         sparsity=getattr(args, "sparsity", None),
         kv_sequences=getattr(args, "parallel", 0) + 1,  # serve: a KV cache per slot, plus the Model's own
+        decoder=getattr(args, "decoder", "auto"),
     )
 
 

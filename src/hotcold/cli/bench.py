@@ -53,6 +53,12 @@ def add_args(p) -> None:
         default=None,
         help="`hotcold sparsify` files: share of FFN neurons the sparse mode skips (default: the file's)",
     )
+    p.add_argument(
+        "--decoder",
+        choices=("auto", "eager"),
+        default="auto",
+        help="decode steps: the fastest decoder the model allows (auto), or layer by layer (eager)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.add_argument(
         "--plot",
@@ -114,7 +120,7 @@ def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float]:
             start = time.perf_counter()
             token = int(torch.argmax(logits))
             for pos in range(depth + 1, depth + n + 1):
-                token = int(torch.argmax(engine._forward([token], pos, last_only=True)[-1]))
+                token = int(torch.argmax(engine.forward([token], pos, last_only=True)[-1]))
             seconds = time.perf_counter() - start
     c1, t1 = _firing(llm)
     return seconds, (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
@@ -173,6 +179,7 @@ def run_bench(
     batches=(1,),
     sparsity=None,
     depths=(0,),
+    decoder="auto",
 ):
     """Rows of results. On the CPU the modes are interleaved run by run (weights are mapped once, so both
     models cost nothing extra); on a GPU each mode is loaded, measured and freed in turn, with the same
@@ -196,6 +203,7 @@ def run_bench(
             ctx_size=ctx,
             sparsity=sparsity if m == "sparse" else None,
             kv_sequences=max(batches),  # -b B holds B caches at once, as a server's slots do
+            decoder=decoder,
         )
 
     first = load("sparse")
@@ -226,6 +234,7 @@ def run_bench(
         return n / seconds, rate, rate
 
     groups = [[m] for m in modes] if on_gpu else [modes]
+    decoder_of: dict[str, str] = {}
     for group in groups:
         has_sparse = first.config.sparse or first.config.sparsified
         models = {m: first if m == "sparse" and has_sparse else load(m) for m in group}
@@ -240,6 +249,9 @@ def run_bench(
                     rates[m, t].append(rate)
                     unions[m, t].append(union)
         device_name = first.loaded.device
+        decoder_of.update(
+            {m: models[m].decoder for m in group}
+        )  # after the runs: "eager" if a fast one failed
         del models
         first = None
         if on_gpu:
@@ -275,6 +287,7 @@ def run_bench(
                     "effective_gb_s": tps / batch * bytes_per_step / 1e9 if test.startswith("tg") else None,
                     "threads": threads or torch.get_num_threads(),
                     "device": device_name,
+                    "decoder": decoder_of[m],  # "eager", "cpu_one_call" or "cuda_graph" (hotcold.decoders)
                 }
             )
     return rows
@@ -341,6 +354,7 @@ def run(args) -> int:
             batches=[int(b) for b in args.batch.split(",")],
             sparsity=args.sparsity,
             depths=depths,
+            decoder=args.decoder,
         )
     if args.plot is not None:
         from hotcold import plots

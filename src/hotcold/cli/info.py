@@ -24,7 +24,7 @@ def add_args(p) -> None:
     p.add_argument(
         "--load",
         action="store_true",
-        help="load the model (on the GPU when there is one) and show VRAM planned vs allocated",
+        help="load the model (on the GPU when there is one): the decoder chosen, VRAM planned vs allocated",
     )
 
 
@@ -105,12 +105,18 @@ def vram_plan(mf, c, budget_gib: float, ctx_size: int | None) -> dict:
     }
 
 
-def vram_loaded(args) -> dict:
-    """Load the model as `generate` would and compare the plan with what CUDA's allocator reports."""
+def load_for_info(args):
+    """The model loaded as `generate` would load it."""
     import hotcold
-    from hotcold.loader import vram_figures
 
     llm = hotcold.load(args.model, vram_budget=args.vram_budget, ctx_size=args.ctx_size)
+    return llm
+
+
+def vram_of(llm) -> dict:
+    """The loaded model's VRAM plan beside what CUDA's allocator reports."""
+    from hotcold.loader import vram_figures
+
     v = vram_figures(llm.loaded)
     if v.used is None:
         return {"gpu": None, "note": "no GPU in use: nothing planned or allocated in VRAM"}
@@ -185,7 +191,12 @@ def run(args) -> int:
         args.model, vram_budget=getattr(args, "vram_budget", None), ctx_size=getattr(args, "ctx_size", None)
     )
     if getattr(args, "load", False):
-        info["vram"] = vram_loaded(args)
+        llm = load_for_info(args)
+        info["decoder"] = llm.decoder  # chosen at load (hotcold.decoders)
+        decode_note = next((n for n in llm.loaded.notes if n.startswith("decode: ")), None)
+        failure = getattr(llm.loaded.model, "decoder_failure", None)
+        info["decoder_why"] = failure or (decode_note[len("decode: ") :] if decode_note else None)
+        info["vram"] = vram_of(llm)
     if args.json:
         print(json.dumps(info, indent=2))
         return 0

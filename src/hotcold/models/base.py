@@ -33,6 +33,44 @@ from hotcold.state import Batch, SequenceState
 FFNMaker = Callable[..., Callable]
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer computes, as data: its family fills it from the config and the file's tensors, and the
+    decoders read it (decoders.choose_decoder picks one at load from these and the device plan), so a family
+    never needs a decoder of its own. A field's default is the llama layer; fields the next families need
+    (q/k norm, sandwich norms, attention sinks, soft-caps, routing variants) belong here too."""
+
+    norm: str = "rms"  # "rms", or "layer": LayerNorm with bias
+    residual: str = "sequential"  # x += attn(x); x += ffn(x).  "parallel": x += attn(x) + ffn(x) (Falcon)
+    positions: str = "rope"  # "rope", or "learned": absolute position rows added to the embedding (OPT)
+    rope_neox: bool = False  # RoPE rotates the two halves of a head (NeoX), not adjacent pairs
+    qkv: str = "split"  # "split": wq, wk, wv;  "fused": one attn_qkv matrix (Falcon)
+    attn_bias: bool = False  # biases on q, k, v and o
+    sliding_window: int = 0  # attend to this many positions back (0: every position)
+    moe: bool = False  # the FFN is a router over experts
+    input_sparse: bool = False  # q/k/v and o from each token's kept input channels (sparsify --attention)
+
+    def beyond_llama(self) -> str | None:
+        """The first thing this layer computes that a plain llama layer (RMS norms, sequential residual, RoPE on
+        adjacent pairs, q/k/v without biases, one FFN) does not, or None: what a decoder built for llama layers
+        (the CPU one-call step, the GPU fixed-shape step) has to say no to."""
+        if self.norm != "rms":
+            return "LayerNorm"
+        if self.residual != "sequential":
+            return "a parallel residual"
+        if self.positions != "rope":
+            return "learned positions"
+        if self.rope_neox:
+            return "NeoX RoPE"
+        if self.qkv != "split":
+            return "a fused q/k/v matrix"
+        if self.attn_bias:
+            return "attention biases"
+        if self.moe:
+            return "experts"
+        return None
+
+
 class Decoder(Protocol):
     config: ModelConfig
     layers: list

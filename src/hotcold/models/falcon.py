@@ -15,7 +15,7 @@ import torch
 
 from hotcold import names
 from hotcold.config import ModelConfig
-from hotcold.models.base import FFNMaker, Head, new_sequence, rope_attention_segments
+from hotcold.models.base import FFNMaker, Head, LayerSpec, new_sequence, rope_attention_segments
 from hotcold.ops import Norm, RopeTables, Weight, embed, linear
 from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
@@ -28,6 +28,7 @@ class FalconLayer:
     wo: Weight  # [D, H*Dh]
     ffn: object  # an FFN: ffn(x, seq) norms the layer input with attn_norm itself
     device: torch.device
+    spec: LayerSpec = LayerSpec(norm="layer", residual="parallel", rope_neox=True, qkv="fused")
 
 
 class Falcon:

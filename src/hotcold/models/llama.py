@@ -13,9 +13,15 @@ import torch
 
 from hotcold import names
 from hotcold.config import ModelConfig
-from hotcold.cpu_step import CPUDecoder
 from hotcold.device import DevicePlan
-from hotcold.models.base import FFNMaker, Head, decode_attention, new_sequence, rope_attention_segments
+from hotcold.models.base import (
+    FFNMaker,
+    Head,
+    LayerSpec,
+    decode_attention,
+    new_sequence,
+    rope_attention_segments,
+)
 from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear
 from hotcold.sparse.attention_inputs import SparseInputs, sparse_inputs
 from hotcold.state import Batch, SequenceState
@@ -29,6 +35,7 @@ class LlamaLayer:
     wo: Weight  # [D, H*Dh]
     ffn: object  # an FFN (dense, sparse, hybrid or MoE): ffn(x, seq), owns ffn_norm
     device: torch.device  # where this layer's attention and KV cache live
+    spec: LayerSpec  # what it computes (the decoders read this)
     inputs: SparseInputs | None = None  # a sparsified file's input-sparse q/k/v and o (attention_inputs.py)
 
 
@@ -40,8 +47,8 @@ class Llama:
         self.head = head
         self.plan: DevicePlan = plan
         self.rope = RopeTables(config, [layer.device for layer in layers])
-        self.static_step = None  # the loader's decode_step.StaticDecoder when everything is on one GPU
-        self.cpu_decode = CPUDecoder(self)  # a CPU decode token in one C call, where it applies
+        # the decoder, chosen at load (decoders.choose_decoder): a fast one, or None for these layers one by one
+        self.decoder, self.static_step, self.cpu_decode = "eager", None, None
 
     def new_sequence(self, n_ctx: int) -> SequenceState:
         return new_sequence(self.config, self.plan, n_ctx)
@@ -52,7 +59,8 @@ class Llama:
         c = self.config
         T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
-        if T == len(ctx.seqs) and (y := self.cpu_decode(x, ctx)) is not None:  # a decode step in one C call
+        decode = self.cpu_decode  # the one-call decoder, where load chose it
+        if decode is not None and T == len(ctx.seqs) and (y := decode(x, ctx)) is not None:
             return self.head(y, ctx, last_only=last_only)
         heads = (c.n_head, c.n_head_kv, c.head_dim)
         watch = getattr(ctx.observe, "attention", None)  # calibration of input sparsity (sparsify.py)
@@ -110,6 +118,7 @@ def attention_block(src: TensorSource, i: int) -> dict:
         qkv=LinearGroup([wq, wk, wv], stack_on_gpu=True),  # one matrix for the fused decode kernels
         wo=src.attention(names.ATTN_OUT, i, (D, qd)),
         device=src.layer_device(i),
+        spec=LayerSpec(sliding_window=c.sliding_window or 0, input_sparse=inputs is not None),
         inputs=inputs,
     )
 

@@ -15,6 +15,8 @@ gated_both` (TurboSparse).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from hotcold import names
 from hotcold.device import place
 from hotcold.gguf_io import GGUFError
@@ -93,5 +95,6 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> Mixtral:
         norm = src.norm(names.FFN_NORM, i, rms=True)
         router = src.attention(names.FFN_ROUTER, i, (E, D))
         ffn = MoEFFN(router, experts, c.n_expert_used, layer=i, norm=norm)
+        attention["spec"] = replace(attention["spec"], moe=True)
         layers.append(LlamaLayer(**attention, ffn=ffn))
     return Mixtral(c, src.token_embd(), layers, Head(src.output_norm(rms=True), src.output()), src.plan)

@@ -20,7 +20,7 @@ from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.gguf_io import GGUFError
 from hotcold.kernels import cpu
-from hotcold.models.base import FFNMaker, Head, new_sequence, per_sequence
+from hotcold.models.base import FFNMaker, Head, LayerSpec, new_sequence, per_sequence
 from hotcold.ops import LinearGroup, Norm, Weight, attention, check_context, embed, linear
 from hotcold.quants import QuantTensor
 from hotcold.state import Batch, SequenceState
@@ -40,6 +40,7 @@ class OPTLayer:
     wo_bias: torch.Tensor
     ffn: object  # an FFN: ffn(x, seq) owns ffn_norm
     device: torch.device
+    spec: LayerSpec = LayerSpec(norm="layer", positions="learned", attn_bias=True)
 
 
 class OPT:

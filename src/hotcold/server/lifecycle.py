@@ -63,11 +63,11 @@ class Lifecycle:
             if (
                 scope["path"] == "/metrics" and self.app is not None
             ):  # the gauges stay readable while draining
-                return await self._forward(scope, receive, send)
+                return await self.forward(scope, receive, send)
             return await self._refuse(scope, receive, send)
-        return await self._forward(scope, receive, send)
+        return await self.forward(scope, receive, send)
 
-    async def _forward(self, scope, receive, send) -> None:
+    async def forward(self, scope, receive, send) -> None:
         self.in_flight += 1
         try:
             await self.app(scope, receive, send)

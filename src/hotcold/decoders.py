@@ -1,0 +1,79 @@
+"""Which code runs a model's decode steps, chosen once at load from the layer descriptions (models/base.LayerSpec)
+and the device plan: the one place that decides it.
+
+- "cuda_graph": a model entirely on one GPU; the fixed-shape step captured in a CUDA graph (decode_step.py).
+- "cpu_one_call": a model on the CPU whose layers the C decode layer computes; every layer of a decode token in
+  one C call (cpu_step.py).
+- "eager": the family's forward, layer by layer (each layer still picks its C or Triton kernels).
+
+Each fast decoder holds the eager one to fall back to: forwards it does not run (a prompt chunk, profiling, a
+dense batch) go through the family's forward, and where it fails on its first step the model decodes eagerly from
+then on and says why (`model.decoder_failure`, a warning, `hotcold info`). `HOTCOLD_STATIC_STEP=0` (documented in
+the README) keeps a GPU model on the eager step, to compare the two.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+DECODERS = ("eager", "cpu_one_call", "cuda_graph")
+REQUESTS = ("auto", "eager")
+
+
+def check_request(decoder: str) -> str:
+    if decoder not in REQUESTS:
+        raise ValueError(f"decoder must be one of {', '.join(map(repr, REQUESTS))}, got {decoder!r}")
+    return decoder
+
+
+def choose_decoder(model, *, requested: str = "auto", ctx_size: int, notes: list[str]) -> str:
+    """Set `model.decoder` (one of DECODERS) and the decoder object it names (`model.static_step` for
+    cuda_graph, `model.cpu_decode` for cpu_one_call; None otherwise); a note says which and, for eager, why."""
+    check_request(requested)
+    model.static_step = None
+    model.cpu_decode = None
+    model.decoder_failure = None
+    model.decoder, why = "eager", "decoder='eager' asked for"
+    if requested == "auto":
+        model.decoder, why = _fastest(model, ctx_size)
+    if model.decoder == "eager":
+        notes.append(f"decode: eager, layer by layer ({why})")
+    else:
+        notes.append(f"decode: {model.decoder} ({why})")
+    return model.decoder
+
+
+def _fastest(model, ctx_size: int) -> tuple[str, str]:
+    """(decoder, what it runs or why it is eager) for a model whose decoder is chosen automatically."""
+    head = getattr(model, "head", None)
+    on_gpu = head is not None and head.device.type == "cuda"
+    if on_gpu:
+        if os.environ.get("HOTCOLD_STATIC_STEP", "1") == "0":
+            return "eager", "HOTCOLD_STATIC_STEP=0"
+        from hotcold import decode_step
+
+        step, why = decode_step.from_model(model, ctx_size=ctx_size)
+        if step is None:
+            return "eager", why
+        model.static_step = step
+        kernels = "fused Triton kernels" if step.fused else "torch kernels"
+        return "cuda_graph", f"the fixed-shape step in a CUDA graph, {kernels}"
+    from hotcold import cpu_step
+
+    why = cpu_step.unsupported(model)
+    if why is not None:
+        return "eager", why
+    model.cpu_decode = cpu_step.CPUDecoder(model, on_failure=lambda why: fall_back(model, why))
+    return "cpu_one_call", "every layer of a decode token in one C call"
+
+
+def fall_back(model, failure: str) -> None:
+    """A fast decoder failed on its first step: decode eagerly from now on, and keep why."""
+    log.warning("the %s decoder failed on its first step, decoding eagerly: %s", model.decoder, failure)
+    model.decoder_failure = f"{model.decoder}: {failure}"
+    model.decoder = "eager"
+    model.static_step = None
+    model.cpu_decode = None
