@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 import hotcold
 from hotcold import cpu_step
@@ -106,3 +107,72 @@ def test_bench_rows_and_info_name_the_decoder(q4_sparse, capsys):
     assert main(["info", "-m", str(q4_sparse), "--load", "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["decoder"] == "cpu_one_call" and "one C call" in info["decoder_why"]
+
+
+def _sparse_family_file(family: str, folder, spm_model_file, outtype: str):
+    """A sparse file (random predictors, so neurons fire and stay silent) of a LayerNorm family."""
+    from hotcold.convert import convert
+    from tests.fixtures import write_predictors
+
+    if family.startswith("mixtral"):
+        import json
+
+        from tests.models.test_mixtral import CASES as MIXTRAL
+        from tests.models.test_mixtral import N_EXPERT, make_mixtral
+
+        make_mixtral(folder / "hf", spm_model_file, seed=2, **MIXTRAL[family.split(":")[1]])
+        for e in range(N_EXPERT):
+            write_predictors(folder / "pred" / f"expert_{e}", 2, 64, 1280, seed=10 + e)
+        (folder / "pred" / "config.json").write_text(json.dumps({"sparse_threshold": 0.0}))
+        return convert(folder / "hf", folder / "pred", folder / f"sparse.{outtype}.gguf", outtype=outtype)
+    if family.startswith("falcon"):
+        from tests.models.test_falcon import CASES, make_falcon
+
+        make_falcon(folder / "hf", spm_model_file, **CASES[family.split(":")[1]])
+    else:
+        from tests.models.test_opt import make_opt
+
+        make_opt(folder / "hf", spm_model_file)
+    write_predictors(folder / "pred", 2, 64, 1280, seed=5)
+    return convert(folder / "hf", folder / "pred", folder / f"sparse.{outtype}.gguf", outtype=outtype)
+
+
+@needs_c
+@pytest.mark.parametrize(
+    "family, outtype",
+    [
+        ("falcon:7b-multi-query", "f16"),
+        ("falcon:40b-grouped-kv", "q8_0"),
+        ("opt", "f16"),
+        ("opt", "q4_0"),
+        ("mixtral:relu", "f16"),
+        ("mixtral:drelu", "q4_0"),
+    ],
+)
+def test_every_family_decodes_in_one_call_with_the_layers_bits(tmp_path, spm_model_file, family, outtype):
+    """Sparse Falcon (LayerNorm, parallel residual, NeoX RoPE, q/k/v split from attn_qkv), OPT (LayerNorm, biases,
+    learned positions) and Mixtral (a router over experts with predictors; dReLU as TurboSparse): the one-call
+    decoder's decode steps equal the eager decoder's bit for bit, alone and in a batch, with the same firing
+    counts (and for Mixtral the same experts recorded)."""
+    from tests.fixtures import decode_logits, random_ids
+
+    path = _sparse_family_file(family, tmp_path, spm_model_file, outtype)
+    fast = hotcold.load(path, device="cpu", threads=2)
+    eager = hotcold.load(path, device="cpu", threads=2, decoder="eager")
+    assert fast.decoder == "cpu_one_call", fast.loaded.notes
+    assert not fast.loaded.dense
+    ids = random_ids(16, seed=9)
+    got, want = decode_logits(fast, ids, 4), decode_logits(eager, ids, 4)
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert fast.loaded.model.cpu_decode.steps == len(ids) - 4  # every decode step ran in the one call
+    routing = [m.engine.seq.routing for m in (fast, eager)]
+    assert routing[0].keys() == routing[1].keys()
+    assert all(torch.equal(routing[0][i], routing[1][i]) for i in routing[0])
+    assert fast.engine.seq.neuron_totals() == eager.engine.seq.neuron_totals()
+    computed, total = fast.engine.seq.neuron_totals()
+    assert 0 < computed < total  # sparse: some neurons skipped, some computed
+    prompts = [random_ids(n, seed=30 + n) for n in (2, 5, 9)]
+    kwargs = dict(max_tokens=6, ignore_eos=True)
+    assert fast.generate_batch(prompts, **kwargs) == eager.generate_batch(prompts, **kwargs)
+    counts = [[(s.neurons_computed, s.neurons_total) for s in m.last_batch_stats] for m in (fast, eager)]
+    assert counts[0] == counts[1]

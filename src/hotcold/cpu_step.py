@@ -48,8 +48,6 @@ def unsupported(model) -> str | None:
         return "hot neurons on the fast device: hybrid layers run one by one"
     h, hkv, dh = c.n_head, c.n_head_kv, c.head_dim
     for i, layer in enumerate(model.layers):
-        if (what := layer.spec.beyond_llama()) is not None:
-            return f"layer {i}: {what} (not in the C layer yet)"
         if layer.device.type != "cpu":
             return f"layer {i} is on {layer.device}"
         group = layer.qkv.c_group
@@ -57,8 +55,8 @@ def unsupported(model) -> str | None:
             return (
                 f"layer {i}: float32 q/k/v (torch multiplies float32; the C layer runs F16, BF16 and blocks)"
             )
-        if group is None or group.rows != [h * dh, hkv * dh, hkv * dh] or not layer.attn_norm.rms:
-            return f"layer {i}: q/k/v not one C group over an RMS norm"
+        if group is None or group.rows != [h * dh, hkv * dh, hkv * dh]:
+            return f"layer {i}: q/k/v not one C group"
         if layer.ffn.c_tail(layer.wo, dense=False) is None:
             return f"layer {i}: its FFN has no C tail"
         if layer.spec.input_sparse and layer.inputs.c_fields() is None:
@@ -132,6 +130,8 @@ def _run(plans: list[_Plan], x: torch.Tensor, ctx) -> torch.Tensor | None:
     for seq, plan in zip(ctx.seqs, plans):
         for i, f in enumerate(plan.n_ff):
             seq.count(i, int(plan.fired[i]), f)
+        for i in plan.moe:  # as MoEFFN records it: the experts of the forward's rows, [1, k]
+            seq.routing[i] = plan.routes[i : i + 1].clone()
     return out
 
 
@@ -140,12 +140,15 @@ _FIRED = ctypes.POINTER(ctypes.c_int64)
 
 
 class _Plan:
-    def __init__(self, kv, rope, threads: int, layers: list, keep: list, n_ff: list[int]):
+    def __init__(
+        self, kv, rope, threads: int, layers: list, keep: list, n_ff: list[int], routes, moe: list[int]
+    ):
         self.kv = kv  # the layers point into its tensors (the plan lives in the state that owns it)
         self.rope, self.threads = rope, threads
         self.layers = (HCLayer * len(layers))(*layers)
         self.keep = keep  # the tensors and structs the layers' pointers point into
-        self.n_ff = n_ff
+        self.n_ff = n_ff  # per layer, the neurons a token's counts are out of (a MoE layer: its experts')
+        self.routes, self.moe = routes, moe  # [L, k] experts the C call wrote, for the MoE layers `moe`
         self.fired = (ctypes.c_int64 * len(layers))()
         self.layers_ptr, self.fired_ptr = ctypes.cast(self.layers, _LAYERS), ctypes.cast(self.fired, _FIRED)
 
@@ -159,7 +162,9 @@ class _Plan:
         r = cos.shape[-1] * 2
         if r > dh:
             return None
-        layers, keep, n_ff = [], [], []
+        layers, keep, n_ff, moe = [], [], [], []
+        k = getattr(model.config, "n_expert_used", 0) or 1
+        routes = torch.zeros(len(model.layers), k, dtype=torch.int64)  # MoE layers' experts, row by layer
         for i, layer in enumerate(model.layers):
             group = layer.qkv.c_group
             norm = layer.attn_norm
@@ -168,7 +173,6 @@ class _Plan:
                 layer.device.type != "cpu"
                 or group is None
                 or group.rows != [h * dh, hkv * dh, hkv * dh]
-                or not norm.rms
                 or not all(t.is_cpu and t.dtype == torch.float32 and t.is_contiguous() for t in (kc, vc))
                 or kc.shape[1:] != (hkv, dh)
                 or vc.shape != kc.shape
@@ -179,8 +183,21 @@ class _Plan:
             if tail is None:
                 return None
             attn_w = norm.weight.to(torch.float32).contiguous()
+            # LayerNorm families, biases, a parallel residual (falcon, opt): float32 vectors the struct points into
+            spec, vectors = layer.spec, {}
+            if not norm.rms and norm.bias is not None:
+                vectors["attn_norm_b"] = norm.bias
+            for name in ("q_bias", "k_bias", "v_bias", "wo_bias"):
+                if (b := getattr(layer, name, None)) is not None:
+                    vectors[name] = b
+            vectors = {k: v.to(torch.float32).contiguous() for k, v in vectors.items()}
             fields = dict(tail["fields"])
-            for name in ("wo", "fc1", "fc2", "up", "gate", "down", "score", "score_in"):
+            fields.update({k: v.data_ptr() for k, v in vectors.items()})
+            fields.update(attn_ln=int(not norm.rms), parallel=int(spec.residual == "parallel"))
+            if spec.moe:  # this sequence's experts of its last token land in its plan's row of routes
+                fields["route_out"] = routes[i].data_ptr()
+                moe.append(i)
+            for name in ("wo", "fc1", "fc2", "up", "gate", "down", "score", "score_in", "router"):
                 w = fields.get(name)
                 fields[name] = ctypes.pointer(w) if w is not None else None
             inputs = None if dense else getattr(layer, "inputs", None)
@@ -193,11 +210,11 @@ class _Plan:
             layers.append(
                 HCLayer(
                     **group.c_fields, attn_norm=attn_w.data_ptr(), attn_eps=norm.eps,
-                    kc=kc.data_ptr(), vc=vc.data_ptr(), H=h, Hkv=hkv, Dh=dh, R=r, neox=0,
+                    kc=kc.data_ptr(), vc=vc.data_ptr(), H=h, Hkv=hkv, Dh=dh, R=r, neox=int(spec.rope_neox),
                     window=layer.spec.sliding_window, **fields,
                 )
             )  # fmt: skip
-            keep += [group, attn_w, tail["keep"], fields]
+            keep += [group, attn_w, vectors, tail["keep"], fields]
             n_ff.append(layer.ffn.n_ff)
         threads = nthreads(getattr(model.layers[0].ffn, "threads", None))  # the layers' own C calls use it
-        return cls(kv, model.rope, threads, layers, keep, n_ff)
+        return cls(kv, model.rope, threads, layers, keep + [routes], n_ff, routes, moe)

@@ -71,6 +71,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    if x.device.type == "cpu" and x.dim() == 2 and x.shape[0] <= C_NORM_MAX_TOKENS:
+        return cpu.layer_norm(x, weight, bias, eps)  # float64 mean and variance in C, as the one-call decode
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
@@ -169,15 +171,18 @@ class RopeTables:
     tables cover gets a new, longer pair (computed whole, then swapped in: threads only ever read a
     complete pair)."""
 
-    def __init__(self, config, devices=(torch.device("cpu"),)):
+    def __init__(self, config, devices=(torch.device("cpu"),), *, rope_dim: int | None = None):
+        """rope_dim: the rotated dims of a head (None: the config's; 0: none, for learned positions (OPT),
+        so attention takes the same kernels as a RoPE family's with nothing rotated)."""
         self.config = config
+        self.rope_dim = config.rope_dim if rope_dim is None else rope_dim
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for device in set(devices):
             self._tables[device] = self._build(config.n_ctx_train, device)
 
     def _build(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        return tuple(t.to(device) for t in rope_tables(n, c.rope_dim, c.rope_base, c.rope_scale))
+        return tuple(t.to(device) for t in rope_tables(n, self.rope_dim, c.rope_base, c.rope_scale))
 
     def _covering(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The device's tables, rebuilt longer first when positions up to `end` are past them."""

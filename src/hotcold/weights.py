@@ -15,7 +15,8 @@ from hotcold.device import DevicePlan, place, place_vector
 from hotcold.gguf_io import ModelFile
 from hotcold.kernels import cpu
 from hotcold.ops import Norm, Weight
-from hotcold.sparse.ffn import FFNWeights
+from hotcold.quants import QuantTensor
+from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.predictor import Predictor
 
 
@@ -49,6 +50,21 @@ class TensorSource:
         if len(shape) > 1:  # only ever multiplied whole: the C kernels' packed layout where there is one
             return cpu.pack(place(t, self.layer_device(layer)))
         return place_vector(t, self.layer_device(layer))
+
+    def attention_split(self, template: str, layer: int, rows: list[int], cols: int) -> list[Weight]:
+        """A stored matrix of `layer` that is several matrices one after another by rows (Falcon's attn_qkv: q, k,
+        v), as those matrices, each on the layer's device and packed as `attention` packs one: a q/k/v group of
+        three then runs in one call, in the one-call decode as layer by layer."""
+        t = self.raw(template, layer, (sum(rows), cols))
+        parts, start = [], 0
+        for n in rows:
+            if isinstance(t, QuantTensor):
+                part = QuantTensor(t.data[start : start + n], t.qtype, (n, cols))
+            else:
+                part = t[start : start + n]
+            parts.append(cpu.pack(place(part, self.layer_device(layer))))
+            start += n
+        return parts
 
     def norm(self, template: str, layer: int | None, *, rms: bool, bias: bool = False) -> Norm:
         """A norm of `layer` (None: the output norm) on the device that computes it."""

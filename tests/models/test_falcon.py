@@ -72,7 +72,7 @@ def converted(request, tmp_path_factory, spm_model_file):
 
 def test_family_runner(converted):
     hf, path = converted
-    run_family_checks(path, hf, decoder="eager")  # no C layer for LayerNorm families yet
+    run_family_checks(path, hf)
 
 
 def test_info_reports_falcon(converted):

@@ -118,7 +118,7 @@ def test_logits_and_routing_match_transformers(converted):
 def test_family_runner(converted):
     hf, path = converted
     # the dense SiLU case's greedy run is covered by the logits test; transformers' MoE decode is slow
-    run_family_checks(path, hf, greedy=hf.config.hidden_act != "silu", decoder="eager")  # no C MoE layer yet
+    run_family_checks(path, hf, greedy=hf.config.hidden_act != "silu")
 
 
 def test_file_layout_follows_upstream(converted):

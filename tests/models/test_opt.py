@@ -62,7 +62,7 @@ def dense(tmp_path_factory, spm_model_file):
 
 def test_family_runner(dense):
     hf, path = dense
-    run_family_checks(path, hf, decoder="eager")  # no C layer for LayerNorm families yet
+    run_family_checks(path, hf)
 
 
 def test_info_reports_opt(dense):

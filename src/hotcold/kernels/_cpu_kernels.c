@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 25
+#define HC_ABI_VERSION 28
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif
@@ -2452,6 +2452,7 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
 }
 
 void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D, float *out);
+void hc_layer_norm(const float *x, const float *w, const float *b, float eps, int64_t T, int64_t D, float *out);
 
 /* With norm_w, *x replaced by hc_rms_norm(*x) in a new buffer *xn (the caller frees it; NULL without norm_w).
  * Returns 0, or -1 if memory ran out. */
@@ -3512,12 +3513,15 @@ HC_INLINE float exp_nofma(float a) {
  * builds, so the CPU paths (this kernel, the decode tail, any batch) use this one function. */
 HC_INLINE float silu1(float x) { return x / (1.0f + exp_nofma(-x)); }
 
-HC_INLINE float act1(int act, float v) { return act ? silu1(v) : relu1(v); }
+/* GELU as torch's default (erf) form writes it, x * 0.5 * (1 + erf(x / sqrt(2))); the one GELU of every CPU path. */
+HC_INLINE float gelu1(float x) { return x * 0.5f * (1.0f + erff(x * 0.70710678118654752f)); }
 
-enum { ACT_RELU = 0, ACT_SILU = 1 };
+HC_INLINE float act1(int act, float v) { return act == 2 ? gelu1(v) : act ? silu1(v) : relu1(v); }
+
+enum { ACT_RELU = 0, ACT_SILU = 1, ACT_GELU = 2 };
 
 /* a [T, F] = the FFN activation of u [T, F] (plus up_bias [F] if given) and g [T, F] (NULL for plain):
- * gated act(g) * v, gated_both act(g) * act(v), plain act(v); act 0 relu, 1 silu. torch's steps in its
+ * gated act(g) * v, gated_both act(g) * act(v), plain act(v); act 0 relu, 1 silu, 2 gelu. torch's steps in its
  * order (bias add, activation, product), so with relu the bits of torch's ops. a may be u. */
 void hc_ffn_combine(int kind, int act, const float *u, const float *g, const float *up_bias, int64_t T, int64_t F,
                     float *a, int nth) {
@@ -3544,37 +3548,55 @@ void hc_ffn_combine(int kind, int act, const float *u, const float *g, const flo
  * LinearGroup makes it), a = hc_ffn_combine, y2 = y1 + a @ down.T (down [D, F]) or the axpy of a over
  * down_t [F, D] (down_is_t). The same calls as the layer's ops one by one, so the same bits. Returns 0,
  * or -1 if memory ran out. */
+/* A dense FFN of h [T, D] into out [T, D]: u, g = h @ up.T, h @ gate.T (one pass of the threads where both are
+ * packed or neither is, as a LinearGroup makes it), a = hc_ffn_combine, out = a @ down.T (down [D, F]) or the axpy
+ * of a over down_t [F, D] (down_is_t), without a down bias. Returns 0, or -1 if memory ran out. */
+static int dense_ffn(const hc_weight *up, const hc_weight *gate, const hc_weight *down, int down_is_t,
+                     const float *up_bias, int kind, int act, int64_t T, const float *h, float *out, int nth) {
+    const int64_t D = up->cols, F = up->rows;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * F + 1));
+    if (!buf) return -1;
+    float *u = buf, *g = buf + T * F;
+    int rc;
+    if (gate && !up->packed == !gate->packed) {
+        const int wts[2] = {up->wt, gate->wt};
+        const int64_t Fs[2] = {F, gate->rows}, strides[2] = {up->stride, gate->stride};
+        float *outs[2] = {u, g};
+        if (up->packed) {
+            const uint8_t *Ps[2] = {up->packed, gate->packed};
+            rc = hc_packed_matvec_multi(2, wts, Ps, Fs, D, h, T, NULL, 0.0f, outs, nth);
+        } else {
+            const uint8_t *Ws[2] = {up->data, gate->data};
+            rc = hc_matvec_multi(2, wts, Ws, strides, Fs, D, h, T, NULL, 0.0f, outs, nth);
+        }
+    } else {
+        rc = weight_matvec(up, h, T, u, nth);
+        if (rc == 0 && gate) rc = weight_matvec(gate, h, T, g, nth);
+    }
+    if (rc == 0) {
+        hc_ffn_combine(kind, act, u, gate ? g : NULL, up_bias, T, F, u, nth);
+        rc = down_is_t ? hc_sparse_axpy(down->wt, down->data, down->stride, F, D, u, T, NULL, out, nth)
+                       : weight_matvec(down, u, T, out, nth);
+    }
+    free(buf);
+    return rc == 0 ? 0 : -1;
+}
+
+/* The rest of a dense decode layer after attention, for T tokens: y1 = x + attn @ wo.T, h = rms_norm(y1), then
+ * y2 = y1 + dense_ffn(h). The same calls as the layer's ops one by one, so the same bits. Returns 0, or -1 if
+ * memory ran out. */
 int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const hc_weight *up, const hc_weight *gate,
                   const hc_weight *down, int down_is_t, const float *up_bias, int kind, int act, int64_t T,
                   const float *norm_w, float eps, float *y1, float *y2, int nth) {
-    const int64_t D = wo->rows, F = up->rows;
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * D + 2 * T * F + 1));
+    const int64_t D = wo->rows;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * D + 1));
     if (!buf) return -1;
-    float *o = buf, *h = buf + T * D, *u = h + T * D, *g = u + T * F;
+    float *o = buf, *h = buf + T * D;
     int rc = weight_matvec(wo, attn, T, o, nth);
     if (rc == 0) {
         for (int64_t j = 0; j < T * D; j++) y1[j] = x[j] + o[j];
         hc_rms_norm(y1, norm_w, eps, T, D, h);
-        if (gate && !up->packed == !gate->packed) {
-            const int wts[2] = {up->wt, gate->wt};
-            const int64_t Fs[2] = {F, gate->rows}, strides[2] = {up->stride, gate->stride};
-            float *outs[2] = {u, g};
-            if (up->packed) {
-                const uint8_t *Ps[2] = {up->packed, gate->packed};
-                rc = hc_packed_matvec_multi(2, wts, Ps, Fs, D, h, T, NULL, 0.0f, outs, nth);
-            } else {
-                const uint8_t *Ws[2] = {up->data, gate->data};
-                rc = hc_matvec_multi(2, wts, Ws, strides, Fs, D, h, T, NULL, 0.0f, outs, nth);
-            }
-        } else {
-            rc = weight_matvec(up, h, T, u, nth);
-            if (rc == 0 && gate) rc = weight_matvec(gate, h, T, g, nth);
-        }
-    }
-    if (rc == 0) {
-        hc_ffn_combine(kind, act, u, gate ? g : NULL, up_bias, T, F, u, nth);
-        rc = down_is_t ? hc_sparse_axpy(down->wt, down->data, down->stride, F, D, u, T, NULL, o, nth)
-                       : weight_matvec(down, u, T, o, nth);
+        rc = dense_ffn(up, gate, down, down_is_t, up_bias, kind, act, T, h, o, nth);
     }
     if (rc == 0)
         for (int64_t j = 0; j < T * D; j++) y2[j] = y1[j] + o[j];
@@ -3715,12 +3737,16 @@ int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float 
  * then RoPE attention over each row's own caches kcs[j] / vcs[j] at pos[j] (cos / sin [N, R/2]). */
 static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws, const int64_t *strides,
                             const int64_t *Fs, int packed, int64_t D, const float *x, const float *norm_w, float eps,
-                            float *const *qkv, float *const *kcs, float *const *vcs, const int64_t *pos, int64_t H,
-                            int64_t Hkv, int64_t Dh, int64_t R, const float *cos, const float *sin, int neox,
-                            int64_t window, float *out, int nth) {
+                            float *const *qkv, const float *const *bias, float *const *kcs, float *const *vcs,
+                            const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
+                            const float *sin, int neox, int64_t window, float *out, int nth) {
     const int rc = packed ? hc_packed_matvec_multi(3, wts, Ws, Fs, D, x, N, norm_w, eps, qkv, nth)
                           : hc_matvec_multi(3, wts, Ws, strides, Fs, D, x, N, norm_w, eps, qkv, nth);
     if (rc != 0) return rc;
+    for (int m = 0; m < 3 && bias; m++) /* q/k/v biases (opt), added as the layer's ops add them */
+        if (bias[m])
+            for (int64_t j = 0; j < N; j++)
+                for (int64_t i = 0; i < Fs[m]; i++) qkv[m][j * Fs[m] + i] += bias[m][i];
     return hc_attn_decode_rows(N, qkv[0], qkv[1], qkv[2], kcs, vcs, pos, H, Hkv, Dh, R, cos, sin, neox, window, out,
                                nth);
 }
@@ -3735,8 +3761,8 @@ int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int
                    const float *sin, int neox, int64_t window, float *out, int nth) {
     if (nmat != 3) return -1;
     float *kcs[1] = {kc}, *vcs[1] = {vc};
-    return decode_head_rows(1, wts, Ws, strides, Fs, packed, D, x, norm_w, eps, qkv, kcs, vcs, &pos, H, Hkv, Dh, R,
-                            cos, sin, neox, window, out, nth);
+    return decode_head_rows(1, wts, Ws, strides, Fs, packed, D, x, norm_w, eps, qkv, NULL, kcs, vcs, &pos, H, Hkv, Dh,
+                            R, cos, sin, neox, window, out, nth);
 }
 
 /* One layer of a llama-family decode token, for hc_decode_step: the arguments of its hc_decode_head
@@ -3770,7 +3796,147 @@ typedef struct {
     const float *qkv_scale, *wo_scale;
     float qkv_thr, wo_thr;
     const hc_in_rule *score_in; /* thresholded tail: an input-sparse score (score is gate_t), or NULL */
+    /* LayerNorm families, biases and a parallel residual (falcon, opt); 0 / NULL for llama layers */
+    int attn_ln, ffn_ln;      /* the norm is a LayerNorm (bias attn_norm_b / ffn_norm_b, or NULL), not RMS */
+    const float *attn_norm_b, *ffn_norm_b;
+    const float *q_bias, *k_bias, *v_bias, *wo_bias, *down_bias; /* or NULL */
+    int parallel;             /* the FFN reads the layer input x (x + attn + ffn), not the residual after attention */
+    /* a mixture of experts (mixtral): the router [E, D] and each expert's FFN (kind, act, sparse and down_is_t as
+     * above, up = expert 0's up); route_out [n_used]: this sequence's experts of its last decode token */
+    const hc_weight *router;
+    int64_t n_expert, n_used;
+    const hc_weight *const *e_up, *const *e_gate, *const *e_down, *const *e_fc1, *const *e_fc2;
+    const float *e_thr;
+    int64_t *route_out;
 } hc_layer;
+
+/* Each of T rows of logits [T, E]: its K largest, largest first (ties: the lower expert first) -> ids [T, K], and
+ * weights [T, K] = the softmax over those K logits (the C kernels' exp). The routing of every CPU path (MoEFFN.route
+ * and the one-call decode), so a row's experts and weights never depend on its path. */
+void hc_moe_route(const float *logits, int64_t T, int64_t E, int64_t K, int64_t *ids, float *weights) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *lt = logits + t * E;
+        int64_t *it = ids + t * K;
+        float *wt = weights + t * K;
+        for (int64_t s = 0; s < K; s++) {
+            int64_t best = -1;
+            for (int64_t e = 0; e < E; e++) {
+                int taken = 0;
+                for (int64_t u = 0; u < s; u++) taken |= it[u] == e;
+                if (!taken && (best < 0 || lt[e] > lt[best] || (isnan(lt[e]) && !isnan(lt[best])))) best = e;
+            }
+            it[s] = best;
+        }
+        const float m = lt[it[0]];
+        float sum = 0.0f;
+        for (int64_t s = 0; s < K; s++) sum += (wt[s] = exp_nofma(lt[it[s]] - m));
+        for (int64_t s = 0; s < K; s++) wt[s] /= sum;
+    }
+}
+
+/* The tail of a mixture-of-experts layer: y1 = x + attn @ wo.T, h = rms_norm(y1), the experts of each row
+ * (hc_moe_route over h @ router.T); then expert by expert, in ascending order, its FFN of the rows routed to it (h's
+ * rows; a sparse expert predicts from y1's), each row's output times its weight added to that row's sum (from 0);
+ * y2 = y1 + sum: MoEFFN's ops one by one. fired_rows[j]: row j's computed neurons over its experts; route_out[j]:
+ * row j's experts. Returns 0, or -1 if memory ran out. */
+static int moe_tail(const hc_layer *a, const float *attn, const float *x, int64_t N, int64_t D,
+                    int64_t *const *route_out, int64_t *fired_rows, uint8_t *mask, float *y1, float *y2, int nth) {
+    const int64_t E = a->n_expert, K = a->n_used, F = a->e_up[0]->rows;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(5 * N * D + N * E + N * K + 1));
+    int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * N * K + 1));
+    if (!buf || !ids) {
+        free(buf);
+        free(ids);
+        return -1;
+    }
+    float *o = buf, *h = o + N * D, *hs = h + N * D, *ps = hs + N * D, *ys = ps + N * D, *logits = ys + N * D,
+          *wts = logits + N * E;
+    int64_t *rows = ids + N * K, *slots = rows + N * K;
+    int rc = weight_matvec(a->wo, attn, N, o, nth);
+    if (rc == 0) {
+        for (int64_t j = 0; j < N * D; j++) y1[j] = x[j] + o[j];
+        hc_rms_norm(y1, a->ffn_norm, a->ffn_eps, N, D, h);
+        rc = weight_matvec(a->router, h, N, logits, nth);
+    }
+    if (rc == 0) {
+        hc_moe_route(logits, N, E, K, ids, wts);
+        memset(o, 0, sizeof(float) * (size_t)(N * D));
+        for (int64_t j = 0; j < N; j++) fired_rows[j] = 0;
+    }
+    for (int64_t e = 0; e < E && rc == 0; e++) {
+        int64_t te = 0;
+        for (int64_t r = 0; r < N; r++)
+            for (int64_t s = 0; s < K; s++)
+                if (ids[r * K + s] == e) rows[te] = r, slots[te++] = s;
+        if (te == 0) continue;
+        for (int64_t u = 0; u < te; u++) {
+            memcpy(hs + u * D, h + rows[u] * D, sizeof(float) * (size_t)D);
+            memcpy(ps + u * D, y1 + rows[u] * D, sizeof(float) * (size_t)D);
+        }
+        if (a->sparse) {
+            const int64_t got = hc_sparse_ffn(a->e_fc1[e], a->e_fc2[e], a->e_thr[e], ps, a->e_up[e], a->e_gate[e],
+                                              a->e_down[e], NULL, a->kind, te, hs, NULL, 0.0f, mask, ys, nth);
+            rc = got < 0 ? -1 : 0;
+            for (int64_t u = 0; u < te && rc == 0; u++) {
+                int64_t c = 0;
+                for (int64_t i = 0; i < F; i++) c += mask[u * F + i] != 0;
+                fired_rows[rows[u]] += c;
+            }
+        } else {
+            rc = dense_ffn(a->e_up[e], a->e_gate[e], a->e_down[e], a->down_is_t, NULL, a->kind, a->act, te, hs, ys, nth);
+            for (int64_t u = 0; u < te; u++) fired_rows[rows[u]] += F;
+        }
+        for (int64_t u = 0; u < te && rc == 0; u++) {
+            const float w = wts[rows[u] * K + slots[u]];
+            float *orow = o + rows[u] * D;
+            const float *yrow = ys + u * D;
+            for (int64_t i = 0; i < D; i++) orow[i] += yrow[i] * w;
+        }
+    }
+    if (rc == 0) {
+        for (int64_t j = 0; j < N * D; j++) y2[j] = y1[j] + o[j];
+        for (int64_t r = 0; r < N; r++)
+            if (route_out[r]) memcpy(route_out[r], ids + r * K, sizeof(int64_t) * (size_t)K);
+    }
+    free(buf);
+    free(ids);
+    return rc;
+}
+
+/* The tail of a layer with a LayerNorm, biases or a parallel residual: o = attn @ wo.T (+ wo_bias), y1 = x + o,
+ * u = x (parallel) or y1, h = the FFN norm of u, f = the FFN of h (sparse: predicted from u) (+ down_bias), y2 =
+ * y1 + f. The ops the layers run one by one (the norms of hc_layer_norm / hc_rms_norm), so the same bits. Returns
+ * the sparse FFN's firing count (dense: 0), or -1 if memory ran out. */
+static int64_t general_tail(const hc_layer *a, const float *attn, const float *x, int64_t N, int64_t D,
+                            uint8_t *mask, float *y1, float *y2, int nth) {
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * N * D + 1));
+    if (!buf) return -1;
+    float *o = buf, *h = buf + N * D;
+    int64_t got = -1;
+    if (weight_matvec(a->wo, attn, N, o, nth) == 0) {
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t i = 0; i < D; i++) {
+                const float v = a->wo_bias ? o[t * D + i] + a->wo_bias[i] : o[t * D + i];
+                y1[t * D + i] = x[t * D + i] + v;
+            }
+        const float *u = a->parallel ? x : y1;
+        if (a->ffn_ln) hc_layer_norm(u, a->ffn_norm, a->ffn_norm_b, a->ffn_eps, N, D, h);
+        else hc_rms_norm(u, a->ffn_norm, a->ffn_eps, N, D, h);
+        if (a->sparse)
+            got = hc_sparse_ffn(a->fc1, a->fc2, a->thr, u, a->up, a->gate, a->down, a->up_bias, a->kind, N, h, NULL,
+                                0.0f, mask, o, nth);
+        else
+            got = dense_ffn(a->up, a->gate, a->down, a->down_is_t, a->up_bias, a->kind, a->act, N, h, o, nth) == 0 ? 0 : -1;
+        if (got >= 0)
+            for (int64_t t = 0; t < N; t++)
+                for (int64_t i = 0; i < D; i++) {
+                    const float f = a->down_bias ? o[t * D + i] + a->down_bias[i] : o[t * D + i];
+                    y2[t * D + i] = y1[t * D + i] + f;
+                }
+    }
+    free(buf);
+    return got;
+}
 
 /* q/k/v of an input-sparse layer (hc_layer.qkv_t) for one token, then attention over the caches kc / vc as
  * hc_decode_head. */
@@ -3818,7 +3984,7 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
         fmax = L[l].up->rows > fmax ? L[l].up->rows : fmax;
     }
     const int64_t smax = qmax > D ? qmax : D; /* an input-sparse product's input channels */
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(N * (2 * qmax + 2 * kvmax + 2 * D) + D));
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(N * (2 * qmax + 2 * kvmax + 3 * D) + smax));
     uint8_t *mask = (uint8_t *)malloc((size_t)(N * fmax + smax));
     float **caches = (float **)malloc(sizeof(float *) * (size_t)(2 * N)); /* a layer's caches, row by row */
     int rc = buf && mask && caches ? 0 : -1;
@@ -3833,8 +3999,15 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
             rc = input_sparse_head(a, D, x, pos[0], kcs[0], vcs[0], cos, sin, xn, q, smask, attn, nth);
         } else {
             float *const qkv[3] = {q, k, v};
-            rc = decode_head_rows(N, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, x, a->attn_norm, a->attn_eps, qkv,
-                                  kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox, a->window, attn, nth);
+            const float *const bias[3] = {a->q_bias, a->k_bias, a->v_bias};
+            const float *xin = x, *norm_w = a->attn_norm; /* RMS: folded into the q/k/v call */
+            if (a->attn_ln) { /* a LayerNorm first, as the layers norm before their q/k/v group */
+                hc_layer_norm(x, a->attn_norm, a->attn_norm_b, a->attn_eps, N, D, xn);
+                xin = xn, norm_w = NULL;
+            }
+            rc = decode_head_rows(N, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, xin, norm_w, a->attn_eps, qkv,
+                                  bias, kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox, a->window, attn,
+                                  nth);
         }
         if (rc != 0) break;
         const int64_t F = a->up->rows;
@@ -3844,6 +4017,21 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
         } else if (a->sparse == 2) {
             got = fired[0][l] = hc_thresholded_tail(a->wo, attn, x, a->score, a->score_in, a->scale, a->thr, a->up,
                                                     a->gate, a->down, 1, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
+        } else if (a->router) {
+            int64_t **routes = (int64_t **)caches; /* the row pointers are free again after attention */
+            for (int64_t j = 0; j < N; j++) routes[j] = Ls[j][l].route_out;
+            int64_t *rowfired = (int64_t *)(void *)q; /* q's buffer (N * qmax floats >= N int64 counts) is free too */
+            got = moe_tail(a, attn, x, N, D, routes, rowfired, mask, y1, y2, nth);
+            for (int64_t j = 0; j < N && got >= 0; j++) fired[j][l] = rowfired[j];
+        } else if (a->attn_ln || a->ffn_ln || a->parallel || a->wo_bias || a->down_bias) {
+            got = general_tail(a, attn, x, N, D, mask, y1, y2, nth);
+            for (int64_t j = 0; j < N && got >= 0; j++) { /* each row its own count (dense: the layer's width) */
+                int64_t c = a->sparse ? 0 : F;
+                if (a->sparse && N == 1) c = got;
+                else if (a->sparse)
+                    for (int64_t i = 0; i < F; i++) c += mask[j * F + i] != 0;
+                fired[j][l] = c;
+            }
         } else if (a->sparse) {
             got = hc_decode_tail(a->wo, attn, x, a->fc1, a->fc2, a->thr, a->up, a->gate, a->down, a->up_bias, a->kind,
                                  N, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
@@ -3882,6 +4070,20 @@ void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D
         for (int64_t j = 0; j < D; j++) ss += (double)xt[j] * xt[j];
         const float r = (float)(1.0 / sqrt(ss / (double)D + (double)eps));
         for (int64_t j = 0; j < D; j++) out[t * D + j] = xt[j] * r * w[j];
+    }
+}
+
+/* out[t] = (x[t] - mean) / sqrt(var + eps) * w (+ b), for T rows of D (double accumulation, biased variance):
+ * a LayerNorm, the one of every CPU path for a few rows (ops.layer_norm). */
+void hc_layer_norm(const float *x, const float *w, const float *b, float eps, int64_t T, int64_t D, float *out) {
+    for (int64_t t = 0; t < T; t++) {
+        const float *xt = x + t * D;
+        double s = 0.0, ss = 0.0;
+        for (int64_t j = 0; j < D; j++) s += xt[j];
+        const double mean = s / (double)D;
+        for (int64_t j = 0; j < D; j++) ss += ((double)xt[j] - mean) * ((double)xt[j] - mean);
+        const float r = (float)(1.0 / sqrt(ss / (double)D + (double)eps)), m = (float)mean;
+        for (int64_t j = 0; j < D; j++) out[t * D + j] = b ? (xt[j] - m) * r * w[j] + b[j] : (xt[j] - m) * r * w[j];
     }
 }
 

@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 Q = GGMLQuantizationType
 
 _SRC = Path(__file__).with_name("_cpu_kernels.c")
-ABI_VERSION = 25  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
+ABI_VERSION = 28  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -77,8 +77,8 @@ class HCInRule(ctypes.Structure):
 
 
 class HCLayer(ctypes.Structure):
-    """hc_layer in _cpu_kernels.c: one llama-family layer's arguments for hc_decode_step (its q/k/v group,
-    attention norm, KV cache and RoPE, then the sparse, thresholded or dense tail)."""
+    """hc_layer in _cpu_kernels.c: one layer's arguments for hc_decode_step (its q/k/v group, attention norm, KV
+    cache and RoPE, then the sparse, thresholded or dense tail; LayerNorms, biases and a parallel residual)."""
 
     _w = ctypes.POINTER(HCWeight)
     _fields_ = [
@@ -120,6 +120,28 @@ class HCLayer(ctypes.Structure):
         ("qkv_thr", ctypes.c_float),
         ("wo_thr", ctypes.c_float),
         ("score_in", ctypes.POINTER(HCInRule)),
+        # LayerNorm families, biases and a parallel residual (falcon, opt); 0 / NULL for llama layers
+        ("attn_ln", ctypes.c_int),
+        ("ffn_ln", ctypes.c_int),
+        ("attn_norm_b", ctypes.c_void_p),
+        ("ffn_norm_b", ctypes.c_void_p),
+        ("q_bias", ctypes.c_void_p),
+        ("k_bias", ctypes.c_void_p),
+        ("v_bias", ctypes.c_void_p),
+        ("wo_bias", ctypes.c_void_p),
+        ("down_bias", ctypes.c_void_p),
+        ("parallel", ctypes.c_int),
+        # a mixture of experts (mixtral): router, experts' FFNs, the sequence's routing out
+        ("router", _w),
+        ("n_expert", ctypes.c_int64),
+        ("n_used", ctypes.c_int64),
+        ("e_up", ctypes.POINTER(_w)),
+        ("e_gate", ctypes.POINTER(_w)),
+        ("e_down", ctypes.POINTER(_w)),
+        ("e_fc1", ctypes.POINTER(_w)),
+        ("e_fc2", ctypes.POINTER(_w)),
+        ("e_thr", ctypes.c_void_p),
+        ("route_out", ctypes.c_void_p),
     ]
 
 
@@ -230,6 +252,8 @@ def _bind(lib: ctypes.CDLL) -> None:
         "hc_ffn_combine": ([c_int, c_int, p, p, p, i64, i64, p, c_int], None),
         "hc_matvec_multi": ([c_int, p, p, p, p, i64, p, i64, p, f32, p, c_int], c_int),
         "hc_rms_norm": ([p, p, f32, i64, i64, p], None),
+        "hc_layer_norm": ([p, p, p, f32, i64, i64, p], None),
+        "hc_moe_route": ([p, i64, i64, i64, p, p], None),
         "hc_packed_nbytes": ([c_int, i64, i64], i64),
         "hc_pack": ([c_int, p, i64, i64, i64, p], c_int),
         "hc_packed_matvec": ([c_int, p, i64, i64, p, i64, p, c_int], c_int),

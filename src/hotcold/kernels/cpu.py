@@ -38,6 +38,8 @@ from hotcold.kernels.decode_glue import (  # re-exported: the ops' home
     apply_rope,
     attention_decode,
     attention_decode_rows,
+    layer_norm,
+    moe_route,
     rms_norm,
 )
 from hotcold.kernels.dequant import dequantize_rows  # re-exported
@@ -61,6 +63,8 @@ __all__ = [
     "rows_in_order",
     "MatvecGroup",
     "rms_norm",
+    "layer_norm",
+    "moe_route",
     "attention_decode",
     "attention_decode_rows",
     "apply_rope",

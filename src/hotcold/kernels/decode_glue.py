@@ -1,4 +1,4 @@
-"""The C decode-step glue on the CPU: RMS norm and attention (RoPE, KV cache write, GQA softmax
+"""The C decode-step glue on the CPU: RMS norm, LayerNorm and attention (RoPE, KV cache write, GQA softmax
 attention) for one token, or for the decode rows of a batch (each over its own cache), one call each
 instead of a dozen small tensor ops per row, with their torch fallbacks.
 `hotcold.kernels.cpu` re-exports them."""
@@ -11,9 +11,9 @@ import torch
 import torch.nn.functional as F
 
 from hotcold.kernels import build
-from hotcold.kernels.build import f32_contiguous, nthreads
+from hotcold.kernels.build import f32_contiguous, nthreads, ptr
 
-__all__ = ["rms_norm", "apply_rope", "attention_decode", "attention_decode_rows"]
+__all__ = ["rms_norm", "layer_norm", "moe_route", "apply_rope", "attention_decode", "attention_decode_rows"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -27,6 +27,41 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(x)
     lib.hc_rms_norm(x.data_ptr(), weight.data_ptr(), eps, t, d, out.data_ptr())
     return out
+
+
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """LayerNorm over the last dim. One C call (float64 mean and variance: hc_layer_norm, the LayerNorm of the
+    one-call decode too) for a float32 contiguous CPU x [T, D] and weight / bias [D]; torch otherwise."""
+    lib = build.get_lib()
+    c_ok = (
+        x.dim() == 2
+        and weight.shape == x.shape[1:]
+        and f32_contiguous(x)
+        and f32_contiguous(weight)
+        and (bias is None or (bias.shape == weight.shape and f32_contiguous(bias)))
+    )
+    if lib is None or not c_ok:
+        return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
+    t, d = x.shape
+    out = torch.empty_like(x)
+    lib.hc_layer_norm(x.data_ptr(), weight.data_ptr(), ptr(bias), eps, t, d, out.data_ptr())
+    return out
+
+
+def moe_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of logits [T, E]: its k largest (largest first) and the softmax over them -> (ids [T, k] int64,
+    weights [T, k] float32). One C call (hc_moe_route: the routing of the one-call decode too) for float32 CPU
+    logits; torch's topk and softmax otherwise."""
+    lib = build.get_lib()
+    if lib is None or not (logits.dim() == 2 and logits.is_cpu and logits.dtype == torch.float32):
+        top, ids = torch.topk(logits, k, dim=-1)
+        return ids, torch.softmax(top, dim=-1)
+    lg = logits.contiguous()
+    t, e = lg.shape
+    ids = torch.empty(t, k, dtype=torch.int64)
+    weights = torch.empty(t, k, dtype=torch.float32)
+    lib.hc_moe_route(lg.data_ptr(), t, e, k, ids.data_ptr(), weights.data_ptr())
+    return ids, weights
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, neox: bool) -> torch.Tensor:

@@ -15,7 +15,7 @@ from hotcold.kernels.cpu import Weight, gather_matvec, norm_weight, rms_norm, sp
 
 __all__ = ["SparseFFNPlan", "ThresholdedPlan", "DenseTail", "ffn_combine"]
 
-_FFN_KINDS = {"gated": 0, "gated_both": 1, "plain": 2}
+FFN_KINDS = {"gated": 0, "gated_both": 1, "plain": 2}  # the C kernels' kind codes
 
 
 def tail_io(attn: torch.Tensor, x: torch.Tensor, attn_cols: int, d: int, norm: tuple[torch.Tensor, float]):
@@ -104,8 +104,8 @@ class SparseFFNPlan(_LayerTail):
     ):
         if (fc1 is None) != (fc2 is None):
             raise ValueError("a predictor needs both fc1 and fc2")
-        if kind not in _FFN_KINDS:
-            raise ValueError(f"unknown FFN kind {kind!r}; expected one of {tuple(_FFN_KINDS)}")
+        if kind not in FFN_KINDS:
+            raise ValueError(f"unknown FFN kind {kind!r}; expected one of {tuple(FFN_KINDS)}")
         if gate is None and kind != "plain":
             raise ValueError(f"a {kind!r} FFN needs a gate")
         self.weights = (up, gate, down_t, fc1, fc2)  # kept alive: the structs point into them
@@ -124,7 +124,7 @@ class SparseFFNPlan(_LayerTail):
             self.bias = up_bias.to(torch.float32).contiguous()
             if self.bias.shape != (f,):
                 raise ValueError(f"up_bias has shape {tuple(self.bias.shape)}, expected [{f}]")
-        self.kind = _FFN_KINDS[kind]
+        self.kind = FFN_KINDS[kind]
         self.threshold = threshold
         structs = (self.fc1, self.fc2, self.up, self.gate, self.down_t)
         self._args = tuple(None if w is None else ctypes.byref(w) for w in structs)
@@ -195,7 +195,7 @@ class SparseFFNPlan(_LayerTail):
         return sparse_axpy(down_t, a, live, threads=threads), mask, int(mask.sum())
 
 
-_C_ACTIVATIONS = {"relu": 0, "silu": 1}
+C_ACTIVATIONS = {"relu": 0, "silu": 1, "gelu": 2}  # the C kernels' activation codes
 
 
 def ffn_combine(
@@ -205,9 +205,9 @@ def ffn_combine(
     up_bias), then act(gate) * v, act(gate) * act(v) or act(v) for kind gated / gated_both / plain. relu
     gives torch's bits; silu is the C kernels' x / (1 + exp(-x)) (torch's own exp differs between its SIMD
     builds), the one SiLU of every CPU path (dense_tail's included), so a row's bits never depend on its
-    path. None where the call does not apply (no C kernels, another activation or device): use torch."""
+    path; gelu likewise the C kernels' erf form, x * 0.5 * (1 + erf(x / sqrt(2))). None where the call does not apply (no C kernels, another activation or device): use torch."""
     lib = build.get_lib()
-    if lib is None or activation not in _C_ACTIVATIONS or kind not in _FFN_KINDS:
+    if lib is None or activation not in C_ACTIVATIONS or kind not in FFN_KINDS:
         return None
     tensors = [t for t in (up, gate, up_bias) if t is not None]
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
@@ -222,7 +222,7 @@ def ffn_combine(
     out = torch.empty_like(u)
     t = u.numel() // f if f else 0
     lib.hc_ffn_combine(
-        _FFN_KINDS[kind], _C_ACTIVATIONS[activation], u.data_ptr(), ptr(g), ptr(b), t, f, out.data_ptr(),
+        FFN_KINDS[kind], C_ACTIVATIONS[activation], u.data_ptr(), ptr(g), ptr(b), t, f, out.data_ptr(),
         nthreads(None),
     )  # fmt: skip
     return out
@@ -237,7 +237,7 @@ class DenseTail:
 
     def __init__(self, wo: Weight, up: Weight, gate: Weight | None, down: Weight, *, down_is_t: bool, kind: str,
                  activation: str, up_bias: torch.Tensor | None = None):  # fmt: skip
-        if kind not in _FFN_KINDS or activation not in _C_ACTIVATIONS:
+        if kind not in FFN_KINDS or activation not in C_ACTIVATIONS:
             raise ValueError(f"no C dense tail for a {kind!r} FFN with {activation!r}")
         if (gate is None) != (kind == "plain"):
             raise ValueError(f"a {kind!r} FFN {'needs' if gate is None else 'has no'} gate")
@@ -253,7 +253,7 @@ class DenseTail:
         if self.bias is not None and self.bias.shape != (self.f,):
             raise ValueError(f"up_bias has shape {tuple(self.bias.shape)}, expected [{self.f}]")
         self.down_is_t = down_is_t
-        self.kind, self.act = _FFN_KINDS[kind], _C_ACTIVATIONS[activation]
+        self.kind, self.act = FFN_KINDS[kind], C_ACTIVATIONS[activation]
         structs = (self.wo, self.up, self.gate, self.down)
         self._args = tuple(None if w is None else ctypes.byref(w) for w in structs)
 

@@ -44,7 +44,6 @@ class LayerSpec:
     residual: str = "sequential"  # x += attn(x); x += ffn(x).  "parallel": x += attn(x) + ffn(x) (Falcon)
     positions: str = "rope"  # "rope", or "learned": absolute position rows added to the embedding (OPT)
     rope_neox: bool = False  # RoPE rotates the two halves of a head (NeoX), not adjacent pairs
-    qkv: str = "split"  # "split": wq, wk, wv;  "fused": one attn_qkv matrix (Falcon)
     attn_bias: bool = False  # biases on q, k, v and o
     sliding_window: int = 0  # attend to this many positions back (0: every position)
     moe: bool = False  # the FFN is a router over experts
@@ -62,8 +61,6 @@ class LayerSpec:
             return "learned positions"
         if self.rope_neox:
             return "NeoX RoPE"
-        if self.qkv != "split":
-            return "a fused q/k/v matrix"
         if self.attn_bias:
             return "attention biases"
         if self.moe:
@@ -236,6 +233,15 @@ def fused_decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm,
         td.FusedPaths.fail(exc)
         return None
     return out.view(1, -1)
+
+
+def one_call_decode(model, x: torch.Tensor, ctx: Batch) -> torch.Tensor | None:
+    """The last layer's residual [rows, D] of a decode step from the one-call CPU decoder (cpu_step), where load
+    chose it (model.cpu_decode) and it runs this forward; None: the family's layers run it."""
+    decode = model.cpu_decode
+    if decode is None or x.shape[0] != len(ctx.seqs):
+        return None
+    return decode(x, ctx)
 
 
 def per_sequence(ctx: Batch, attend) -> torch.Tensor:

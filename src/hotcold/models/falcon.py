@@ -15,8 +15,15 @@ import torch
 
 from hotcold import names
 from hotcold.config import ModelConfig
-from hotcold.models.base import FFNMaker, Head, LayerSpec, new_sequence, rope_attention_segments
-from hotcold.ops import Norm, RopeTables, Weight, embed, linear
+from hotcold.models.base import (
+    FFNMaker,
+    Head,
+    LayerSpec,
+    new_sequence,
+    one_call_decode,
+    rope_attention_segments,
+)
+from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear
 from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
@@ -24,11 +31,13 @@ from hotcold.weights import TensorSource
 @dataclass(frozen=True)
 class FalconLayer:
     attn_norm: Norm  # attention's norm: attn_norm_2 in the 40B layout, else attn_norm (shared with the FFN)
-    wqkv: Weight  # [(H + 2*Hkv)*Dh, D]
+    qkv: (
+        LinearGroup  # wq [H*Dh, D], wk, wv [Hkv*Dh, D]: the file's attn_qkv split by rows at load, one C call
+    )
     wo: Weight  # [D, H*Dh]
     ffn: object  # an FFN: ffn(x, seq) norms the layer input with attn_norm itself
     device: torch.device
-    spec: LayerSpec = LayerSpec(norm="layer", residual="parallel", rope_neox=True, qkv="fused")
+    spec: LayerSpec = LayerSpec(norm="layer", residual="parallel", rope_neox=True)
 
 
 class Falcon:
@@ -39,6 +48,7 @@ class Falcon:
         self.head = head
         self.plan = plan
         self.rope = RopeTables(config, [layer.device for layer in layers])
+        self.decoder, self.static_step, self.cpu_decode = "eager", None, None  # chosen at load (decoders.py)
 
     def new_sequence(self, n_ctx: int) -> SequenceState:
         return new_sequence(self.config, self.plan, n_ctx)
@@ -49,10 +59,13 @@ class Falcon:
         T = tokens.shape[0]
         H, Hkv, Dh = c.n_head, c.n_head_kv, c.head_dim
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
+        if (
+            y := one_call_decode(self, x, ctx)
+        ) is not None:  # a decode step in one C call, where load chose it
+            return self.head(y, ctx, last_only=last_only)
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
-            qkv = linear(layer.attn_norm(x), layer.wqkv)  # [T, (H + 2*Hkv)*Dh]
-            q, k, v = qkv.split((H * Dh, Hkv * Dh, Hkv * Dh), dim=-1)
+            q, k, v = layer.qkv(x, layer.attn_norm)
             q, k, v = q.reshape(T, H, Dh), k.reshape(T, Hkv, Dh), v.reshape(T, Hkv, Dh)
 
             attn = rope_attention_segments(ctx, i, q, k, v, self.rope, layer.device, neox=True)
@@ -62,7 +75,7 @@ class Falcon:
 
 def build(src: TensorSource, make_ffn: FFNMaker) -> Falcon:
     c = src.config
-    qkv_rows = (c.n_head + 2 * c.n_head_kv) * c.head_dim
+    qkv_rows = [c.n_head * c.head_dim, c.n_head_kv * c.head_dim, c.n_head_kv * c.head_dim]  # q, k, v
     layers = []
     for i in range(c.n_layer):
         ffn_norm = src.norm(names.ATTN_NORM, i, rms=False, bias=True)
@@ -74,7 +87,9 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> Falcon:
         layers.append(
             FalconLayer(
                 attn_norm=attn_norm,
-                wqkv=src.attention(names.ATTN_QKV, i, (qkv_rows, c.n_embd)),
+                qkv=LinearGroup(
+                    src.attention_split(names.ATTN_QKV, i, qkv_rows, c.n_embd), stack_on_gpu=True
+                ),
                 wo=src.attention(names.ATTN_OUT, i, (c.n_embd, c.n_head * c.head_dim)),
                 ffn=make_ffn(i, src.ffn(i, gated=False), src.predictor(i), ffn_norm),
                 device=src.layer_device(i),

@@ -20,6 +20,7 @@ from hotcold.models.base import (
     LayerSpec,
     decode_attention,
     new_sequence,
+    one_call_decode,
     rope_attention_segments,
 )
 from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear
@@ -59,8 +60,9 @@ class Llama:
         c = self.config
         T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
-        decode = self.cpu_decode  # the one-call decoder, where load chose it
-        if decode is not None and T == len(ctx.seqs) and (y := decode(x, ctx)) is not None:
+        if (
+            y := one_call_decode(self, x, ctx)
+        ) is not None:  # a decode step in one C call, where load chose it
             return self.head(y, ctx, last_only=last_only)
         heads = (c.n_head, c.n_head_kv, c.head_dim)
         watch = getattr(ctx.observe, "attention", None)  # calibration of input sparsity (sparsify.py)

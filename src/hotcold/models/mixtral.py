@@ -24,7 +24,7 @@ from hotcold.models.base import FFNMaker, Head
 from hotcold.models.llama import Llama, LlamaLayer, attention_block
 from hotcold.ops import Weight
 from hotcold.quants import QuantTensor
-from hotcold.sparse.ffn import FFNWeights
+from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.moe import MoEFFN
 from hotcold.weights import TensorSource
 

@@ -20,8 +20,15 @@ from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.gguf_io import GGUFError
 from hotcold.kernels import cpu
-from hotcold.models.base import FFNMaker, Head, LayerSpec, new_sequence, per_sequence
-from hotcold.ops import LinearGroup, Norm, Weight, attention, check_context, embed, linear
+from hotcold.models.base import (
+    FFNMaker,
+    Head,
+    LayerSpec,
+    new_sequence,
+    one_call_decode,
+    rope_attention_segments,
+)
+from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, check_context, embed, linear
 from hotcold.quants import QuantTensor
 from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
@@ -59,6 +66,10 @@ class OPT:
         self.layers = layers
         self.head: Head = head
         self.plan = plan
+        self.rope = RopeTables(
+            config, [layer.device for layer in layers], rope_dim=0
+        )  # positions are learned
+        self.decoder, self.static_step, self.cpu_decode = "eager", None, None  # chosen at load (decoders.py)
 
     @property
     def max_positions(self) -> int:
@@ -82,17 +93,19 @@ class OPT:
             check_context(pos + n, seq.kv.n_ctx)
             rows.append(self.position_embd[pos + POSITION_OFFSET : pos + n + POSITION_OFFSET])
         x = embed(self.token_embd, tokens) + (rows[0] if len(rows) == 1 else torch.cat(rows))
+        if (
+            y := one_call_decode(self, x, ctx)
+        ) is not None:  # a decode step in one C call, where load chose it
+            return self.head(y, ctx, last_only=last_only)
         for i, layer in enumerate(self.layers):
             x = x.to(layer.device)
             q, k, v = layer.qkv(x, layer.attn_norm)
             q, k, v = (
                 (t + b).view(T, H, Dh) for t, b in ((q, layer.q_bias), (k, layer.k_bias), (v, layer.v_bias))
             )
-
-            def attend(a, b, seq, pos, i=i, q=q, k=k, v=v):
-                return attention(q[a:b], k[a:b], v[a:b], seq.kv.k[i], seq.kv.v[i], pos)
-
-            x = x + linear(per_sequence(ctx, attend), layer.wo, layer.wo_bias)
+            # no RoPE (self.rope rotates nothing): the attention kernels of every family
+            attn = rope_attention_segments(ctx, i, q, k, v, self.rope, layer.device, neox=False)
+            x = x + linear(attn, layer.wo, layer.wo_bias)
             x = x + layer.ffn(x, ctx)
         return self.head(x, ctx, last_only=last_only)
 

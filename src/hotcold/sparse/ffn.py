@@ -11,92 +11,16 @@ activation it uses; the loader chooses dense, sparse or hybrid. Neuron i is row 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
-import torch.nn.functional as F
 
 from hotcold.kernels import cpu, ffn_calls
 from hotcold.kernels.build import hc_weight
-from hotcold.names import FFN_KINDS
 from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
+from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.predictor import Predictor
 from hotcold.state import Batch
 
-
-def silu(x: torch.Tensor) -> torch.Tensor:
-    """SiLU: for CPU float32 tensors the C kernels' (ffn_calls.ffn_combine), the one SiLU of every CPU path (the
-    dense decode tail's included, so a row's bits never depend on its path); torch's elsewhere."""
-    out = ffn_calls.ffn_combine("plain", "silu", x, None, None)
-    return F.silu(x) if out is None else out
-
-
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "relu": torch.relu,
-    "silu": silu,
-    "gelu": F.gelu,
-}
 CPU = torch.device("cpu")
-
-
-@dataclass
-class FFNWeights:
-    """How a family combines its projections (`kind`):
-    gated       act(gate) * up            (llama, ProSparse, mistral)
-    gated_both  act(gate) * act(up)       (bamboo, TurboSparse dReLU)
-    plain       act(up + b_up)            (falcon, opt)"""
-
-    up: Weight  # [F, D]
-    gate: Weight | None  # [F, D]
-    down_t: Weight | None  # [F, D]: row i = neuron i's output direction (PowerInfer layout)
-    down: Weight | None = None  # [D, F]: dense GGUF layout (used when down_t is absent)
-    up_bias: torch.Tensor | None = None  # [F]
-    down_bias: torch.Tensor | None = None  # [D]
-    kind: str = "gated"
-    activation: str = "relu"
-    # row i of up, gate and down_t (and up_bias[i]) is the file's neuron order[i] (TensorSource puts the
-    # hottest neurons first); None: the file's order
-    order: torch.Tensor | None = None
-
-    def __post_init__(self):
-        if self.kind not in FFN_KINDS:
-            raise ValueError(f"unknown FFN kind {self.kind!r}; expected one of {FFN_KINDS}")
-        if self.kind != "plain" and self.gate is None:
-            raise ValueError(f"FFN kind {self.kind!r} needs a gate projection")
-        if (self.down_t is None) == (self.down is None):
-            raise ValueError("FFN needs exactly one of down_t [F, D] and down [D, F]")
-
-    @property
-    def n_ff(self) -> int:
-        return self.up.shape[0]
-
-    def in_file_order(self, per_neuron: torch.Tensor) -> torch.Tensor:
-        """[T, F] values per neuron (a mask, an activation) with the columns in the file's neuron order,
-        whatever order the rows are kept in: what profiling and predictor training record."""
-        if self.order is None:
-            return per_neuron
-        file_order = torch.empty_like(per_neuron)
-        file_order[:, self.order.to(per_neuron.device)] = per_neuron
-        return file_order
-
-    def combine(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        # CPU float32 tensors: one C call (relu: torch's bits; silu: the one CPU SiLU, see `silu`)
-        fused = ffn_calls.ffn_combine(self.kind, self.activation, up, gate, self.up_bias)
-        if fused is not None:
-            return fused
-        act = ACTIVATIONS[self.activation]
-        if self.up_bias is not None:
-            up = up + self.up_bias
-        if self.kind == "gated":
-            return act(gate) * up
-        if self.kind == "gated_both":
-            return act(gate) * act(up)
-        return act(up)
-
-    def add_down_bias(self, out: torch.Tensor) -> torch.Tensor:
-        return out if self.down_bias is None else out + self.down_bias.to(out.device)
-
 
 # ------------------------------------------------------------------------------------------------
 # The steps: dense, and the one sparse step (CPU path and both halves of the hybrid path)
@@ -191,12 +115,20 @@ class FFN:
         """The rest of the layer after attention in one call, where a subclass has one (else None)."""
         return None
 
-    def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
+    def c_tail(self, wo: Weight, *, dense: bool, norm: Norm | None = None) -> dict | None:
         """The fields of this layer's tail in a one-token C decode (build.HCLayer: sparse or dense, the
         tail's weight structs, which the returned "keep" holds alive), or None where the layer's own
         decode_tail would not make that C call; the caller checks the forward (one sequence, one row, not
-        observed). None here: a subclass with a C tail says so."""
+        observed). norm: the norm the tail applies, given by a MoE layer for its experts (which norm once for
+        all of them; default: this FFN's own, and an expert then has none). None here: a subclass says so."""
         return None
+
+    def _tail_norm(self, norm: Norm | None) -> Norm | None:
+        """c_tail's norm: the one given (a MoE layer's, for its expert), else this FFN's own unless it is an
+        expert (whose tail is its MoE layer's)."""
+        if norm is not None:
+            return norm
+        return None if self.expert is not None else self.norm
 
     def _record(self, ctx: Batch, p: torch.Tensor, mask: torch.Tensor, fired: int | None) -> None:
         """A sparse step's computed neurons (fired: the mask's sum when the kernel counted it) and, when
@@ -205,29 +137,53 @@ class FFN:
         if ctx.keep_masks and self.expert is None:
             ctx.keep(self.layer, p, self.weights.in_file_order(mask))
 
-    def _c_tail_fields(self, wo: Weight, d: int, keep: object, **fields) -> dict | None:
+    def _c_tail_fields(self, wo: Weight, d: int, keep: object, norm: Norm, **fields) -> dict | None:
         """c_tail's result for a tail plan `keep` taking D = d: wo's struct (None if wo does not map d), the
-        FFN norm, the given fields; "keep" holds what the fields point into."""
+        FFN norm (RMS, or a LayerNorm with its bias), the down bias, the given fields; "keep" holds what the
+        fields point into."""
         wo_struct = hc_weight(wo)
         if wo_struct.rows != d:
             return None
-        norm_w, eps = cpu.norm_weight(self.norm.c_args, d)
+        norm_w, eps = cpu.norm_weight(norm.c_args, d)
+        vectors = [norm_w]
         fields.update(wo=wo_struct, ffn_norm=norm_w.data_ptr(), ffn_eps=eps)
-        return dict(fields=fields, keep=(keep, wo, wo_struct, norm_w))
+        if not norm.rms:  # a LayerNorm (falcon, opt): hc_layer_norm, then the FFN of its output
+            fields["ffn_ln"] = 1
+            if norm.bias is not None:
+                vectors.append(cpu.norm_weight((norm.bias, eps), d)[0])
+                fields["ffn_norm_b"] = vectors[-1].data_ptr()
+        if self.weights.down_bias is not None:
+            vectors.append(cpu.norm_weight((self.weights.down_bias, 0.0), d)[0])
+            fields["down_bias"] = vectors[-1].data_ptr()
+        return dict(fields=fields, keep=(keep, wo, wo_struct, vectors))
 
-    def _dense_c_tail(self, wo: Weight) -> dict | None:
-        """c_tail's fields for the dense tail (ffn_calls.DenseTail)."""
-        tail = self._dense_tail_plan(wo, 1)
-        if tail is None:
+    def _c_tail_weights_ok(self, wo: Weight) -> bool:
+        """What every C tail needs: a wo and FFN matrices that `linear` multiplies in C for one token
+        (`ops.uses_c_kernels`: float32 goes to torch, whose bits the C kernels do not have)."""
+        w = self.weights
+        down, _ = self._dense_down()
+        mats = [m for m in (wo, w.up, w.gate, down) if m is not None]
+        return all(uses_c_kernels(m) and cpu.runs_c_kernel(m, 1) for m in mats)
+
+    def _dense_c_tail(self, wo: Weight, norm: Norm | None) -> dict | None:
+        """c_tail's fields for the dense tail: every neuron, as dense_step computes them (the up / gate group,
+        ffn_combine, down or the axpy over down_t), any norm, biases and activation the C combine has."""
+        w = self.weights
+        if norm is None or not self._c_tail_weights_ok(wo) or w.activation not in ffn_calls.C_ACTIVATIONS:
             return None
-        norm_w, eps = cpu.norm_weight(self.norm.c_args, tail.d)
+        down, down_is_t = self._dense_down()
+        structs = [hc_weight(m) for m in (w.up, w.gate, down)]
+        d, f = wo.shape[0], w.n_ff
+        down_shape = (f, d) if down_is_t else (d, f)
+        shapes = [(f, d), (f, d), down_shape]
+        if any(s is not None and (s.rows, s.cols) != shape for s, shape in zip(structs, shapes)):
+            return None
+        bias = None if w.up_bias is None else w.up_bias.to(torch.float32).contiguous()
         fields = dict(
-            wo=tail.wo, up=tail.up, gate=tail.gate, down=tail.down, sparse=0, down_is_t=int(tail.down_is_t)
-        )
-        fields.update(
-            up_bias=cpu.ptr(tail.bias), kind=tail.kind, act=tail.act, ffn_norm=norm_w.data_ptr(), ffn_eps=eps
-        )
-        return dict(fields=fields, keep=(tail, norm_w))
+            up=structs[0], gate=structs[1], down=structs[2], sparse=0, down_is_t=int(down_is_t),
+            up_bias=cpu.ptr(bias), kind=ffn_calls.FFN_KINDS[w.kind], act=ffn_calls.C_ACTIVATIONS[w.activation],
+        )  # fmt: skip
+        return self._c_tail_fields(wo, d, (w, structs, bias), norm, **fields)
 
     def _dense_down(self) -> tuple[Weight, bool]:
         """The down projection the dense path multiplies: (ffn_down [D, F], False) or (ffn_down_t, True)."""
@@ -302,8 +258,8 @@ class DenseFFN(FFN):
     def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
         return self._dense_tail(attn, x, wo, ctx)
 
-    def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
-        return self._dense_c_tail(wo)
+    def c_tail(self, wo: Weight, *, dense: bool, norm: Norm | None = None) -> dict | None:
+        return self._dense_c_tail(wo, self._tail_norm(norm))
 
 
 class SparseFFN(FFN):
@@ -406,15 +362,23 @@ class SparseFFN(FFN):
             and uses_c_kernels(wo)
         )
 
-    def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
-        """As FFN.c_tail; the sparse tail (predictor, row gathers, axpy) unless the forward is dense."""
+    def c_tail(self, wo: Weight, *, dense: bool, norm: Norm | None = None) -> dict | None:
+        """As FFN.c_tail; the sparse tail (predictor, row gathers, axpy) unless the forward is dense. Any norm
+        and a down bias (the C decode layer's general tail: falcon, opt), where decode_tail takes RMS only."""
+        norm = self._tail_norm(norm)
         if dense:
-            return self._dense_c_tail(wo)
-        if self.expert is not None or not self._sparse_tail_ready(wo):
-            return None
+            return self._dense_c_tail(wo, norm)
         plan = self.fused_plan
+        if (
+            plan is None
+            or plan.fc1 is None
+            or plan.threshold != self.predictor.threshold
+            or norm is None
+            or not uses_c_kernels(wo)
+        ):
+            return None
         return self._c_tail_fields(
-            wo, plan.d, plan, fc1=plan.fc1, fc2=plan.fc2, thr=plan.threshold, up=plan.up, gate=plan.gate,
+            wo, plan.d, plan, norm, fc1=plan.fc1, fc2=plan.fc2, thr=plan.threshold, up=plan.up, gate=plan.gate,
             down=plan.down_t, sparse=1, up_bias=cpu.ptr(plan.bias), kind=plan.kind,
         )  # fmt: skip
 

@@ -22,7 +22,8 @@ from hotcold.kernels.launches import host_wait
 from hotcold.kernels.triton_args import QTYPES
 from hotcold.ops import Norm
 from hotcold.quants import QuantTensor
-from hotcold.sparse.ffn import CPU, FFN, DenseFFN, FFNWeights, row_plan, sparse_step
+from hotcold.sparse.ffn import CPU, FFN, DenseFFN, row_plan, sparse_step
+from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.predictor import Predictor
 from hotcold.state import Batch
 

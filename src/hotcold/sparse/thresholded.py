@@ -30,7 +30,8 @@ from hotcold.device import place
 from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.kernels import cpu, ffn_calls
 from hotcold.ops import Norm, Weight, linear, uses_c_kernels
-from hotcold.sparse.ffn import FFN, FFNWeights, silu
+from hotcold.sparse.ffn import FFN
+from hotcold.sparse.ffn_weights import FFNWeights, silu
 from hotcold.state import Batch
 
 METHODS = ("cats", "wina")
@@ -336,15 +337,15 @@ class ThresholdedFFN(FFN):
         """An RMS norm to fold and a wo `matmul` multiplies in C (a float32 wo goes to torch)."""
         return self.norm is not None and self.norm.rms and uses_c_kernels(wo)
 
-    def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
+    def c_tail(self, wo: Weight, *, dense: bool, norm: Norm | None = None) -> dict | None:
         """As FFN.c_tail: the thresholded tail, or the dense one for a dense forward."""
         if dense:
-            return self._dense_c_tail(wo)
+            return self._dense_c_tail(wo, self._tail_norm(norm))
         plan = self.plan
-        if plan is None or not self._tail_ready(wo):
+        if plan is None or norm is not None or not self._tail_ready(wo):
             return None
         return self._c_tail_fields(
-            wo, plan.d, plan, score=plan.score, scale=cpu.ptr(plan.scale), thr=plan.threshold, up=plan.up,
+            wo, plan.d, plan, self.norm, score=plan.score, scale=cpu.ptr(plan.scale), thr=plan.threshold, up=plan.up,
             gate=plan.gate, down=plan.down_t, sparse=2, score_in=plan.score_in,
         )  # fmt: skip
 
