@@ -34,7 +34,7 @@ def cpu_name() -> str:
 def bench(src: Path, model: str, args) -> list[dict]:
     """`hotcold bench --json` rows from the checkout whose package is under `src`."""
     env = dict(os.environ, PYTHONPATH=str(src))
-    cmd = [sys.executable, "-m", "hotcold.cli", "bench", "-m", model, "-p", "0", "-n", str(args.n_gen),
+    cmd = [sys.executable, "-m", "hotcold", "bench", "-m", model, "-p", "0", "-n", str(args.n_gen),
            "-b", args.batch, "-r", str(args.repetitions), "-t", str(args.threads), "--json"]  # fmt: skip
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if res.returncode != 0:

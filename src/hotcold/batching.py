@@ -90,10 +90,3 @@ def share_starts(generations: Sequence[Generation], others: Sequence = ()) -> No
         if g.prefill_not_begun:
             g.engine.share_start(g.prompt, engines)
             g.take_cached()
-
-
-def generate_all(model, generations: Sequence[Generation]) -> None:
-    """Run the generations together to the end (the Python API's batch call)."""
-    while any(not g.done for g in generations):
-        share_starts(generations)
-        step(model, generations)
