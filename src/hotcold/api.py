@@ -16,6 +16,7 @@ import torch
 from hotcold import batching
 from hotcold.engine import Chunk, Engine
 from hotcold.generation import Generation
+from hotcold.load_options import LoadOptions
 from hotcold.loader import LoadedModel, load_model
 from hotcold.sampling import SamplingParams
 from hotcold.structured import compile_constraint
@@ -224,19 +225,16 @@ def load(
     decoder: "auto" (the fastest the model's layers and devices allow: "cuda_graph" for a model all on one GPU,
     "cpu_one_call" for one the C decode layer computes on the CPU) or "eager" (layer by layer); `Model.decoder`
     says which runs."""
+    options = LoadOptions(
+        dense=dense, threads=threads, device=device, vram_budget=vram_budget, ctx_size=ctx_size,
+        reset_gpu_index=reset_gpu_index, disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
+        sparsity=sparsity, kv_sequences=kv_sequences, decoder=decoder,
+    )  # fmt: skip
+    return load_with(path, options)
+
+
+def load_with(path: str | os.PathLike[str] | None, options: LoadOptions) -> Model:
+    """`load` with its options already made (the CLI's model flags: LoadOptions.from_args)."""
     start = time.perf_counter()
-    loaded = load_model(
-        path,
-        dense=dense,
-        threads=threads,
-        device=device,
-        vram_budget=vram_budget,
-        ctx_size=ctx_size,
-        reset_gpu_index=reset_gpu_index,
-        disable_gpu_index=disable_gpu_index,
-        n_gpu_layers=n_gpu_layers,
-        sparsity=sparsity,
-        kv_sequences=kv_sequences,
-        decoder=decoder,
-    )
+    loaded = load_model(path, options)
     return Model(loaded, time.perf_counter() - start)

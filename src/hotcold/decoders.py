@@ -20,19 +20,12 @@ import os
 log = logging.getLogger(__name__)
 
 DECODERS = ("eager", "cpu_one_call", "cuda_graph")
-REQUESTS = ("auto", "eager")
-
-
-def check_request(decoder: str) -> str:
-    if decoder not in REQUESTS:
-        raise ValueError(f"decoder must be one of {', '.join(map(repr, REQUESTS))}, got {decoder!r}")
-    return decoder
 
 
 def choose_decoder(model, *, requested: str = "auto", ctx_size: int, notes: list[str]) -> str:
     """Set `model.decoder` (one of DECODERS) and the decoder object it names (`model.static_step` for
-    cuda_graph, `model.cpu_decode` for cpu_one_call; None otherwise); a note says which and, for eager, why."""
-    check_request(requested)
+    cuda_graph, `model.cpu_decode` for cpu_one_call; None otherwise); a note says which and, for eager, why.
+    requested: "auto" or "eager" (LoadOptions.decoder, checked there)."""
     model.static_step = None
     model.cpu_decode = None
     model.decoder_failure = None

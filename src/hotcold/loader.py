@@ -12,10 +12,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hotcold import cores, decoders, registry, validate
+from hotcold import cores, decoders, registry
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import CPU, DevicePlan
 from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.load_options import LoadOptions
 from hotcold.placement.budget import (
     DEFAULT_CTX,
     GIB,
@@ -74,143 +75,37 @@ def resolve_device(device: str) -> str:
 
 
 def load_model(
-    path: str | os.PathLike[str] | None = None,
-    *,
-    dense: bool = False,
-    threads: int | None = None,
-    device: str = "auto",
-    vram_budget: float | None = None,
-    ctx_size: int | None = None,
-    reset_gpu_index: bool = False,
-    disable_gpu_index: bool = False,
-    n_gpu_layers: int | None = None,
-    fast_device: str | None = None,
-    sparsity: float | None = None,
-    kv_sequences: int = 1,
-    decoder: str = "auto",
+    path: str | os.PathLike[str] | None = None, options: LoadOptions | None = None, **kwargs
 ) -> LoadedModel:
-    """fast_device: where hot rows and offloaded layers go; default the GPU when `device` resolves to cuda.
-    Tests pass "cpu" to exercise the hybrid split with a second CPU placement standing in for the GPU.
-    sparsity: for a `hotcold sparsify` file, the share of FFN neurons to skip (None: the file's target;
-    0: dense, the same as dense=True). kv_sequences: how many sequences will hold a KV cache at once (a
-    server's slots): the budget charges each GPU layer's cache that many times. decoder: "auto" (the fastest
-    decoder the model's layers and devices allow, decoders.py) or "eager" (layer by layer)."""
+    """Open a model file and build it as `options` say (or `LoadOptions(**kwargs)`), in stages: the options
+    (validated when made), the device plan (plan_devices), the tensor source, the family's build, the decoder."""
+    opts = options if options is not None else LoadOptions(**kwargs)
     path = Path(path) if path is not None else demo_model_path()
-    # the rules the CLI and the server apply too (NaN, infinities, out of range: ValueError naming the argument)
-    threads = validate.check_optional("threads", threads)
-    vram_budget = validate.check_optional("vram_budget", vram_budget)
-    n_gpu_layers = validate.check_optional("n_gpu_layers", n_gpu_layers)
-    ctx_size = validate.check_optional("ctx_size", ctx_size)
-    sparsity = validate.check_optional("sparsity", sparsity)
-    if kv_sequences < 1:
-        raise ValueError(f"kv_sequences must be >= 1, got {kv_sequences}")
-    decoders.check_request(decoder)
-    if threads is None:  # the cores other processes leave free (cores.py says why)
-        threads = cores.default_threads()
+    threads = opts.threads if opts.threads is not None else cores.default_threads()  # cores.py says why
     torch.set_num_threads(threads)
-    device = resolve_device(device)
+    device = resolve_device(opts.device)
     model_file = ModelFile(path)
     registry.require(model_file.architecture, str(path))
     config = config_from_file(model_file)
     module = registry.model_module(config, str(path))
-    ctx = ctx_size or min(config.n_ctx_train, DEFAULT_CTX)
+    ctx = opts.ctx_size or min(config.n_ctx_train, DEFAULT_CTX)
     if ctx < 1:
         raise ValueError(f"ctx_size must be >= 1, got {ctx}")
     tokenizer = Tokenizer.from_metadata(model_file.metadata, source=str(path))
     notes: list[str] = []
-    fast = torch.device(fast_device) if fast_device else (torch.device("cuda") if device == "cuda" else None)
-    if fast is not None and fast.type == "cuda" and fast.index is None:
-        # the plan names the device as its tensors will ("cuda:0"): torch.device("cuda") != "cuda:0"
-        fast = torch.device("cuda", torch.cuda.current_device())
-    if fast is None and vram_budget:
-        notes.append(
-            f"--vram-budget {vram_budget:g} GiB ignored: no CUDA GPU in use, everything runs on the CPU"
-        )
-    if vram_budget == 0:
-        fast = None
-    thresholded = _thresholded_sparsity(model_file, config, sparsity, dense)
-    dense = dense or not config.sparse
-    plan, hot, vram_planned = None, None, None
-    devices = DevicePlan.cpu_only(config.n_layer)
-    if fast is not None and not dense:
-        if vram_budget is None and fast.type == "cuda":
-            budget = default_budget_bytes() // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP
-        else:
-            budget = int((vram_budget or 0) * GIB)
-        plan = plan_budget(
-            model_file, config, budget, ctx_size=ctx, device_type=fast.type, kv_sequences=kv_sequences
-        )
-        notes.append(plan.describe())
-        hot = (
-            None
-            if disable_gpu_index
-            else resolve_placement(path, model_file, config, plan, reset_gpu_index, notes)
-        )
-        if disable_gpu_index:
-            notes.append("--disable-gpu-index: every FFN neuron runs on the CPU")
-        if hot is not None and fast.type == "cuda":
-            from hotcold.kernels import triton as gpu_kernels
-
-            if not gpu_kernels.available():
-                raise ValueError(
-                    "hot neurons on the GPU need Triton: pip install 'hotcold[gpu]' (or --vram-budget 0)"
-                )
-        devices = sparse_device_plan(plan, fast, hot)
-        vram_planned = plan.parts(hot_rows_bytes(plan, hot))
-    elif fast is not None and (n_gpu_layers or fast.type == "cuda"):
-        if n_gpu_layers is None:  # dense on a GPU: as many whole layers as the budget holds
-            budget = default_budget_bytes() if vram_budget is None else int(vram_budget * GIB)
-            offload = plan_offload(
-                model_file, config, budget, ctx_size=ctx, device_type=fast.type, kv_sequences=kv_sequences
-            )
-            devices = offload_device_plan(
-                config.n_layer, offload.n_layers, fast, output=offload.output_on_gpu
-            )
-            notes.append(offload.describe(config.n_layer))
-            vram_planned = offload.parts()
-        else:
-            devices = offload_device_plan(config.n_layer, n_gpu_layers, fast)
-            n = min(n_gpu_layers, config.n_layer)
-            notes.append(f"-ngl {n_gpu_layers}: {n} of {config.n_layer} layers on {fast}")
-    if n_gpu_layers and (fast is None or plan is not None):
-        reason = "no GPU in use" if fast is None else "sparse files are placed by --vram-budget"
-        notes.append(f"-ngl {n_gpu_layers} ignored: {reason}")
+    thresholded = _thresholded_sparsity(model_file, config, opts.sparsity, opts.dense)
+    dense = opts.dense or not config.sparse
+    fast = _fast_device(opts, device, notes)
+    placed = plan_devices(path, model_file, config, opts, fast=fast, dense=dense, ctx=ctx, notes=notes)
     from hotcold.kernels import cpu
 
     cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
-    src = TensorSource(model_file, config, devices)
-    if (
-        kv_sequences > 1  # a batch's tokens share the hot rows; one sequence gains too little for the copy
-        and not dense
-        and thresholded is None
-        and devices.hot is None
-        and all(d.type == "cpu" for d in devices.ffn)
-    ):
-        src.neuron_order = neuron_order(path, config, notes)
-    make_ffn = ffn_maker(devices, dense=dense, threads=threads)
-    if thresholded is not None:
-        from hotcold.sparse.attention_inputs import InputAssets
-        from hotcold.sparse.thresholded import thresholded_maker
-
-        assets, level = thresholded
-        src.thresholded = True
-        make_ffn = thresholded_maker(src, assets, level, threads=threads)
-        inputs = InputAssets.from_file(
-            model_file,
-            assets.grid,
-            assets.method,
-            config.n_layer,
-            config.n_embd,
-            config.n_head * config.head_dim,
-        )
-        src.sparse_inputs = None if inputs is None else (inputs, level, threads)
-        also = " and of attention inputs" if inputs is not None else ""
-        notes.append(
-            f"sparsify ({assets.method}): skipping {100 * level:.0f}% of FFN neurons{also} per token "
-            f"(the file was calibrated for {100 * assets.sparsity:.0f}%)"
-        )
+    src, make_ffn = _tensor_source(
+        path, model_file, config, placed.devices, opts, dense=dense, thresholded=thresholded, threads=threads,
+        notes=notes,
+    )  # fmt: skip
     model = module.build(src, make_ffn)
-    decoders.choose_decoder(model, requested=decoder, ctx_size=ctx, notes=notes)
+    decoders.choose_decoder(model, requested=opts.decoder, ctx_size=ctx, notes=notes)
     mode = "dense" if dense and thresholded is None else "sparse"
     where = "cpu" if fast is None else f"cpu + {fast}"
     notes.insert(
@@ -219,8 +114,137 @@ def load_model(
     )
     dense = dense and thresholded is None  # a thresholded file runs sparse (on a dense device plan)
     return LoadedModel(
-        model, tokenizer, config, model_file, device, dense, ctx, notes, plan, hot, devices, vram_planned
+        model, tokenizer, config, model_file, device, dense, ctx, notes, placed.plan, placed.hot, placed.devices,
+        placed.vram_planned,
+    )  # fmt: skip
+
+
+def _fast_device(opts: LoadOptions, device: str, notes: list[str]) -> torch.device | None:
+    """Where hot rows and offloaded layers go: the options' fast_device, the GPU when `device` resolved to
+    cuda, or None (everything on the CPU; a VRAM budget of 0 says so too)."""
+    fast = (
+        torch.device(opts.fast_device)
+        if opts.fast_device
+        else (torch.device("cuda") if device == "cuda" else None)
     )
+    if fast is not None and fast.type == "cuda" and fast.index is None:
+        # the plan names the device as its tensors will ("cuda:0"): torch.device("cuda") != "cuda:0"
+        fast = torch.device("cuda", torch.cuda.current_device())
+    if fast is None and opts.vram_budget:
+        notes.append(
+            f"--vram-budget {opts.vram_budget:g} GiB ignored: no CUDA GPU in use, everything runs on the CPU"
+        )
+    return None if opts.vram_budget == 0 else fast
+
+
+@dataclass(frozen=True)
+class PlacedModel:
+    """Where everything lives (devices) and, with a VRAM budget, the budget's plan, the hot neurons per layer
+    and the VRAM planned by part."""
+
+    devices: DevicePlan
+    plan: BudgetPlan | None = None
+    hot: list[np.ndarray] | None = None
+    vram_planned: dict[str, int] | None = None
+
+
+def plan_devices(
+    path: Path, model_file: ModelFile, config: ModelConfig, opts: LoadOptions, *, fast: torch.device | None,
+    dense: bool, ctx: int, notes: list[str],
+) -> PlacedModel:  # fmt: skip
+    """The device plan: a sparse file at a VRAM budget (attention, predictors and output where the budget walk
+    puts them, hot neurons from the placement cache or solved anew), a dense file's whole layers offloaded
+    (-ngl, or as many as the budget holds on a GPU), or everything on the CPU."""
+    n_gpu_layers = opts.n_gpu_layers
+    placed = PlacedModel(DevicePlan.cpu_only(config.n_layer))
+    if fast is not None and not dense:
+        if opts.vram_budget is None and fast.type == "cuda":
+            budget = default_budget_bytes() // AUTO_BUDGET_STEP * AUTO_BUDGET_STEP
+        else:
+            budget = int((opts.vram_budget or 0) * GIB)
+        plan = plan_budget(
+            model_file, config, budget, ctx_size=ctx, device_type=fast.type, kv_sequences=opts.kv_sequences
+        )
+        notes.append(plan.describe())
+        hot = (
+            None
+            if opts.disable_gpu_index
+            else resolve_placement(path, model_file, config, plan, opts.reset_gpu_index, notes)
+        )
+        if opts.disable_gpu_index:
+            notes.append("--disable-gpu-index: every FFN neuron runs on the CPU")
+        if hot is not None and fast.type == "cuda":
+            from hotcold.kernels import triton as gpu_kernels
+
+            if not gpu_kernels.available():
+                raise ValueError(
+                    "hot neurons on the GPU need Triton: pip install 'hotcold[gpu]' (or --vram-budget 0)"
+                )
+        placed = PlacedModel(
+            sparse_device_plan(plan, fast, hot), plan, hot, plan.parts(hot_rows_bytes(plan, hot))
+        )
+    elif fast is not None and (n_gpu_layers or fast.type == "cuda"):
+        if n_gpu_layers is None:  # dense on a GPU: as many whole layers as the budget holds
+            budget = default_budget_bytes() if opts.vram_budget is None else int(opts.vram_budget * GIB)
+            offload = plan_offload(
+                model_file,
+                config,
+                budget,
+                ctx_size=ctx,
+                device_type=fast.type,
+                kv_sequences=opts.kv_sequences,
+            )
+            devices = offload_device_plan(
+                config.n_layer, offload.n_layers, fast, output=offload.output_on_gpu
+            )
+            notes.append(offload.describe(config.n_layer))
+            placed = PlacedModel(devices, vram_planned=offload.parts())
+        else:
+            placed = PlacedModel(offload_device_plan(config.n_layer, n_gpu_layers, fast))
+            n = min(n_gpu_layers, config.n_layer)
+            notes.append(f"-ngl {n_gpu_layers}: {n} of {config.n_layer} layers on {fast}")
+    if n_gpu_layers and (fast is None or placed.plan is not None):
+        reason = "no GPU in use" if fast is None else "sparse files are placed by --vram-budget"
+        notes.append(f"-ngl {n_gpu_layers} ignored: {reason}")
+    return placed
+
+
+def _tensor_source(
+    path: Path, model_file: ModelFile, config: ModelConfig, devices: DevicePlan, opts: LoadOptions, *,
+    dense: bool, thresholded, threads: int, notes: list[str],
+):  # fmt: skip
+    """(TensorSource, make_ffn): the source made whole at once (a sparsified file's assets, the rows' order for
+    batches), and the FFN maker the family asks for each layer's FFN."""
+    order = None
+    if (
+        opts.kv_sequences
+        > 1  # a batch's tokens share the hot rows; one sequence gains too little for the copy
+        and not dense
+        and thresholded is None
+        and devices.hot is None
+        and all(d.type == "cpu" for d in devices.ffn)
+    ):
+        order = neuron_order(path, config, notes)
+    if thresholded is None:
+        src = TensorSource(model_file, config, devices, neuron_order=order)
+        return src, ffn_maker(devices, dense=dense, threads=threads)
+    from hotcold.sparse.attention_inputs import InputAssets
+    from hotcold.sparse.thresholded import thresholded_maker
+
+    assets, level = thresholded
+    inputs = InputAssets.from_file(
+        model_file, assets.grid, assets.method, config.n_layer, config.n_embd, config.n_head * config.head_dim
+    )
+    src = TensorSource(
+        model_file, config, devices, thresholded=True, neuron_order=order,
+        sparse_inputs=None if inputs is None else (inputs, level, threads),
+    )  # fmt: skip
+    also = " and of attention inputs" if inputs is not None else ""
+    notes.append(
+        f"sparsify ({assets.method}): skipping {100 * level:.0f}% of FFN neurons{also} per token "
+        f"(the file was calibrated for {100 * assets.sparsity:.0f}%)"
+    )
+    return src, thresholded_maker(src, assets, level, threads=threads)
 
 
 @dataclass(frozen=True)

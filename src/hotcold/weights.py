@@ -21,18 +21,28 @@ from hotcold.sparse.predictor import Predictor
 
 
 class TensorSource:
-    def __init__(self, model_file: ModelFile, config: ModelConfig, plan: DevicePlan):
+    def __init__(
+        self,
+        model_file: ModelFile,
+        config: ModelConfig,
+        plan: DevicePlan,
+        *,
+        thresholded: bool = False,
+        sparse_inputs=None,
+        neuron_order: list[torch.Tensor | None] | None = None,
+    ):
+        """thresholded: a `hotcold sparsify` file run thresholded (its FFN read from ffn_down_t, rows gathered, not
+        packed); sparse_inputs: and with input-sparse attention, (attention_inputs.InputAssets, sparsity,
+        threads); neuron_order: per layer, the FFN neurons hottest first (from the activation statistics), the
+        order a sparse layer's rows are kept in so the rows a batch shares lie side by side (loader.neuron_order).
+        Made whole here: nothing is set on a source after it is built."""
         self.file = model_file
         self.config = config
         self.plan = plan
         self.path = model_file.path
-        # a `hotcold sparsify` file run thresholded: its FFN read from ffn_down_t, rows gathered (not packed)
-        self.thresholded = False
-        # and with input-sparse attention: (attention_inputs.InputAssets, sparsity, threads)
-        self.sparse_inputs = None
-        # per layer, the FFN neurons hottest first (from the activation statistics): a sparse layer's rows
-        # are kept in this order, so the rows a batch shares lie side by side (loader.neuron_order)
-        self.neuron_order: list[torch.Tensor | None] | None = None
+        self.thresholded = thresholded
+        self.sparse_inputs = sparse_inputs
+        self.neuron_order = neuron_order
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors

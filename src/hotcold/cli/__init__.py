@@ -111,22 +111,11 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def load_from_args(args):
-    import hotcold
+    """The model of a command's model flags (add_model_args), loaded with the options they make."""
+    from hotcold.api import load_with
+    from hotcold.load_options import LoadOptions
 
-    return hotcold.load(
-        args.model,
-        vram_budget=args.vram_budget,
-        threads=args.threads,
-        device=args.device,
-        dense=args.dense,
-        ctx_size=args.ctx_size,
-        reset_gpu_index=args.reset_gpu_index,
-        disable_gpu_index=args.disable_gpu_index,
-        n_gpu_layers=args.n_gpu_layers,
-        sparsity=getattr(args, "sparsity", None),
-        kv_sequences=getattr(args, "parallel", 0) + 1,  # serve: a KV cache per slot, plus the Model's own
-        decoder=getattr(args, "decoder", "auto"),
-    )
+    return load_with(args.model, LoadOptions.from_args(args))
 
 
 def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
