@@ -39,7 +39,16 @@ log = logging.getLogger(__name__)
 
 Q = GGMLQuantizationType
 
-_SRC = Path(__file__).with_name("_cpu_kernels.c")
+_SRC = Path(__file__).with_name("_cpu_kernels.c")  # one translation unit: it #includes the pieces in c/
+_PIECES = Path(__file__).with_name("c")
+
+
+def source_bytes() -> bytes:
+    """The kernels' whole source (the unity file and every piece it includes), for the build cache's key."""
+    pieces = sorted(_PIECES.glob("*.c"))
+    return b"\0".join([_SRC.read_bytes(), *(p.name.encode() + b"\0" + p.read_bytes() for p in pieces)])
+
+
 ABI_VERSION = 28  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
@@ -286,7 +295,7 @@ def _build_and_load() -> ctypes.CDLL | None:
     if cache is None:
         log.warning("no writable cache folder for the compiled CPU kernels: using torch")
         return None
-    src = _SRC.read_bytes()
+    src = source_bytes()
     custom = os.environ.get("HOTCOLD_CFLAGS")  # e.g. "-O3 -mavx2 -mfma -mf16c -fopenmp"
     for flags in [custom.split()] if custom else _FLAG_SETS:
         h = hashlib.sha256()
