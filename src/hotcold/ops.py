@@ -159,9 +159,14 @@ def embed(token_embd: Weight, tokens: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-def rope_tables(n_ctx: int, rope_dim: int, base: float, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [S, rope_dim/2] for positions 0..n_ctx-1 (linear scaling multiplies positions by `scale`)."""
+def rope_tables(
+    n_ctx: int, rope_dim: int, base: float, scale: float, freq_factors: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [S, rope_dim/2] for positions 0..n_ctx-1 (linear scaling multiplies positions by `scale`;
+    freq_factors [rope_dim/2] divide each pair's frequency: Llama 3.1's scaling, the file's rope_freqs)."""
     inv_freq = base ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.to(torch.float64)
     angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * scale * inv_freq[None, :]
     return angles.cos().float(), angles.sin().float()
 
@@ -171,18 +176,28 @@ class RopeTables:
     tables cover gets a new, longer pair (computed whole, then swapped in: threads only ever read a
     complete pair)."""
 
-    def __init__(self, config, devices=(torch.device("cpu"),), *, rope_dim: int | None = None):
+    def __init__(
+        self,
+        config,
+        devices=(torch.device("cpu"),),
+        *,
+        rope_dim: int | None = None,
+        freq_factors: torch.Tensor | None = None,
+    ):
         """rope_dim: the rotated dims of a head (None: the config's; 0: none, for learned positions (OPT),
-        so attention takes the same kernels as a RoPE family's with nothing rotated)."""
+        so attention takes the same kernels as a RoPE family's with nothing rotated). freq_factors: the file's
+        rope_freqs [rope_dim / 2] (Llama 3.1's scaling), or None."""
         self.config = config
         self.rope_dim = config.rope_dim if rope_dim is None else rope_dim
+        self.freq_factors = None if freq_factors is None else freq_factors.detach().to("cpu", torch.float64)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for device in set(devices):
             self._tables[device] = self._build(config.n_ctx_train, device)
 
     def _build(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
-        return tuple(t.to(device) for t in rope_tables(n, self.rope_dim, c.rope_base, c.rope_scale))
+        tables = rope_tables(n, self.rope_dim, c.rope_base, c.rope_scale, self.freq_factors)
+        return tuple(t.to(device) for t in tables)
 
     def _covering(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The device's tables, rebuilt longer first when positions up to `end` are past them."""

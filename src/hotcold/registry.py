@@ -14,6 +14,7 @@ ARCHITECTURES = {
     "llama": "llama",
     "bamboo": "llama",
     "mistral": "llama",
+    "qwen2": "llama",  # Qwen2 / Qwen2.5: q/k/v biases, NeoX RoPE (the layer description says so)
     "falcon": "falcon",
     "opt": "opt",
     "mixtral": "mixtral",

@@ -12,7 +12,7 @@ import torch
 from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan, place, place_vector
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.kernels import cpu
 from hotcold.ops import Norm, Weight
 from hotcold.quants import QuantTensor
@@ -75,6 +75,21 @@ class TensorSource:
             parts.append(cpu.pack(place(part, self.layer_device(layer))))
             start += n
         return parts
+
+    def rope_freqs(self) -> torch.Tensor | None:
+        """The file's `rope_freqs` [rope_dim / 2] (Llama 3.1's RoPE scaling: each pair's frequency divided by its
+        factor, as upstream llama.cpp's converter writes it), float32 on the CPU; None where the file has none.
+        Factors that are not finite and positive are refused, named."""
+        if not self.has(names.ROPE_FREQS):
+            return None
+        c = self.config
+        t = self.raw(names.ROPE_FREQS, None, (c.rope_dim // 2,))
+        t = (cpu.dequantize_rows(t) if isinstance(t, QuantTensor) else t).float().reshape(-1)
+        if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+            raise GGUFError(
+                f"{self.path}: tensor {names.tensor(names.ROPE_FREQS)} has factors that are not finite and > 0"
+            )
+        return t
 
     def norm(self, template: str, layer: int | None, *, rms: bool, bias: bool = False) -> Norm:
         """A norm of `layer` (None: the output norm) on the device that computes it."""

@@ -14,6 +14,20 @@ CASES = {
     "silu-gqa-1e6": dict(hidden_act="silu", num_key_value_heads=2, rope_theta=1e6),
     "relu-gqa-1e6": dict(hidden_act="relu", num_key_value_heads=1, rope_theta=1e6),
     "silu-mha-linear-scaling": dict(hidden_act="silu", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    # Llama 3.1's RoPE scaling: per-dimension factors, written as rope_freqs.weight (an original context of 32
+    # puts this head size's wavelengths below, inside and above the blended band)
+    "silu-gqa-llama3-scaling": dict(
+        hidden_act="silu",
+        num_key_value_heads=2,
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=10000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=32,
+        ),
+    ),  # fmt: skip
 }
 
 
@@ -55,3 +69,36 @@ def test_sparse_prefill_batch_equals_token_by_token(tiny_sparse_gguf):
     computed, total = llm.engine.seq.neuron_totals()
     rate = computed / total
     assert 0.05 < rate < 0.95  # the predictors really skip neurons
+
+
+def test_llama3_rope_factors_are_upstreams(tmp_path, spm_model_file):
+    """The converter writes rope_freqs.weight as upstream llama.cpp's does (1 below the band, `factor` above, the
+    blend between; every kind present here) and the loader divides each pair's frequency by it: without the
+    factors the logits would be those of plain RoPE, which transformers' llama3 model does not give."""
+    import math
+
+    from hotcold.gguf_io import ModelFile
+
+    case = CASES["silu-gqa-llama3-scaling"]
+    hf = make_llama(tmp_path / "hf", spm_model_file, **case)
+    path = convert(tmp_path / "hf", None, tmp_path / "m.gguf", outtype="f32")
+    factors = ModelFile(path).tensor("rope_freqs.weight").double()
+    head_dim, p = 16, case["rope_parameters"]
+    want = []
+    for i in range(0, head_dim, 2):
+        wavelen = 2 * math.pi * p["rope_theta"] ** (i / head_dim)
+        if wavelen < p["original_max_position_embeddings"] / p["high_freq_factor"]:
+            want.append(1.0)
+        elif wavelen > p["original_max_position_embeddings"] / p["low_freq_factor"]:
+            want.append(p["factor"])
+        else:
+            smooth = (p["original_max_position_embeddings"] / wavelen - 1.0) / (4.0 - 1.0)
+            want.append(1 / ((1 - smooth) / p["factor"] + smooth))
+    assert torch.allclose(factors, torch.tensor(want, dtype=torch.float64), rtol=1e-6)
+    assert {1.0, 8.0} <= set(factors.tolist()) and any(1 < f < 8 for f in factors.tolist())
+    ids = list(range(5, 125))  # positions past the original context, where the factors matter
+    llm = hotcold.load(path, device="cpu")
+    ours, ref = llm.logits(ids), hf_logits(hf, ids)
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+    plain = make_llama(tmp_path / "plain", spm_model_file, **{**case, "rope_parameters": None})
+    assert (hf_logits(plain, ids) - ref).abs().max() > 1e-2 * ref.abs().max()  # the factors change the logits

@@ -27,6 +27,7 @@ FAMILIES = {
     "mistral": "llama",
     "bamboo": "llama",
     "mixtral": "mixtral",
+    "qwen2": "qwen2",
     "falcon": "falcon",
     "RefinedWeb": "falcon",  # Falcon checkpoints from before transformers had the class
     "RefinedWebModel": "falcon",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -38,14 +39,48 @@ def rope_theta(config: dict[str, Any]) -> float | None:
     return None
 
 
-def rope_scaling(config: dict[str, Any]) -> tuple[str, float] | None:
+def _rope_scaling(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+    """(rope type, its parameters) from rope_scaling (transformers 4) or rope_parameters (5)."""
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type") or scaling.get("type")
-    if kind in (None, "default"):
+    return scaling.get("rope_type") or scaling.get("type"), scaling
+
+
+def rope_scaling(config: dict[str, Any], *, llama3: bool = False) -> tuple[str, float] | None:
+    """("linear", factor) for linear RoPE scaling, None for none (or, with llama3, for Llama 3.1's, which
+    `llama3_rope_factors` writes as a tensor); anything else is refused, named."""
+    kind, scaling = _rope_scaling(config)
+    if kind in (None, "default") or (llama3 and kind == "llama3"):
         return None
     if kind != "linear":
-        raise ConvertError(f"rope scaling {kind!r} is not supported (only linear)")
+        supported = "linear, llama3" if llama3 else "linear"
+        raise ConvertError(f"rope scaling {kind!r} is not supported (only {supported})")
     return "linear", float(scaling["factor"])
+
+
+def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> torch.Tensor | None:
+    """Llama 3.1's RoPE scaling as per-dimension divisors of the rotation frequencies, [head_dim / 2] float32, as
+    upstream llama.cpp's converter writes them (`rope_freqs.weight`): 1 for wavelengths under
+    original_max_position_embeddings / high_freq_factor, `factor` above it / low_freq_factor, a smooth blend
+    between (transformers' llama3 rope: inv_freq / f). None without llama3 scaling."""
+    kind, s = _rope_scaling(config)
+    if kind != "llama3":
+        return None
+    try:
+        factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+        old_ctx = float(s["original_max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ConvertError(f"config.json: llama3 rope scaling lacks or mangles {exc}") from None
+    if not (factor > 0 and old_ctx > 0 and high > low > 0):
+        raise ConvertError(
+            f"config.json: llama3 rope scaling {s} (need factor > 0, high_freq_factor > low_freq_factor > 0)"
+        )
+    base = rope_theta(config) or 10000.0
+    freqs = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = 1.0 / ((1 - smooth) / factor + smooth)
+    out = torch.where(wavelen < old_ctx / high, 1.0, torch.where(wavelen > old_ctx / low, factor, blended))
+    return out.float()
 
 
 class Checkpoint:

@@ -10,7 +10,7 @@ import torch
 from gguf import GGUFValueType as V
 
 from hotcold import names
-from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling, rope_theta
+from hotcold.convert.checkpoint import Checkpoint, ConvertError, llama3_rope_factors, rope_scaling, rope_theta
 
 MODEL_TYPES = ("llama", "mistral", "bamboo")
 
@@ -77,7 +77,7 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
     theta = rope_theta(config)
     if theta is not None:
         items.append((key(names.ROPE_FREQ_BASE), theta, V.FLOAT32))
-    scaling = rope_scaling(config)
+    scaling = rope_scaling(config, llama3=True)  # Llama 3.1's is a tensor (rope_tensors), not keys
     if scaling is not None:
         items.append((key(names.ROPE_SCALING_TYPE), scaling[0], V.STRING))
         items.append((key(names.ROPE_SCALING_FACTOR), scaling[1], V.FLOAT32))
@@ -106,7 +106,15 @@ def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) ->
         else:
             plan.append((names.tensor(names.FFN_DOWN, i), lambda n=down: ckpt.get(n)))
     plan += output_tensors(config, ckpt)
-    return plan
+    return plan + rope_tensors(config)
+
+
+def rope_tensors(config: dict[str, Any]) -> list[tuple[str, Any]]:
+    """`rope_freqs.weight` for Llama 3.1-style RoPE scaling, as upstream llama.cpp writes it (else none)."""
+    n_head = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    factors = llama3_rope_factors(config, head_dim)
+    return [] if factors is None else [(names.tensor(names.ROPE_FREQS), lambda: factors)]
 
 
 def attention_tensors(config: dict[str, Any], ckpt: Checkpoint, i: int) -> list[tuple[str, Any]]:

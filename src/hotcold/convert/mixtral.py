@@ -111,4 +111,4 @@ def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) ->
                     )
                 )
     plan += llama.output_tensors(config, ckpt)
-    return plan
+    return plan + llama.rope_tensors(config)

@@ -1,4 +1,5 @@
-"""LLaMA family: ReluLLaMA, ProSparse (llama layout), Bamboo (relu on gate and up), Mistral, TurboSparse dReLU.
+"""LLaMA family: ReluLLaMA, ProSparse (llama layout), Bamboo (relu on gate and up), Mistral, TurboSparse dReLU,
+Llama 3.x (rope_freqs), Qwen2 / Qwen2.5 (q/k/v biases, NeoX RoPE: the layer description says which).
 
 Tensor names are the GGUF ones; q/k are stored permuted by the converter (llama.cpp convention), so RoPE
 rotates adjacent pairs. The FFN input is the RMS-normed residual; the predictor sees the residual itself.
@@ -28,6 +29,10 @@ from hotcold.sparse.attention_inputs import SparseInputs, sparse_inputs
 from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
+# architectures whose RoPE rotates the two halves of a head (llama.cpp's LLAMA_ROPE_TYPE_NEOX): their converters
+# keep q/k as stored; llama's permutes them into adjacent pairs
+NEOX_ROPE = {"qwen2"}
+
 
 @dataclass(frozen=True)
 class LlamaLayer:
@@ -38,16 +43,30 @@ class LlamaLayer:
     device: torch.device  # where this layer's attention and KV cache live
     spec: LayerSpec  # what it computes (the decoders read this)
     inputs: SparseInputs | None = None  # a sparsified file's input-sparse q/k/v and o (attention_inputs.py)
+    q_bias: torch.Tensor | None = (
+        None  # [H*Dh], k_bias / v_bias [Hkv*Dh]: Qwen2's q/k/v biases (spec.attn_bias)
+    )
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
 
 
 class Llama:
-    def __init__(self, config: ModelConfig, token_embd: Weight, layers: list[LlamaLayer], head: Head, plan):
+    def __init__(
+        self,
+        config: ModelConfig,
+        token_embd: Weight,
+        layers: list[LlamaLayer],
+        head: Head,
+        plan,
+        rope_freqs=None,
+    ):
         self.config = config
         self.token_embd = token_embd
         self.layers = layers
         self.head = head
         self.plan: DevicePlan = plan
-        self.rope = RopeTables(config, [layer.device for layer in layers])
+        # rope_freqs: Llama 3.1's per-dimension RoPE scaling (the file's rope_freqs), or None
+        self.rope = RopeTables(config, [layer.device for layer in layers], freq_factors=rope_freqs)
         # the decoder, chosen at load (decoders.choose_decoder): a fast one, or None for these layers one by one
         self.decoder, self.static_step, self.cpu_decode = "eager", None, None
 
@@ -60,9 +79,8 @@ class Llama:
         c = self.config
         T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
-        if (
-            y := one_call_decode(self, x, ctx)
-        ) is not None:  # a decode step in one C call, where load chose it
+        # a decode step in one C call, where load chose it
+        if (y := one_call_decode(self, x, ctx)) is not None:
             return self.head(y, ctx, last_only=last_only)
         heads = (c.n_head, c.n_head_kv, c.head_dim)
         watch = getattr(ctx.observe, "attention", None)  # calibration of input sparsity (sparsify.py)
@@ -71,10 +89,10 @@ class Llama:
             inputs = None if ctx.dense else layer.inputs
             if watch is not None:
                 watch(i, 0, layer.attn_norm(x))
-            attn = None
-            if inputs is None:  # one C call for a CPU decode token, else the ops below
+            attn, neox = None, layer.spec.rope_neox
+            if inputs is None and not layer.spec.attn_bias:  # one C call for a CPU decode token, else the ops
                 attn = decode_attention(
-                    ctx, i, layer.qkv, layer.attn_norm, x, self.rope, layer.device, heads=heads, neox=False,
+                    ctx, i, layer.qkv, layer.attn_norm, x, self.rope, layer.device, heads=heads, neox=neox,
                     sliding_window=c.sliding_window,
                 )  # fmt: skip
             if attn is None:
@@ -83,10 +101,12 @@ class Llama:
                     if inputs
                     else layer.qkv(x, layer.attn_norm)
                 )
+                if layer.spec.attn_bias:  # Qwen2's q/k/v biases
+                    q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
                 q = q.view(T, c.n_head, c.head_dim)
                 k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
                 attn = rope_attention_segments(
-                    ctx, i, q, k, v, self.rope, layer.device, neox=False, sliding_window=c.sliding_window
+                    ctx, i, q, k, v, self.rope, layer.device, neox=neox, sliding_window=c.sliding_window
                 )
             if watch is not None:
                 watch(i, 1, attn)
@@ -115,12 +135,23 @@ def attention_block(src: TensorSource, i: int) -> dict:
     if src.sparse_inputs is not None:
         assets, sparsity, threads = src.sparse_inputs
         inputs = sparse_inputs(src, i, assets, sparsity, threads)
+    biases = {}
+    if src.has(names.ATTN_Q, i, "bias"):  # Qwen2: q/k/v biases (o has none)
+        biases = {
+            f"{n}_bias": src.attention(t, i, (rows,), "bias")
+            for n, t, rows in (("q", names.ATTN_Q, qd), ("k", names.ATTN_K, kvd), ("v", names.ATTN_V, kvd))
+        }
+    spec = LayerSpec(
+        rope_neox=c.arch in NEOX_ROPE, attn_bias=bool(biases), sliding_window=c.sliding_window or 0,
+        input_sparse=inputs is not None,
+    )  # fmt: skip
     return dict(
+        **biases,
         attn_norm=src.norm(names.ATTN_NORM, i, rms=True),
         qkv=LinearGroup([wq, wk, wv], stack_on_gpu=True),  # one matrix for the fused decode kernels
         wo=src.attention(names.ATTN_OUT, i, (D, qd)),
         device=src.layer_device(i),
-        spec=LayerSpec(sliding_window=c.sliding_window or 0, input_sparse=inputs is not None),
+        spec=spec,
         inputs=inputs,
     )
 
@@ -131,4 +162,5 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> Llama:
     for i in range(c.n_layer):
         ffn = make_ffn(i, src.ffn(i, gated=True), src.predictor(i), src.norm(names.FFN_NORM, i, rms=True))
         layers.append(LlamaLayer(**attention_block(src, i), ffn=ffn))
-    return Llama(c, src.token_embd(), layers, Head(src.output_norm(rms=True), src.output()), src.plan)
+    head = Head(src.output_norm(rms=True), src.output())
+    return Llama(c, src.token_embd(), layers, head, src.plan, rope_freqs=src.rope_freqs())

@@ -97,4 +97,5 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> Mixtral:
         ffn = MoEFFN(router, experts, c.n_expert_used, layer=i, norm=norm)
         attention["spec"] = replace(attention["spec"], moe=True)
         layers.append(LlamaLayer(**attention, ffn=ffn))
-    return Mixtral(c, src.token_embd(), layers, Head(src.output_norm(rms=True), src.output()), src.plan)
+    head = Head(src.output_norm(rms=True), src.output())
+    return Mixtral(c, src.token_embd(), layers, head, src.plan, rope_freqs=src.rope_freqs())
