@@ -12,23 +12,20 @@ import argparse
 import datetime as dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 from pathlib import Path
 
+if (
+    not __package__
+):  # run as `python benchmarks/decode_before_after.py`: the checkout, not benchmarks/, goes first
+    sys.path[0] = str(
+        Path(__file__).resolve().parents[1]
+    )  # on sys.path (a sibling must never shadow a dependency)
+from benchmarks.kernel_bandwidth import cpu_name  # noqa: E402
+
 SRC = Path(__file__).resolve().parents[1] / "src"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def bench(src: Path, model: str, args) -> list[dict]:

@@ -184,16 +184,20 @@ class _Plan:
                 return None
             attn_w = norm.weight.to(torch.float32).contiguous()
             # LayerNorm families, biases, a parallel residual (falcon, opt): float32 vectors the struct points into
-            spec, vectors = layer.spec, {}
+            spec, vectors, qk_eps = layer.spec, {}, 0.0
             if not norm.rms and norm.bias is not None:
                 vectors["attn_norm_b"] = norm.bias
             for name in ("q_bias", "k_bias", "v_bias", "wo_bias"):
                 if (b := getattr(layer, name, None)) is not None:
                     vectors[name] = b
+            for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms [Dh]
+                if (n := getattr(layer, name, None)) is not None:
+                    vectors[name] = n.weight
+                    qk_eps = n.eps
             vectors = {k: v.to(torch.float32).contiguous() for k, v in vectors.items()}
             fields = dict(tail["fields"])
             fields.update({k: v.data_ptr() for k, v in vectors.items()})
-            fields.update(attn_ln=int(not norm.rms), parallel=int(spec.residual == "parallel"))
+            fields.update(attn_ln=int(not norm.rms), parallel=int(spec.residual == "parallel"), qk_eps=qk_eps)
             if spec.moe:  # this sequence's experts of its last token land in its plan's row of routes
                 fields["route_out"] = routes[i].data_ptr()
                 moe.append(i)

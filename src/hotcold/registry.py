@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "bamboo": "llama",
     "mistral": "llama",
     "qwen2": "llama",  # Qwen2 / Qwen2.5: q/k/v biases, NeoX RoPE (the layer description says so)
+    "qwen3": "llama",  # Qwen3: per-head q/k RMS norms, NeoX RoPE, a head size of its own
     "falcon": "falcon",
     "opt": "opt",
     "mixtral": "mixtral",

@@ -91,12 +91,16 @@ class TensorSource:
             )
         return t
 
-    def norm(self, template: str, layer: int | None, *, rms: bool, bias: bool = False) -> Norm:
-        """A norm of `layer` (None: the output norm) on the device that computes it."""
+    def norm(
+        self, template: str, layer: int | None, *, rms: bool, bias: bool = False, width: int | None = None
+    ) -> Norm:
+        """A norm of `layer` (None: the output norm) on the device that computes it, over `width` values (None:
+        the model's width; a head's for Qwen3's q/k norms)."""
         c = self.config
+        n = c.n_embd if width is None else width
         device = self.plan.output if layer is None else self.layer_device(layer)
-        weight = place_vector(self.raw(template, layer, (c.n_embd,)), device)
-        b = place_vector(self.raw(template, layer, (c.n_embd,), "bias"), device) if bias else None
+        weight = place_vector(self.raw(template, layer, (n,)), device)
+        b = place_vector(self.raw(template, layer, (n,), "bias"), device) if bias else None
         return Norm(weight, c.norm_eps, b, rms)
 
     def ffn(self, layer: int, *, gated: bool, biases: bool = False, expert: int | None = None) -> FFNWeights:

@@ -27,7 +27,8 @@ FAMILIES = {
     "mistral": "llama",
     "bamboo": "llama",
     "mixtral": "mixtral",
-    "qwen2": "qwen2",
+    "qwen2": "qwen",
+    "qwen3": "qwen",
     "falcon": "falcon",
     "RefinedWeb": "falcon",  # Falcon checkpoints from before transformers had the class
     "RefinedWebModel": "falcon",

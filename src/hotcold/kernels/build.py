@@ -49,7 +49,7 @@ def source_bytes() -> bytes:
     return b"\0".join([_SRC.read_bytes(), *(p.name.encode() + b"\0" + p.read_bytes() for p in pieces)])
 
 
-ABI_VERSION = 28  # HC_ABI_VERSION in _cpu_kernels.c: bump both when a signature changes
+ABI_VERSION = 29  # HC_ABI_VERSION in c/base.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -151,6 +151,10 @@ class HCLayer(ctypes.Structure):
         ("e_fc2", ctypes.POINTER(_w)),
         ("e_thr", ctypes.c_void_p),
         ("route_out", ctypes.c_void_p),
+        # per-head RMS norms of q and k (qwen3), or NULL
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
+        ("qk_eps", ctypes.c_float),
     ]
 
 

@@ -48,6 +48,7 @@ class LayerSpec:
     sliding_window: int = 0  # attend to this many positions back (0: every position)
     moe: bool = False  # the FFN is a router over experts
     input_sparse: bool = False  # q/k/v and o from each token's kept input channels (sparsify --attention)
+    qk_norm: bool = False  # an RMS norm over each head of q and of k before RoPE (Qwen3)
 
     def beyond_llama(self) -> str | None:
         """The first thing this layer computes that a plain llama layer (RMS norms, sequential residual, RoPE on
@@ -65,6 +66,8 @@ class LayerSpec:
             return "attention biases"
         if self.moe:
             return "experts"
+        if self.qk_norm:
+            return "q/k norms"
         return None
 
 

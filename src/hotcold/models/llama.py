@@ -1,5 +1,6 @@
 """LLaMA family: ReluLLaMA, ProSparse (llama layout), Bamboo (relu on gate and up), Mistral, TurboSparse dReLU,
-Llama 3.x (rope_freqs), Qwen2 / Qwen2.5 (q/k/v biases, NeoX RoPE: the layer description says which).
+Llama 3.x (rope_freqs), Qwen2 / Qwen2.5 (q/k/v biases, NeoX RoPE), Qwen3 (per-head q/k norms, NeoX RoPE): the
+layer description says which.
 
 Tensor names are the GGUF ones; q/k are stored permuted by the converter (llama.cpp convention), so RoPE
 rotates adjacent pairs. The FFN input is the RMS-normed residual; the predictor sees the residual itself.
@@ -15,6 +16,7 @@ import torch
 from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan
+from hotcold.kernels import cpu
 from hotcold.models.base import (
     FFNMaker,
     Head,
@@ -31,7 +33,7 @@ from hotcold.weights import TensorSource
 
 # architectures whose RoPE rotates the two halves of a head (llama.cpp's LLAMA_ROPE_TYPE_NEOX): their converters
 # keep q/k as stored; llama's permutes them into adjacent pairs
-NEOX_ROPE = {"qwen2"}
+NEOX_ROPE = {"qwen2", "qwen3"}
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,8 @@ class LlamaLayer:
     )
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
+    q_norm: Norm | None = None  # [Dh]: Qwen3's RMS norm over each head of q, and of k (spec.qk_norm)
+    k_norm: Norm | None = None
 
 
 class Llama:
@@ -90,7 +94,7 @@ class Llama:
             if watch is not None:
                 watch(i, 0, layer.attn_norm(x))
             attn, neox = None, layer.spec.rope_neox
-            if inputs is None and not layer.spec.attn_bias:  # one C call for a CPU decode token, else the ops
+            if inputs is None and not (layer.spec.attn_bias or layer.spec.qk_norm):  # one C call, CPU decode
                 attn = decode_attention(
                     ctx, i, layer.qkv, layer.attn_norm, x, self.rope, layer.device, heads=heads, neox=neox,
                     sliding_window=c.sliding_window,
@@ -103,6 +107,8 @@ class Llama:
                 )
                 if layer.spec.attn_bias:  # Qwen2's q/k/v biases
                     q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+                if layer.spec.qk_norm:  # each head of q and of k (Qwen3), before RoPE
+                    q, k = head_norm(q, layer.q_norm, c.head_dim), head_norm(k, layer.k_norm, c.head_dim)
                 q = q.view(T, c.n_head, c.head_dim)
                 k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
                 attn = rope_attention_segments(
@@ -124,6 +130,15 @@ class Llama:
         return self.head(x, ctx, last_only=last_only)
 
 
+def head_norm(x: torch.Tensor, norm: Norm, head_dim: int) -> torch.Tensor:
+    """An RMS norm over each head of x [T, heads * Dh]: on the CPU the C kernels' (any row count, the bits of
+    the one-call decode's), elsewhere torch's."""
+    rows = x.reshape(-1, head_dim).contiguous()
+    if rows.device.type == "cpu" and rows.dtype == torch.float32:
+        return cpu.rms_norm(rows, norm.weight.float().contiguous(), norm.eps).view(x.shape)
+    return norm(rows).view(x.shape)
+
+
 def attention_block(src: TensorSource, i: int) -> dict:
     """Layer i's attention norm and matrices, shape-checked, on the layer's device (shared with mixtral.py)."""
     c = src.config
@@ -141,12 +156,19 @@ def attention_block(src: TensorSource, i: int) -> dict:
             f"{n}_bias": src.attention(t, i, (rows,), "bias")
             for n, t, rows in (("q", names.ATTN_Q, qd), ("k", names.ATTN_K, kvd), ("v", names.ATTN_V, kvd))
         }
+    norms = {}
+    if src.has(names.ATTN_Q_NORM, i):  # Qwen3: per-head q/k RMS norms
+        norms = {
+            "q_norm": src.norm(names.ATTN_Q_NORM, i, rms=True, width=c.head_dim),
+            "k_norm": src.norm(names.ATTN_K_NORM, i, rms=True, width=c.head_dim),
+        }
     spec = LayerSpec(
         rope_neox=c.arch in NEOX_ROPE, attn_bias=bool(biases), sliding_window=c.sliding_window or 0,
-        input_sparse=inputs is not None,
+        input_sparse=inputs is not None, qk_norm=bool(norms),
     )  # fmt: skip
     return dict(
         **biases,
+        **norms,
         attn_norm=src.norm(names.ATTN_NORM, i, rms=True),
         qkv=LinearGroup([wq, wk, wv], stack_on_gpu=True),  # one matrix for the fused decode kernels
         wo=src.attention(names.ATTN_OUT, i, (D, qd)),

@@ -2,9 +2,10 @@
  * then RoPE attention over each row's own caches kcs[j] / vcs[j] at pos[j] (cos / sin [N, R/2]). */
 static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws, const int64_t *strides,
                             const int64_t *Fs, int packed, int64_t D, const float *x, const float *norm_w, float eps,
-                            float *const *qkv, const float *const *bias, float *const *kcs, float *const *vcs,
-                            const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
-                            const float *sin, int neox, int64_t window, float *out, int nth) {
+                            float *const *qkv, const float *const *bias, const float *q_norm, const float *k_norm,
+                            float qk_eps, float *const *kcs, float *const *vcs, const int64_t *pos, int64_t H,
+                            int64_t Hkv, int64_t Dh, int64_t R, const float *cos, const float *sin, int neox,
+                            int64_t window, float *out, int nth) {
     const int rc = packed ? hc_packed_matvec_multi(3, wts, Ws, Fs, D, x, N, norm_w, eps, qkv, nth)
                           : hc_matvec_multi(3, wts, Ws, strides, Fs, D, x, N, norm_w, eps, qkv, nth);
     if (rc != 0) return rc;
@@ -12,6 +13,9 @@ static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws,
         if (bias[m])
             for (int64_t j = 0; j < N; j++)
                 for (int64_t i = 0; i < Fs[m]; i++) qkv[m][j * Fs[m] + i] += bias[m][i];
+    /* per-head RMS norms of q and k (qwen3), each head a row of Dh, before RoPE, as the layers apply them */
+    if (q_norm) hc_rms_norm(qkv[0], q_norm, qk_eps, N * H, Dh, qkv[0]);
+    if (k_norm) hc_rms_norm(qkv[1], k_norm, qk_eps, N * Hkv, Dh, qkv[1]);
     return hc_attn_decode_rows(N, qkv[0], qkv[1], qkv[2], kcs, vcs, pos, H, Hkv, Dh, R, cos, sin, neox, window, out,
                                nth);
 }
@@ -26,8 +30,8 @@ int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int
                    const float *sin, int neox, int64_t window, float *out, int nth) {
     if (nmat != 3) return -1;
     float *kcs[1] = {kc}, *vcs[1] = {vc};
-    return decode_head_rows(1, wts, Ws, strides, Fs, packed, D, x, norm_w, eps, qkv, NULL, kcs, vcs, &pos, H, Hkv, Dh,
-                            R, cos, sin, neox, window, out, nth);
+    return decode_head_rows(1, wts, Ws, strides, Fs, packed, D, x, norm_w, eps, qkv, NULL, NULL, NULL, 0.0f, kcs, vcs,
+                            &pos, H, Hkv, Dh, R, cos, sin, neox, window, out, nth);
 }
 
 /* One layer of a llama-family decode token, for hc_decode_step: the arguments of its hc_decode_head
@@ -73,6 +77,9 @@ typedef struct {
     const hc_weight *const *e_up, *const *e_gate, *const *e_down, *const *e_fc1, *const *e_fc2;
     const float *e_thr;
     int64_t *route_out;
+    /* per-head RMS norms of q and k [Dh] (qwen3), or NULL */
+    const float *q_norm, *k_norm;
+    float qk_eps;
 } hc_layer;
 
 /* Each of T rows of logits [T, E]: its K largest, largest first (ties: the lower expert first) -> ids [T, K], and
@@ -271,8 +278,8 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
                 xin = xn, norm_w = NULL;
             }
             rc = decode_head_rows(N, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, xin, norm_w, a->attn_eps, qkv,
-                                  bias, kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R, cos, sin, a->neox, a->window, attn,
-                                  nth);
+                                  bias, a->q_norm, a->k_norm, a->qk_eps, kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R, cos,
+                                  sin, a->neox, a->window, attn, nth);
         }
         if (rc != 0) break;
         const int64_t F = a->up->rows;
