@@ -20,6 +20,20 @@ from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.predictor import Predictor
 
 
+def row_parts(t: Weight, rows: list[int]) -> list[Weight]:
+    """A stored matrix that is several matrices one after another by rows, as those matrices (views: no copy)."""
+    parts, start = [], 0
+    cols = t.shape[1]
+    for n in rows:
+        parts.append(
+            QuantTensor(t.data[start : start + n], t.qtype, (n, cols))
+            if isinstance(t, QuantTensor)
+            else t[start : start + n]
+        )
+        start += n
+    return parts
+
+
 class TensorSource:
     def __init__(
         self,
@@ -66,20 +80,17 @@ class TensorSource:
         v), as those matrices, each on the layer's device and packed as `attention` packs one: a q/k/v group of
         three then runs in one call, in the one-call decode as layer by layer."""
         t = self.raw(template, layer, (sum(rows), cols))
-        parts, start = [], 0
-        for n in rows:
-            if isinstance(t, QuantTensor):
-                part = QuantTensor(t.data[start : start + n], t.qtype, (n, cols))
-            else:
-                part = t[start : start + n]
-            parts.append(cpu.pack(place(part, self.layer_device(layer))))
-            start += n
-        return parts
+        return [cpu.pack(place(part, self.layer_device(layer))) for part in row_parts(t, rows)]
 
     def rope_freqs(self) -> torch.Tensor | None:
         """The file's `rope_freqs` [rope_dim / 2] (Llama 3.1's RoPE scaling: each pair's frequency divided by its
         factor, as upstream llama.cpp's converter writes it), float32 on the CPU; None where the file has none.
         Factors that are not finite and positive are refused, named."""
+        for name in (names.ROPE_FACTORS_LONG, names.ROPE_FACTORS_SHORT):  # refused, never run as plain RoPE
+            if self.has(name):
+                raise GGUFError(
+                    f"{self.path}: tensor {names.tensor(name)}: long-context RoPE scaling (longrope) is not supported yet"
+                )
         if not self.has(names.ROPE_FREQS):
             return None
         c = self.config
@@ -116,6 +127,18 @@ class TensorSource:
         def matrix(template, shape):
             w = place(self.raw(template, layer, shape, expert=expert), device)
             return cpu.pack(w) if whole else w
+
+        if gated and not self.has(names.FFN_GATE, layer, expert=expert):  # Phi-3: ffn_up is [gate; up]
+            if c.sparse or self.thresholded or expert is not None:
+                raise GGUFError(
+                    f"{self.path}: layer {layer}'s fused ffn_up [gate; up] is read in dense files only"
+                )
+            fused = self.raw(names.FFN_UP, layer, (2 * F, D))
+            gate, up = (cpu.pack(place(w, device)) for w in row_parts(fused, [F, F]))
+            return FFNWeights(
+                up=up, gate=gate, down_t=None, down=matrix(names.FFN_DOWN, (D, F)), kind=c.ffn_kind,
+                activation=c.ffn_activation,
+            )  # fmt: skip
 
         # a sparsified dense file has both downs: ffn_down_t only where rows are gathered
         sparse_layout = self.has(names.FFN_DOWN_T, layer, expert=expert) and (

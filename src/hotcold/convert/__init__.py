@@ -29,6 +29,7 @@ FAMILIES = {
     "mixtral": "mixtral",
     "qwen2": "qwen",
     "qwen3": "qwen",
+    "phi3": "phi3",
     "falcon": "falcon",
     "RefinedWeb": "falcon",  # Falcon checkpoints from before transformers had the class
     "RefinedWebModel": "falcon",

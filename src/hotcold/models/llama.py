@@ -1,6 +1,6 @@
 """LLaMA family: ReluLLaMA, ProSparse (llama layout), Bamboo (relu on gate and up), Mistral, TurboSparse dReLU,
-Llama 3.x (rope_freqs), Qwen2 / Qwen2.5 (q/k/v biases, NeoX RoPE), Qwen3 (per-head q/k norms, NeoX RoPE): the
-layer description says which.
+Llama 3.x (rope_freqs), Qwen2 / Qwen2.5 (q/k/v biases, NeoX RoPE), Qwen3 (per-head q/k norms, NeoX RoPE), Phi-3 /
+Phi-4-mini (fused q/k/v and gate/up split at load, NeoX RoPE over part of a head): the layer description says which.
 
 Tensor names are the GGUF ones; q/k are stored permuted by the converter (llama.cpp convention), so RoPE
 rotates adjacent pairs. The FFN input is the RMS-normed residual; the predictor sees the residual itself.
@@ -33,7 +33,7 @@ from hotcold.weights import TensorSource
 
 # architectures whose RoPE rotates the two halves of a head (llama.cpp's LLAMA_ROPE_TYPE_NEOX): their converters
 # keep q/k as stored; llama's permutes them into adjacent pairs
-NEOX_ROPE = {"qwen2", "qwen3"}
+NEOX_ROPE = {"qwen2", "qwen3", "phi3"}
 
 
 @dataclass(frozen=True)
@@ -143,9 +143,13 @@ def attention_block(src: TensorSource, i: int) -> dict:
     """Layer i's attention norm and matrices, shape-checked, on the layer's device (shared with mixtral.py)."""
     c = src.config
     D, qd, kvd = c.n_embd, c.n_head * c.head_dim, c.n_head_kv * c.head_dim
-    wq, wk, wv = (
-        src.attention(t, i, (n, D)) for t, n in ((names.ATTN_Q, qd), (names.ATTN_K, kvd), (names.ATTN_V, kvd))
-    )
+    if src.has(names.ATTN_QKV, i):  # Phi-3's fused q/k/v, split by rows at load: one C group as llama's
+        wq, wk, wv = src.attention_split(names.ATTN_QKV, i, [qd, kvd, kvd], D)
+    else:
+        wq, wk, wv = (
+            src.attention(t, i, (n, D))
+            for t, n in ((names.ATTN_Q, qd), (names.ATTN_K, kvd), (names.ATTN_V, kvd))
+        )
     inputs = None
     if src.sparse_inputs is not None:
         assets, sparsity, threads = src.sparse_inputs

@@ -1,0 +1,64 @@
+"""Phi-3 / Phi-4-mini checkpoints (Phi3ForCausalLM) -> GGUF, as upstream llama.cpp's converter writes them: arch
+`phi3`, the llama keys with the rotated part of a head (`partial_rotary_factor`), the fused `attn_qkv` (q, k, v
+rows as stored: NeoX RoPE, no permutation) and the fused `ffn_up` ([gate; up] rows: 2 x n_ff), the output tied to
+the embedding where the checkpoint ties it. Long-context RoPE scaling (longrope: per-dimension factors chosen by
+context length) is refused, named: not supported yet."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gguf import GGUFValueType as V
+
+from hotcold import names
+from hotcold.convert import llama
+from hotcold.convert.checkpoint import Checkpoint, ConvertError
+
+MODEL_TYPES = ("phi3",)
+
+
+def architecture(config: dict[str, Any]) -> str:
+    return "phi3"
+
+
+activation = llama.activation
+dims = llama.dims
+
+
+def _rope_dim(config: dict[str, Any]) -> int:
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    params = config.get("rope_parameters") or {}
+    factor = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0
+    return int(head_dim * float(factor))
+
+
+def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind not in (None, "default"):
+        raise ConvertError(
+            f"config.json: phi3 rope scaling {kind!r} is not supported (long-context variants)"
+        )
+    dim_key = names.key(names.ROPE_DIMENSION_COUNT, arch)
+    return [
+        (k, _rope_dim(config), t) if k == dim_key else (k, v, t) for k, v, t in llama.metadata(config, arch)
+    ]
+
+
+def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) -> list[tuple[str, Any]]:
+    if sparse_layout:
+        raise ConvertError("phi3: predictors need a ReLU model (Phi-3 is SwiGLU); convert it dense")
+    plan: list[tuple[str, Any]] = [
+        (names.tensor(names.TOKEN_EMBD), lambda: ckpt.get("model.embed_tokens.weight"))
+    ]
+    for i in range(config["num_hidden_layers"]):
+        hf = f"model.layers.{i}."
+        plan += [
+            (names.tensor(names.ATTN_NORM, i), lambda n=hf + "input_layernorm.weight": ckpt.get(n)),
+            (names.tensor(names.ATTN_QKV, i), lambda n=hf + "self_attn.qkv_proj.weight": ckpt.get(n)),
+            (names.tensor(names.ATTN_OUT, i), lambda n=hf + "self_attn.o_proj.weight": ckpt.get(n)),
+            (names.tensor(names.FFN_NORM, i), lambda n=hf + "post_attention_layernorm.weight": ckpt.get(n)),
+            (names.tensor(names.FFN_UP, i), lambda n=hf + "mlp.gate_up_proj.weight": ckpt.get(n)),
+            (names.tensor(names.FFN_DOWN, i), lambda n=hf + "mlp.down_proj.weight": ckpt.get(n)),
+        ]
+    return plan + llama.output_tensors(config, ckpt)
