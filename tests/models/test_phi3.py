@@ -88,3 +88,13 @@ def test_long_context_variants_are_refused_by_name(tmp_path, spm_model_file):
     make_phi3(tmp_path / "hf", spm_model_file, rope_parameters=dict(rope_theta=10000.0, **scaling))
     with pytest.raises(ConvertError, match="longrope"):
         convert(tmp_path / "hf", None, tmp_path / "m.gguf", outtype="f32")
+
+
+def test_sparsify_refuses_the_fused_gate_by_name(converted, tmp_path):
+    from hotcold.convert.sparsify import sparsify_file
+
+    _, path = converted
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("some text " * 50)
+    with pytest.raises(ValueError, match="fuses into ffn_up"):
+        sparsify_file(path, tmp_path / "o.gguf", corpus, sparsity=0.5)

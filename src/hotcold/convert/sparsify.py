@@ -99,6 +99,10 @@ def check_swiglu(mf: ModelFile, config: ModelConfig) -> None:
         )
     if config.n_expert:
         raise ValueError(f"{path}: mixture-of-experts files are not supported by sparsify")
+    if names.tensor(names.FFN_GATE, 0) not in mf.tensors:
+        raise ValueError(
+            f"{path}: sparsify reads ffn_gate, which this {config.arch} file fuses into ffn_up (not supported yet)"
+        )
     if config.ffn_kind != "gated" or config.ffn_activation != "silu":
         raise ValueError(
             f"{path}: sparsify needs a SwiGLU model (silu(gate) * up); this {config.arch} file's FFN is "
