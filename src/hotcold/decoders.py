@@ -29,6 +29,7 @@ def choose_decoder(model, *, requested: str = "auto", ctx_size: int, notes: list
     model.static_step = None
     model.cpu_decode = None
     model.decoder_failure = None
+    model.rows_own_bits = rows_own_bits(model)
     model.decoder, why = "eager", "decoder='eager' asked for"
     if requested == "auto":
         model.decoder, why = _fastest(model, ctx_size)
@@ -37,6 +38,21 @@ def choose_decoder(model, *, requested: str = "auto", ctx_size: int, notes: list
     else:
         notes.append(f"decode: {model.decoder} ({why})")
     return model.decoder
+
+
+def rows_own_bits(model) -> bool:
+    """Whether a row's arithmetic never depends on the rest of its forward below cpu.GEMM_MIN_TOKENS rows (the
+    batching contract, hotcold.batching): a model all on the CPU, computed by the C kernels, whichever of its
+    decoders runs. Engines then share a prompt's cached rows between sequences (Engine.exact)."""
+    from hotcold.kernels import build
+
+    plan = getattr(model, "plan", None)
+    return (
+        plan is not None
+        and plan.fast is None
+        and all(d.type == "cpu" for d in (*plan.attention, *plan.predictor, *plan.ffn, plan.output))
+        and build.get_lib() is not None  # last: a model off the CPU never needs the library built
+    )
 
 
 def _fastest(model, ctx_size: int) -> tuple[str, str]:

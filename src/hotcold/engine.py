@@ -12,7 +12,7 @@ import torch
 
 from hotcold import decoders
 from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats, common_prefix
-from hotcold.kernels import build, cpu
+from hotcold.kernels import cpu
 from hotcold.ops import embed
 from hotcold.sampling import SamplingParams, make_generator, sample
 from hotcold.state import Batch, Observer, hot_masks
@@ -42,12 +42,7 @@ class Engine:
         # forwarded under cpu.GEMM_MIN_TOKENS at a time by the C kernels on the CPU, where a row's arithmetic
         # does not depend on the rest of its forward (hotcold.batching); another slot may copy them
         self.exact = 0
-        self._rows_own_bits = (
-            plan is not None
-            and plan.fast is None
-            and all(d.type == "cpu" for d in (*plan.attention, *plan.predictor, *plan.ffn, plan.output))
-            and build.get_lib() is not None  # last: a model off the CPU never needs the library built
-        )
+        self._rows_own_bits = bool(getattr(model, "rows_own_bits", False))  # decided at load (decoders.py)
         self.last_prefill_computed = 0
 
     def record(self, pos: int, ids: Sequence[int]) -> None:
