@@ -28,7 +28,7 @@ class ModelConfig:
     rope_base: float
     rope_scale: float  # positions are multiplied by this (linear scaling: 1 / factor)
     norm_eps: float
-    ffn_activation: str  # "relu", "silu" or "gelu"
+    ffn_activation: str  # "relu", "silu", "gelu" or "gelu_tanh"
     ffn_kind: str  # how gate and up combine: "gated", "gated_both" or "plain" (names.ffn_kind)
     sparse: bool  # a PWRI file: PowerInfer layout (ffn_down_t, predictors)
     sparse_threshold: float
@@ -167,7 +167,7 @@ def ffn_activation(arch: str, model_file: ModelFile) -> str:
     if declared is not None:
         if declared not in names.ACTIVATIONS:
             raise GGUFError(
-                f"{model_file.path}: {names.FFN_ACTIVATION} {declared!r} is not relu, silu or gelu"
+                f"{model_file.path}: {names.FFN_ACTIVATION} {declared!r} is not relu, silu, gelu or gelu_tanh"
             )
         return declared
     return names.default_activation(arch, sparse=model_file.is_sparse)

@@ -48,6 +48,8 @@ def unsupported(model) -> str | None:
         return "hot neurons on the fast device: hybrid layers run one by one"
     h, hkv, dh = c.n_head, c.n_head_kv, c.head_dim
     for i, layer in enumerate(model.layers):
+        if layer.spec.attn_scale:
+            return f"layer {i}: a q.k scale of its own (not in the C layer yet)"
         if layer.device.type != "cpu":
             return f"layer {i} is on {layer.device}"
         group = layer.qkv.c_group
@@ -119,10 +121,15 @@ def _run(plans: list[_Plan], x: torch.Tensor, ctx) -> torch.Tensor | None:
     for seq, pos in zip(ctx.seqs, ctx.starts):
         check_context(pos + 1, seq.kv.k[0].shape[0])
     cos, sin = (t.contiguous() for t in plans[0].rope.rows(list(ctx.starts), CPU))
+    local = plans[0].rope_local  # Gemma 3's local layers' tables, or the same ones
+    cos_l, sin_l = (
+        (cos, sin) if local is None else (t.contiguous() for t in local.rows(list(ctx.starts), CPU))
+    )
     out = x.reshape(n, -1).to(torch.float32, copy=True).contiguous()
     rc = build.get_lib().hc_decode_step(
         len(plans[0].n_ff), n, (_LAYERS * n)(*[p.layers_ptr for p in plans]), out.data_ptr(), out.shape[1],
-        (ctypes.c_int64 * n)(*ctx.starts), cos.data_ptr(), sin.data_ptr(), (_FIRED * n)(*[p.fired_ptr for p in plans]),
+        (ctypes.c_int64 * n)(*ctx.starts), cos.data_ptr(), sin.data_ptr(), cos_l.data_ptr(), sin_l.data_ptr(),
+        (_FIRED * n)(*[p.fired_ptr for p in plans]),
         plans[0].threads,
     )  # fmt: skip
     if rc == -2:  # a layer whose tail takes one token, in a batch
@@ -147,6 +154,7 @@ class _Plan:
     ):
         self.kv = kv  # the layers point into its tensors (the plan lives in the state that owns it)
         self.rope, self.threads = rope, threads
+        self.rope_local = None  # Gemma 3's local RoPE tables (the model's rope_local), set by build
         self.layers = (HCLayer * len(layers))(*layers)
         self.keep = keep  # the tensors and structs the layers' pointers point into
         self.n_ff = n_ff  # per layer, the neurons a token's counts are out of (a MoE layer: its experts')
@@ -186,7 +194,7 @@ class _Plan:
                 return None
             attn_w = norm.weight.to(torch.float32).contiguous()
             # LayerNorm families, biases, a parallel residual (falcon, opt): float32 vectors the struct points into
-            spec, vectors, qk_eps = layer.spec, {}, 0.0
+            spec, vectors, qk_eps, post_eps = layer.spec, {}, 0.0, 0.0
             if not norm.rms and norm.bias is not None:
                 vectors["attn_norm_b"] = norm.bias
             for name in ("q_bias", "k_bias", "v_bias", "wo_bias"):
@@ -196,10 +204,17 @@ class _Plan:
                 if (n := getattr(layer, name, None)) is not None:
                     vectors[name] = n.weight
                     qk_eps = n.eps
+            for name in ("post_attn_norm", "post_ffn_norm"):  # Gemma 3's sandwich norms [D]
+                if (n := getattr(layer, name, None)) is not None:
+                    vectors[name.replace("post_attn", "attn_post").replace("post_ffn", "ffn_post")] = n.weight
+                    post_eps = n.eps
             vectors = {k: v.to(torch.float32).contiguous() for k, v in vectors.items()}
             fields = dict(tail["fields"])
             fields.update({k: v.data_ptr() for k, v in vectors.items()})
-            fields.update(attn_ln=int(not norm.rms), parallel=int(spec.residual == "parallel"), qk_eps=qk_eps)
+            fields.update(
+                attn_ln=int(not norm.rms), parallel=int(spec.residual == "parallel"), qk_eps=qk_eps,
+                post_eps=post_eps, local_rope=int(spec.local_rope),
+            )  # fmt: skip
             if spec.moe:  # this sequence's experts of its last token land in its plan's row of routes
                 fields["route_out"] = routes[i].data_ptr()
                 moe.append(i)
@@ -223,4 +238,6 @@ class _Plan:
             keep += [group, attn_w, vectors, tail["keep"], fields]
             n_ff.append(layer.ffn.n_ff)
         threads = nthreads(getattr(model.layers[0].ffn, "threads", None))  # the layers' own C calls use it
-        return cls(kv, model.rope, threads, layers, keep + [routes], n_ff, routes, moe)
+        plan = cls(kv, model.rope, threads, layers, keep + [routes], n_ff, routes, moe)
+        plan.rope_local = getattr(model, "rope_local", None)
+        return plan

@@ -30,6 +30,8 @@ ATTN_K = TENSOR_NAMES[MODEL_TENSOR.ATTN_K]
 ATTN_V = TENSOR_NAMES[MODEL_TENSOR.ATTN_V]
 ATTN_QKV = TENSOR_NAMES[MODEL_TENSOR.ATTN_QKV]
 ATTN_OUT = TENSOR_NAMES[MODEL_TENSOR.ATTN_OUT]
+ATTN_POST_NORM = TENSOR_NAMES[MODEL_TENSOR.ATTN_POST_NORM]  # Gemma 3's sandwich norms: after attention,
+FFN_POST_NORM = TENSOR_NAMES[MODEL_TENSOR.FFN_POST_NORM]  # and after the FFN, before each residual add
 ATTN_Q_NORM = TENSOR_NAMES[MODEL_TENSOR.ATTN_Q_NORM]  # Qwen3: an RMS norm over each head of q [Dh]
 ATTN_K_NORM = TENSOR_NAMES[MODEL_TENSOR.ATTN_K_NORM]
 FFN_NORM = TENSOR_NAMES[MODEL_TENSOR.FFN_NORM]
@@ -158,7 +160,7 @@ def key(template: str, arch: str) -> str:
 
 
 # --- the FFN rules shared by the reader (config.py) and the writers (convert/) ----------------------
-ACTIVATIONS = ("relu", "silu", "gelu")
+ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")  # gelu_tanh: the tanh approximation (Gemma)
 FFN_KINDS = ("gated", "gated_both", "plain")
 
 
@@ -169,6 +171,8 @@ def default_activation(arch: str, *, sparse: bool) -> str:
         return "relu"
     if arch == "falcon":
         return "gelu"
+    if arch == "gemma3":
+        return "gelu_tanh"
     return "silu"
 
 

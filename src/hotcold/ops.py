@@ -183,6 +183,8 @@ class RopeTables:
         *,
         rope_dim: int | None = None,
         freq_factors: torch.Tensor | None = None,
+        base: float | None = None,
+        scale: float | None = None,
     ):
         """rope_dim: the rotated dims of a head (None: the config's; 0: none, for learned positions (OPT),
         so attention takes the same kernels as a RoPE family's with nothing rotated). freq_factors: the file's
@@ -190,13 +192,15 @@ class RopeTables:
         self.config = config
         self.rope_dim = config.rope_dim if rope_dim is None else rope_dim
         self.freq_factors = None if freq_factors is None else freq_factors.detach().to("cpu", torch.float64)
+        # base / scale: the config's unless given (Gemma 3's local layers: their own base, no scaling)
+        self.base = config.rope_base if base is None else base
+        self.scale = config.rope_scale if scale is None else scale
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for device in set(devices):
             self._tables[device] = self._build(config.n_ctx_train, device)
 
     def _build(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        c = self.config
-        tables = rope_tables(n, self.rope_dim, c.rope_base, c.rope_scale, self.freq_factors)
+        tables = rope_tables(n, self.rope_dim, self.base, self.scale, self.freq_factors)
         return tuple(t.to(device) for t in tables)
 
     def _covering(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

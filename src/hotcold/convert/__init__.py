@@ -30,6 +30,7 @@ FAMILIES = {
     "qwen2": "qwen",
     "qwen3": "qwen",
     "phi3": "phi3",
+    "gemma3_text": "gemma3",
     "falcon": "falcon",
     "RefinedWeb": "falcon",  # Falcon checkpoints from before transformers had the class
     "RefinedWebModel": "falcon",

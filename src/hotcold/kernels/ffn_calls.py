@@ -195,7 +195,7 @@ class SparseFFNPlan(_LayerTail):
         return sparse_axpy(down_t, a, live, threads=threads), mask, int(mask.sum())
 
 
-C_ACTIVATIONS = {"relu": 0, "silu": 1, "gelu": 2}  # the C kernels' activation codes
+C_ACTIVATIONS = {"relu": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}  # the C kernels' activation codes
 
 
 def ffn_combine(

@@ -49,6 +49,11 @@ class LayerSpec:
     moe: bool = False  # the FFN is a router over experts
     input_sparse: bool = False  # q/k/v and o from each token's kept input channels (sparsify --attention)
     qk_norm: bool = False  # an RMS norm over each head of q and of k before RoPE (Qwen3)
+    post_norms: bool = (
+        False  # "sandwich": an RMS norm on attention's and on the FFN's output before each add (Gemma 3)
+    )
+    local_rope: bool = False  # RoPE with the local base (Gemma 3's sliding-window layers)
+    attn_scale: float = 0.0  # softmax scale of q.k (0: 1 / sqrt(head_dim))
 
     def beyond_llama(self) -> str | None:
         """The first thing this layer computes that a plain llama layer (RMS norms, sequential residual, RoPE on
@@ -68,6 +73,8 @@ class LayerSpec:
             return "experts"
         if self.qk_norm:
             return "q/k norms"
+        if self.post_norms or self.local_rope or self.attn_scale:
+            return "sandwich norms, a local RoPE base or a scale of its own"
         return None
 
 

@@ -9,6 +9,7 @@ Files with experts are Mixtral (the registry sends them to mixtral.py, which reu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,11 @@ from hotcold.weights import TensorSource
 
 # architectures whose RoPE rotates the two halves of a head (llama.cpp's LLAMA_ROPE_TYPE_NEOX): their converters
 # keep q/k as stored; llama's permutes them into adjacent pairs
-NEOX_ROPE = {"qwen2", "qwen3", "phi3"}
+NEOX_ROPE = {"qwen2", "qwen3", "phi3", "gemma3"}
+GEMMA3_SWA_PATTERN = (
+    6  # Gemma 3: layer i attends globally iff (i + 1) % 6 == 0, else in its window (as upstream)
+)
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # and its local layers' RoPE base (upstream's; the file has no key for it)
 
 
 @dataclass(frozen=True)
@@ -52,6 +57,8 @@ class LlamaLayer:
     v_bias: torch.Tensor | None = None
     q_norm: Norm | None = None  # [Dh]: Qwen3's RMS norm over each head of q, and of k (spec.qk_norm)
     k_norm: Norm | None = None
+    post_attn_norm: Norm | None = None  # Gemma 3's sandwich norms, on attention's and the FFN's output
+    post_ffn_norm: Norm | None = None
 
 
 class Llama:
@@ -70,7 +77,14 @@ class Llama:
         self.head = head
         self.plan: DevicePlan = plan
         # rope_freqs: Llama 3.1's per-dimension RoPE scaling (the file's rope_freqs), or None
-        self.rope = RopeTables(config, [layer.device for layer in layers], freq_factors=rope_freqs)
+        devices = [layer.device for layer in layers]
+        self.rope = RopeTables(config, devices, freq_factors=rope_freqs)
+        # Gemma 3: local layers' RoPE (own base, no scaling), embeddings scaled by sqrt(width)
+        local = any(layer.spec.local_rope for layer in layers)
+        self.rope_local = (
+            RopeTables(config, devices, base=GEMMA3_LOCAL_ROPE_BASE, scale=1.0) if local else None
+        )
+        self.embed_scale = math.sqrt(config.n_embd) if config.arch == "gemma3" else None
         # the decoder, chosen at load (decoders.choose_decoder): a fast one, or None for these layers one by one
         self.decoder, self.static_step, self.cpu_decode = "eager", None, None
 
@@ -83,6 +97,8 @@ class Llama:
         c = self.config
         T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
+        if self.embed_scale is not None:  # Gemma: the embedding times sqrt(width), in float32
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         # a decode step in one C call, where load chose it
         if (y := one_call_decode(self, x, ctx)) is not None:
             return self.head(y, ctx, last_only=last_only)
@@ -93,11 +109,16 @@ class Llama:
             inputs = None if ctx.dense else layer.inputs
             if watch is not None:
                 watch(i, 0, layer.attn_norm(x))
-            attn, neox = None, layer.spec.rope_neox
-            if inputs is None and not (layer.spec.attn_bias or layer.spec.qk_norm):  # one C call, CPU decode
+            spec = layer.spec
+            attn, neox, window = None, spec.rope_neox, spec.sliding_window or None
+            rope = self.rope_local if spec.local_rope else self.rope
+            plain = not (
+                spec.attn_bias or spec.qk_norm or spec.attn_scale
+            )  # q, k, v as the C call makes them
+            if inputs is None and plain:  # one C call for a CPU decode token, else the ops below
                 attn = decode_attention(
-                    ctx, i, layer.qkv, layer.attn_norm, x, self.rope, layer.device, heads=heads, neox=neox,
-                    sliding_window=c.sliding_window,
+                    ctx, i, layer.qkv, layer.attn_norm, x, rope, layer.device, heads=heads, neox=neox,
+                    sliding_window=window,
                 )  # fmt: skip
             if attn is None:
                 q, k, v = (
@@ -109,16 +130,22 @@ class Llama:
                     q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
                 if layer.spec.qk_norm:  # each head of q and of k (Qwen3), before RoPE
                     q, k = head_norm(q, layer.q_norm, c.head_dim), head_norm(k, layer.k_norm, c.head_dim)
+                if spec.attn_scale:  # the softmax scales by 1 / sqrt(Dh): q carries the rest
+                    q = q * (spec.attn_scale * math.sqrt(c.head_dim))
                 q = q.view(T, c.n_head, c.head_dim)
                 k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
                 attn = rope_attention_segments(
-                    ctx, i, q, k, v, self.rope, layer.device, neox=neox, sliding_window=c.sliding_window
+                    ctx, i, q, k, v, rope, layer.device, neox=neox, sliding_window=window
                 )
             if watch is not None:
                 watch(i, 1, attn)
             if inputs is not None:
                 x = x + inputs.o(attn, layer.wo, ctx)
                 x = x + layer.ffn(x, ctx)
+                continue
+            if spec.post_norms:  # Gemma 3: each branch normed before its add
+                x = x + layer.post_attn_norm(linear(attn, layer.wo))
+                x = x + layer.post_ffn_norm(layer.ffn(x, ctx))
                 continue
             fused = getattr(layer.ffn, "decode_tail", None)  # MoE layers have none
             tail = fused(attn, x, layer.wo, ctx) if fused is not None else None  # one C call, CPU decode
@@ -166,9 +193,19 @@ def attention_block(src: TensorSource, i: int) -> dict:
             "q_norm": src.norm(names.ATTN_Q_NORM, i, rms=True, width=c.head_dim),
             "k_norm": src.norm(names.ATTN_K_NORM, i, rms=True, width=c.head_dim),
         }
+    window, local, scale = c.sliding_window or 0, False, 0.0
+    if c.arch == "gemma3":  # local layers in a window with their own RoPE base; every sixth global
+        local = (i + 1) % GEMMA3_SWA_PATTERN != 0
+        window = window if local else 0
+        # upstream's rule: the 27B (62 layers) scales q.k by 1 / sqrt(width / heads), the others by 1 / sqrt(Dh)
+        scale = 1 / math.sqrt(c.n_embd / c.n_head) if c.n_layer == 62 else 0.0
+    if src.has(names.ATTN_POST_NORM, i):  # Gemma 3's sandwich norms
+        norms["post_attn_norm"] = src.norm(names.ATTN_POST_NORM, i, rms=True)
+        norms["post_ffn_norm"] = src.norm(names.FFN_POST_NORM, i, rms=True)
     spec = LayerSpec(
-        rope_neox=c.arch in NEOX_ROPE, attn_bias=bool(biases), sliding_window=c.sliding_window or 0,
-        input_sparse=inputs is not None, qk_norm=bool(norms),
+        rope_neox=c.arch in NEOX_ROPE, attn_bias=bool(biases), sliding_window=window,
+        input_sparse=inputs is not None, qk_norm="q_norm" in norms, post_norms="post_attn_norm" in norms,
+        local_rope=local, attn_scale=scale,
     )  # fmt: skip
     return dict(
         **biases,

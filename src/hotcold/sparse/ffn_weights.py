@@ -21,17 +21,18 @@ def silu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(x) if out is None else out
 
 
-def gelu(x: torch.Tensor) -> torch.Tensor:
-    """GELU (erf form): for CPU float32 tensors the C kernels' (ffn_calls.ffn_combine), the one GELU of every CPU
-    path (the one-call decode's included); torch's elsewhere."""
-    out = ffn_calls.ffn_combine("plain", "gelu", x, None, None)
-    return F.gelu(x) if out is None else out
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    """GELU (erf form, or approximate="tanh": Gemma's): for CPU float32 tensors the C kernels' (ffn_calls.ffn_combine),
+    the one GELU of every CPU path (the one-call decode's included); torch's elsewhere."""
+    out = ffn_calls.ffn_combine("plain", "gelu_tanh" if approximate == "tanh" else "gelu", x, None, None)
+    return F.gelu(x, approximate=approximate) if out is None else out
 
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu,
     "silu": silu,
     "gelu": gelu,
+    "gelu_tanh": lambda x: gelu(x, approximate="tanh"),  # Gemma's
 }
 
 

@@ -80,6 +80,11 @@ typedef struct {
     /* per-head RMS norms of q and k [Dh] (qwen3), or NULL */
     const float *q_norm, *k_norm;
     float qk_eps;
+    /* gemma3: RMS norms on attention's and the FFN's output before each add [D] (or NULL), RoPE from the local
+     * tables (cos_l / sin_l of hc_decode_step) */
+    const float *attn_post_norm, *ffn_post_norm;
+    float post_eps;
+    int local_rope;
 } hc_layer;
 
 /* Each of T rows of logits [T, E]: its K largest, largest first (ties: the lower expert first) -> ids [T, K], and
@@ -186,6 +191,7 @@ static int64_t general_tail(const hc_layer *a, const float *attn, const float *x
     float *o = buf, *h = buf + N * D;
     int64_t got = -1;
     if (weight_matvec(a->wo, attn, N, o, nth) == 0) {
+        if (a->attn_post_norm) hc_rms_norm(o, a->attn_post_norm, a->post_eps, N, D, o); /* gemma3 */
         for (int64_t t = 0; t < N; t++)
             for (int64_t i = 0; i < D; i++) {
                 const float v = a->wo_bias ? o[t * D + i] + a->wo_bias[i] : o[t * D + i];
@@ -199,6 +205,7 @@ static int64_t general_tail(const hc_layer *a, const float *attn, const float *x
                                 0.0f, mask, o, nth);
         else
             got = dense_ffn(a->up, a->gate, a->down, a->down_is_t, a->up_bias, a->kind, a->act, N, h, o, nth) == 0 ? 0 : -1;
+        if (got >= 0 && a->ffn_post_norm) hc_rms_norm(o, a->ffn_post_norm, a->post_eps, N, D, o); /* gemma3 */
         if (got >= 0)
             for (int64_t t = 0; t < N; t++)
                 for (int64_t i = 0; i < D; i++) {
@@ -246,7 +253,8 @@ static int64_t input_sparse_tail(const hc_layer *a, const float *attn, const flo
  * -1 (memory, or a call that failed: x is then undefined), or -2 (nothing computed) for several rows over a layer
  * with a one-token tail (thresholded or input-sparse). */
 int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_t D, const int64_t *pos,
-                   const float *cos, const float *sin, int64_t *const *fired, int nth) {
+                   const float *cos, const float *sin, const float *cos_l, const float *sin_l, int64_t *const *fired,
+                   int nth) {
     const hc_layer *L = Ls[0];
     int64_t qmax = 1, kvmax = 1, fmax = 1;
     for (int l = 0; l < n; l++) {
@@ -278,8 +286,9 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
                 xin = xn, norm_w = NULL;
             }
             rc = decode_head_rows(N, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, xin, norm_w, a->attn_eps, qkv,
-                                  bias, a->q_norm, a->k_norm, a->qk_eps, kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R, cos,
-                                  sin, a->neox, a->window, attn, nth);
+                                  bias, a->q_norm, a->k_norm, a->qk_eps, kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R,
+                                  a->local_rope ? cos_l : cos, a->local_rope ? sin_l : sin, a->neox, a->window, attn,
+                                  nth);
         }
         if (rc != 0) break;
         const int64_t F = a->up->rows;
@@ -295,7 +304,8 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
             int64_t *rowfired = (int64_t *)(void *)q; /* q's buffer (N * qmax floats >= N int64 counts) is free too */
             got = moe_tail(a, attn, x, N, D, routes, rowfired, mask, y1, y2, nth);
             for (int64_t j = 0; j < N && got >= 0; j++) fired[j][l] = rowfired[j];
-        } else if (a->attn_ln || a->ffn_ln || a->parallel || a->wo_bias || a->down_bias) {
+        } else if (a->attn_ln || a->ffn_ln || a->parallel || a->wo_bias || a->down_bias || a->attn_post_norm ||
+                   a->ffn_post_norm) {
             got = general_tail(a, attn, x, N, D, mask, y1, y2, nth);
             for (int64_t j = 0; j < N && got >= 0; j++) { /* each row its own count (dense: the layer's width) */
                 int64_t c = a->sparse ? 0 : F;

@@ -177,12 +177,19 @@ HC_INLINE float silu1(float x) { return x / (1.0f + exp_nofma(-x)); }
 /* GELU as torch's default (erf) form writes it, x * 0.5 * (1 + erf(x / sqrt(2))); the one GELU of every CPU path. */
 HC_INLINE float gelu1(float x) { return x * 0.5f * (1.0f + erff(x * 0.70710678118654752f)); }
 
-HC_INLINE float act1(int act, float v) { return act == 2 ? gelu1(v) : act ? silu1(v) : relu1(v); }
+/* GELU's tanh approximation as torch writes it (approximate="tanh"; Gemma's), with tanhf. */
+HC_INLINE float gelu_tanh1(float x) {
+    return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
+}
 
-enum { ACT_RELU = 0, ACT_SILU = 1, ACT_GELU = 2 };
+HC_INLINE float act1(int act, float v) {
+    return act == 3 ? gelu_tanh1(v) : act == 2 ? gelu1(v) : act ? silu1(v) : relu1(v);
+}
+
+enum { ACT_RELU = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3 };
 
 /* a [T, F] = the FFN activation of u [T, F] (plus up_bias [F] if given) and g [T, F] (NULL for plain):
- * gated act(g) * v, gated_both act(g) * act(v), plain act(v); act 0 relu, 1 silu, 2 gelu. torch's steps in its
+ * gated act(g) * v, gated_both act(g) * act(v), plain act(v); act 0 relu, 1 silu, 2 gelu, 3 gelu (tanh). torch's steps in its
  * order (bias add, activation, product), so with relu the bits of torch's ops. a may be u. */
 void hc_ffn_combine(int kind, int act, const float *u, const float *g, const float *up_bias, int64_t T, int64_t F,
                     float *a, int nth) {

@@ -1,0 +1,91 @@
+"""Gemma 3 (text) against Hugging Face transformers: converted by `hotcold convert` as upstream llama.cpp writes arch
+gemma3 (norms stored as 1 + w, sandwich norms, per-head q/k norms, NeoX RoPE, tied output), loaded as llama layers
+whose description says so: embeddings times sqrt(width), GELU-tanh gated FFN, every sixth layer global and the
+others in a sliding window with RoPE base 10000."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hotcold
+from hotcold.convert import convert
+from hotcold.gguf_io import ModelFile
+from tests.fixtures import TOKENIZER_VOCAB, run_family_checks, save_checkpoint, scale_matrices
+
+CASES = {
+    # 7 layers: local, local, local, local, local, global, local; a window of 8 over 40-token checks
+    "gqa-window8": dict(num_hidden_layers=7, num_key_value_heads=2, sliding_window=8),
+    "mha-linear-scaling": dict(
+        num_hidden_layers=6,
+        num_key_value_heads=4,
+        sliding_window=16,
+        rope_parameters=dict(
+            sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+            full_attention=dict(rope_type="linear", rope_theta=1e6, factor=4.0),
+        ),
+    ),  # fmt: skip
+}
+
+
+def make_gemma3(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    settings = dict(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=64,
+        intermediate_size=1280,
+        num_attention_heads=4,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    hf = Gemma3ForCausalLM(Gemma3TextConfig(**settings)).eval()
+    scale_matrices(hf)
+    with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): make them matter
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    save_checkpoint(hf, hf_dir, spm_model)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def converted(request, tmp_path_factory, spm_model_file):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_gemma3(folder / "hf", spm_model_file, **CASES[request.param])
+    return hf, convert(folder / "hf", None, folder / "model.gguf", outtype="f32")
+
+
+def test_family_runner(converted):
+    """Logits and greedy tokens against transformers; the one-call decoder (sandwich norms, local and global RoPE
+    tables, GELU-tanh in C) equal to the eager one on the F16 copy."""
+    hf, path = converted
+    run_family_checks(path, hf)
+
+
+def test_file_layout_follows_upstream(converted):
+    hf, path = converted
+    mf = ModelFile(path)
+    assert mf.architecture == "gemma3" and "output.weight" not in mf.tensors
+    assert {
+        "blk.0.post_attention_norm.weight",
+        "blk.0.post_ffw_norm.weight",
+        "blk.0.attn_q_norm.weight",
+    } <= set(mf.tensors)
+    w = hf.model.layers[0].input_layernorm.weight.detach()
+    assert torch.equal(mf.tensor("blk.0.attn_norm.weight").float(), w + 1)  # Gemma's 1 + w, stored
+    layers = hotcold.load(path, device="cpu").loaded.model.layers
+    assert [layer.spec.local_rope for layer in layers] == [(i + 1) % 6 != 0 for i in range(len(layers))]
+    assert all(
+        layer.spec.sliding_window == (hf.config.sliding_window if layer.spec.local_rope else 0)
+        for layer in layers
+    )
