@@ -112,10 +112,9 @@ class Llama:
             spec = layer.spec
             attn, neox, window = None, spec.rope_neox, spec.sliding_window or None
             rope = self.rope_local if spec.local_rope else self.rope
-            plain = not (
-                spec.attn_bias or spec.qk_norm or spec.attn_scale
-            )  # q, k, v as the C call makes them
-            if inputs is None and plain:  # one C call for a CPU decode token, else the ops below
+            # q, k, v as the one C call makes them (no biases, head norms or scale): it runs a CPU decode token
+            plain = not (spec.attn_bias or spec.qk_norm or spec.attn_scale)
+            if inputs is None and plain:
                 attn = decode_attention(
                     ctx, i, layer.qkv, layer.attn_norm, x, rope, layer.device, heads=heads, neox=neox,
                     sliding_window=window,
@@ -126,9 +125,9 @@ class Llama:
                     if inputs
                     else layer.qkv(x, layer.attn_norm)
                 )
-                if layer.spec.attn_bias:  # Qwen2's q/k/v biases
+                if spec.attn_bias:  # Qwen2's q/k/v biases
                     q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
-                if layer.spec.qk_norm:  # each head of q and of k (Qwen3), before RoPE
+                if spec.qk_norm:  # each head of q and of k (Qwen3, Gemma 3), before RoPE
                     q, k = head_norm(q, layer.q_norm, c.head_dim), head_norm(k, layer.k_norm, c.head_dim)
                 if spec.attn_scale:  # the softmax scales by 1 / sqrt(Dh): q carries the rest
                     q = q * (spec.attn_scale * math.sqrt(c.head_dim))
