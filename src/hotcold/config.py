@@ -33,6 +33,7 @@ class ModelConfig:
     sparse: bool  # a PWRI file: PowerInfer layout (ffn_down_t, predictors)
     sparse_threshold: float
     sliding_window: int | None = None
+    rope_base_swa: float | None = None  # the sliding-window layers' RoPE base where it is their own (Gemma 3)
     n_expert: int = 0
     n_expert_used: int = 0
     name: str = ""
@@ -139,7 +140,8 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
         ffn_kind=names.ffn_kind(arch, meta.get(names.FFN_KIND)),
         sparse=model_file.is_sparse,
         sparse_threshold=sparse_threshold(meta),
-        sliding_window=get("attention.sliding_window"),
+        sliding_window=get("attention.sliding_window") or None,
+        rope_base_swa=None if get("rope.freq_base_swa") is None else float(get("rope.freq_base_swa")),
         n_expert=integer("expert_count", 0, lo=0),
         n_expert_used=integer("expert_used_count", 0, lo=0),
         name=str(meta.get("general.name", "")),

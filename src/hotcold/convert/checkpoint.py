@@ -75,12 +75,13 @@ def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> torch.Tensor |
             f"config.json: llama3 rope scaling {s} (need factor > 0, high_freq_factor > low_freq_factor > 0)"
         )
     base = rope_theta(config) or 10000.0
-    freqs = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    # in float32 throughout, as upstream computes them, so the tensor has upstream's bits
+    freqs = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
     wavelen = 2 * math.pi / freqs
     smooth = (old_ctx / wavelen - low) / (high - low)
-    blended = 1.0 / ((1 - smooth) / factor + smooth)
-    out = torch.where(wavelen < old_ctx / high, 1.0, torch.where(wavelen > old_ctx / low, factor, blended))
-    return out.float()
+    blended = 1 / ((1 - smooth) / factor + smooth)
+    one, full = torch.ones_like(freqs), torch.full_like(freqs, factor)
+    return torch.where(wavelen < old_ctx / high, one, torch.where(wavelen > old_ctx / low, full, blended))
 
 
 class Checkpoint:

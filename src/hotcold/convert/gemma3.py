@@ -2,8 +2,7 @@
 writes them: arch `gemma3`, the llama keys with the head size and the sliding window, RMS norm weights stored as
 1 + w (Gemma's norms scale by 1 + w), the sandwich norms (`post_attention_norm`, `post_ffw_norm`), per-head q/k
 norms, q/k as stored (NeoX RoPE), the output tied to the embedding. Which layers are local follows upstream's
-pattern (every sixth layer global); local layers use RoPE base 10000 as upstream assumes, so another local base
-is refused, named."""
+pattern (every sixth layer global); the local layers' RoPE base is `rope.freq_base_swa` (10000 by default)."""
 
 from __future__ import annotations
 
@@ -50,10 +49,6 @@ def _rope(config: dict[str, Any]) -> tuple[float, dict[str, Any]]:
 
 def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
     local, full = _rope(config)
-    if local != LOCAL_ROPE_BASE:
-        raise ConvertError(
-            f"config.json: gemma3 local RoPE base {local:g} (upstream runs {LOCAL_ROPE_BASE:g} only)"
-        )
     types = config.get("layer_types")
     want = [
         "full_attention" if (i + 1) % SWA_PATTERN == 0 else "sliding_attention"
@@ -85,7 +80,7 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
         items += [(key(names.KEY_LENGTH), head_dim, V.UINT32), (key(names.VALUE_LENGTH), head_dim, V.UINT32)]
     if config.get("sliding_window"):
         items.append((key(names.SLIDING_WINDOW), int(config["sliding_window"]), V.UINT32))
-    return items
+    return items + [(key(names.ROPE_FREQ_BASE_SWA), local, V.FLOAT32)]
 
 
 def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) -> list[tuple[str, Any]]:

@@ -71,9 +71,11 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
         (key(names.HEAD_COUNT_KV), config.get("num_key_value_heads") or n_head, V.UINT32),
         (key(names.LAYERNORM_RMS_EPS), float(config.get("rms_norm_eps", 1e-6)), V.FLOAT32),
     ]
-    if head_dim != n_embd // n_head:
+    if head_dim != n_embd // n_head or arch == "llama":  # upstream writes the head size for llama always
         items.append((key(names.KEY_LENGTH), head_dim, V.UINT32))
         items.append((key(names.VALUE_LENGTH), head_dim, V.UINT32))
+    if arch == "llama" and config.get("vocab_size"):  # as upstream's llama converter
+        items.append((key(names.VOCAB_SIZE), int(config["vocab_size"]), V.UINT32))
     theta = rope_theta(config)
     if theta is not None:
         items.append((key(names.ROPE_FREQ_BASE), theta, V.FLOAT32))

@@ -39,9 +39,19 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
         raise ConvertError(
             f"config.json: phi3 rope scaling {kind!r} is not supported (long-context variants)"
         )
-    dim_key = names.key(names.ROPE_DIMENSION_COUNT, arch)
-    return [
+    dim_key, window_key = names.key(names.ROPE_DIMENSION_COUNT, arch), names.key(names.SLIDING_WINDOW, arch)
+    items = [
         (k, _rope_dim(config), t) if k == dim_key else (k, v, t) for k, v, t in llama.metadata(config, arch)
+    ]
+    items = [item for item in items if item[0] != window_key]
+    original = (config.get("rope_parameters") or {}).get("original_max_position_embeddings")
+    original = original or config.get(
+        "original_max_position_embeddings", config.get("max_position_embeddings")
+    )
+    return items + [
+        (names.key(names.ROPE_SCALING_ORIG_CTX_LEN, arch), int(original), V.UINT32),
+        # upstream writes 0 for no window (it tells Phi-4 from the other Phi-3 models by it)
+        (window_key, int(config.get("sliding_window") or 0), V.UINT32),
     ]
 
 

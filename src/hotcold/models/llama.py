@@ -38,7 +38,7 @@ NEOX_ROPE = {"qwen2", "qwen3", "phi3", "gemma3"}
 GEMMA3_SWA_PATTERN = (
     6  # Gemma 3: layer i attends globally iff (i + 1) % 6 == 0, else in its window (as upstream)
 )
-GEMMA3_LOCAL_ROPE_BASE = 10000.0  # and its local layers' RoPE base (upstream's; the file has no key for it)
+GEMMA3_LOCAL_ROPE_BASE = 10000.0  # and its local layers' RoPE base where the file has no rope.freq_base_swa
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,9 @@ class Llama:
         # Gemma 3: local layers' RoPE (own base, no scaling), embeddings scaled by sqrt(width)
         local = any(layer.spec.local_rope for layer in layers)
         self.rope_local = (
-            RopeTables(config, devices, base=GEMMA3_LOCAL_ROPE_BASE, scale=1.0) if local else None
+            RopeTables(config, devices, base=config.rope_base_swa or GEMMA3_LOCAL_ROPE_BASE, scale=1.0)
+            if local
+            else None
         )
         self.embed_scale = math.sqrt(config.n_embd) if config.arch == "gemma3" else None
         # the decoder, chosen at load (decoders.choose_decoder): a fast one, or None for these layers one by one
