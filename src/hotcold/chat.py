@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from datetime import datetime
 
 import jinja2
+import jinja2.ext
+import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from hotcold.tokenizer import Tokenizer
@@ -81,6 +83,18 @@ def _fallback_tools(messages: Sequence[dict], tools: Sequence[dict] | None) -> l
     return out
 
 
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: marks the assistant's part for training masks in transformers;
+    rendering keeps its body as it is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body, lineno=lineno)
+
+
 def render_chat(
     tokenizer: Tokenizer,
     messages: Sequence[dict],
@@ -101,7 +115,10 @@ def render_chat(
         messages = _fallback_tools(messages, tools)
     else:
         messages = [{"role": m["role"], "content": m["content"]} for m in messages]
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    # loop controls ({% break %}, {% continue %}) and {% generation %} blocks, as transformers' renderer takes them
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols", _GenerationBlock]
+    )
 
     def raise_exception(message):
         raise ValueError(f"chat template: {message}")
