@@ -204,9 +204,9 @@ class _Plan:
                 if (n := getattr(layer, name, None)) is not None:
                     vectors[name] = n.weight
                     qk_eps = n.eps
-            for name in ("post_attn_norm", "post_ffn_norm"):  # Gemma 3's sandwich norms [D]
-                if (n := getattr(layer, name, None)) is not None:
-                    vectors[name.replace("post_attn", "attn_post").replace("post_ffn", "ffn_post")] = n.weight
+            for name, field in (("post_attn_norm", "attn_post_norm"), ("post_ffn_norm", "ffn_post_norm")):
+                if (n := getattr(layer, name, None)) is not None:  # Gemma 3's sandwich norms [D]
+                    vectors[field] = n.weight
                     post_eps = n.eps
             vectors = {k: v.to(torch.float32).contiguous() for k, v in vectors.items()}
             fields = dict(tail["fields"])

@@ -9,7 +9,7 @@ from dataclasses import dataclass, fields
 from hotcold import validate
 
 DEVICES = ("auto", "cpu", "cuda")
-DECODERS = ("auto", "eager")
+DECODER_REQUESTS = ("auto", "eager")  # decoders.DECODERS: what load may choose
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class LoadOptions:
             object.__setattr__(self, name, validate.check_optional(name, getattr(self, name)))
         if self.device not in DEVICES:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
-        if self.decoder not in DECODERS:
+        if self.decoder not in DECODER_REQUESTS:
             raise ValueError(f"decoder must be one of 'auto', 'eager', got {self.decoder!r}")
         if not isinstance(self.kv_sequences, int) or self.kv_sequences < 1:
             raise ValueError(f"kv_sequences must be >= 1, got {self.kv_sequences}")

@@ -39,7 +39,7 @@ def rope_theta(config: dict[str, Any]) -> float | None:
     return None
 
 
-def _rope_scaling(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
+def rope_scaling_params(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
     """(rope type, its parameters) from rope_scaling (transformers 4) or rope_parameters (5)."""
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
     return scaling.get("rope_type") or scaling.get("type"), scaling
@@ -48,7 +48,7 @@ def _rope_scaling(config: dict[str, Any]) -> tuple[str | None, dict[str, Any]]:
 def rope_scaling(config: dict[str, Any], *, llama3: bool = False) -> tuple[str, float] | None:
     """("linear", factor) for linear RoPE scaling, None for none (or, with llama3, for Llama 3.1's, which
     `llama3_rope_factors` writes as a tensor); anything else is refused, named."""
-    kind, scaling = _rope_scaling(config)
+    kind, scaling = rope_scaling_params(config)
     if kind in (None, "default") or (llama3 and kind == "llama3"):
         return None
     if kind != "linear":
@@ -62,7 +62,7 @@ def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> torch.Tensor |
     upstream llama.cpp's converter writes them (`rope_freqs.weight`): 1 for wavelengths under
     original_max_position_embeddings / high_freq_factor, `factor` above it / low_freq_factor, a smooth blend
     between (transformers' llama3 rope: inv_freq / f). None without llama3 scaling."""
-    kind, s = _rope_scaling(config)
+    kind, s = rope_scaling_params(config)
     if kind != "llama3":
         return None
     try:

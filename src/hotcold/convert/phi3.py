@@ -12,7 +12,7 @@ from gguf import GGUFValueType as V
 
 from hotcold import names
 from hotcold.convert import llama
-from hotcold.convert.checkpoint import Checkpoint, ConvertError
+from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling_params
 
 MODEL_TYPES = ("phi3",)
 
@@ -27,14 +27,13 @@ dims = llama.dims
 
 def _rope_dim(config: dict[str, Any]) -> int:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    params = config.get("rope_parameters") or {}
+    _, params = rope_scaling_params(config)
     factor = config.get("partial_rotary_factor", params.get("partial_rotary_factor", 1.0)) or 1.0
     return int(head_dim * float(factor))
 
 
 def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type") or scaling.get("type")
+    kind, params = rope_scaling_params(config)
     if kind not in (None, "default"):
         raise ConvertError(
             f"config.json: phi3 rope scaling {kind!r} is not supported (long-context variants)"
@@ -44,7 +43,7 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
         (k, _rope_dim(config), t) if k == dim_key else (k, v, t) for k, v, t in llama.metadata(config, arch)
     ]
     items = [item for item in items if item[0] != window_key]
-    original = (config.get("rope_parameters") or {}).get("original_max_position_embeddings")
+    original = params.get("original_max_position_embeddings")
     original = original or config.get(
         "original_max_position_embeddings", config.get("max_position_embeddings")
     )
