@@ -3,7 +3,7 @@
 Runs `hotcold bench --json` (tg, sparse) as a child for -t 1 .. -t <cores> and for the default (no -t,
 which leaves cores that other processes keep busy to them), first on the machine as it is, then with
 --busy N processes (not niced) spinning beside it. Prints JSON; --results appends a dated section to
-benchmarks/RESULTS.md. Run it on an otherwise quiet machine.
+benchmarks/RESULTS_LOG.md. Run it on an otherwise quiet machine.
 
     python benchmarks/busy_threads.py [-m MODEL] [-n 128] [--busy 1] [-r 3] [--results]
 """
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("-n", type=int, default=128, help="generated tokens per run")
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--busy", type=int, default=1, help="spinning processes for the busy case")
-    ap.add_argument("--results", action="store_true", help="append to benchmarks/RESULTS.md")
+    ap.add_argument("--results", action="store_true", help="append to benchmarks/RESULTS_LOG.md")
     args = ap.parse_args(argv)
     cores = len(os.sched_getaffinity(0))
     res = {"date": dt.date.today().isoformat(), "cores": cores, "model": args.model or "demo", "n": args.n}
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> dict:
             m = res[key]
             row = " | ".join(f"{m['fixed'][t]:.1f}" for t in range(1, cores + 1))
             lines.append(f"| {key} | {row} | {m['default']:.1f} | {m['default_vs_best']:.2f} |\n")
-        with open(Path(__file__).with_name("RESULTS.md"), "a") as f:
+        with open(Path(__file__).with_name("RESULTS_LOG.md"), "a") as f:
             f.write("".join(lines))
     return res
 

@@ -8,7 +8,7 @@ rows (a file's first rows once kept hottest first) as one packed product for eve
 the others gathered as before. The split gives the hot rows another arithmetic (one fma chain per row and token,
 as the packed products), so it is checked against the whole to float tolerance, not bits; the same split at every
 token count would keep a batch's output equal to each token's alone. (Built so in 9bb5c82 and reverted: inside the
-sparse step the three extra packed calls a layer made one token's FFN 1.15-1.27x slower; see RESULTS.md,
+sparse step the three extra packed calls a layer made one token's FFN 1.15-1.27x slower; see RESULTS_LOG.md,
 2026-12-04.)
 
     python benchmarks/ffn_split.py -m MODEL [-t 2] [--batch 8] [--prompt 85] [--hot 256,512] [--rounds 11]

@@ -1,6 +1,6 @@
 """CPU kernel bandwidth: sparse row-gather GEMV and sparse axpy per weight type, against the machine.
 
-Prints JSON and appends a dated section to benchmarks/RESULTS.md. Shapes are FFN matrices of a 1B
+Prints JSON and appends a dated section to benchmarks/RESULTS_LOG.md. Shapes are FFN matrices of a 1B
 model (22 of 5632 x 2048, one per layer, so nothing stays in cache between calls) and of a 7B model
 (6 of 11008 x 4096: a call reads 4x the bytes, so fixed per-call costs weigh less); rows are drawn at
 random for every call. Effective GB/s = bytes of the rows a call had to read / its time. Everything
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--formats", default=None, help=f"comma-separated subset of {','.join(FORMATS)}, or all")
     ap.add_argument("--shapes", default="1b,7b", help=f"comma-separated subset of {','.join(SHAPES)}")
     ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS_LOG.md")
     args = ap.parse_args(argv)
     threads = [int(t) for t in args.threads.split(",")]
     shapes = args.shapes.split(",")
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
     res["machine"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     print(json.dumps(res, indent=1))
     if not args.no_results:
-        path = Path(__file__).with_name("RESULTS.md")
+        path = Path(__file__).with_name("RESULTS_LOG.md")
         if not path.exists():
             path.write_text(
                 "# Benchmark results\n\nEvery figure quoted in the docs, with the command that produced it.\n"

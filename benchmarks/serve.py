@@ -6,7 +6,7 @@ client a different prompt at the same moment (`/v1/completions`, stream, tempera
 `ignore_eos` so each produces exactly --max-tokens tokens), and reports total tokens / wall time, mean time
 to first token and per-client tokens/s. The single-request figure without HTTP (`llm.generate`) is
 measured alongside, so the server's overhead shows as a ratio. Prints JSON and appends a dated section to
-benchmarks/RESULTS.md.
+benchmarks/RESULTS_LOG.md.
 
     python benchmarks/serve.py [MODEL] [--clients 1,4,8] [--max-tokens 32] [-t THREADS] [--modes sparse,dense]
         [--llama-server BIN --anchor-model DENSE.gguf] [--ray --replicas 2]
@@ -445,8 +445,8 @@ def main(argv: list[str] | None = None) -> dict:
         default="template",
         help="template: a load's prompts share their first words (default); distinct: they share nothing",
     )
-    ap.add_argument("--label", default=None, help="how to name the model in RESULTS.md")
-    ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS.md")
+    ap.add_argument("--label", default=None, help="how to name the model in RESULTS_LOG.md")
+    ap.add_argument("--no-results", action="store_true", help="do not append to benchmarks/RESULTS_LOG.md")
     args = ap.parse_args(argv)
     _PROMPT_STYLE["style"] = args.prompts
     path = Path(args.model) if args.model else demo_model_path()
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> dict:
     res["machine"]["loadavg_after"] = [round(v, 2) for v in os.getloadavg()]
     print(json.dumps(res, indent=1))
     if not args.no_results:
-        out = Path(__file__).with_name("RESULTS.md")
+        out = Path(__file__).with_name("RESULTS_LOG.md")
         if not out.exists():
             out.write_text(
                 "# Benchmark results\n\nEvery figure we quote, with the command that produced it.\n"

@@ -3,7 +3,7 @@
 Calibration (training-free): the dense model runs over a corpus; every layer's FFN input h gives each
 neuron's score: CATS |silu(gate_i . h)|, or (the default, "wina", WINA's idea applied to CATS' gate) that
 times |down[:, i]|, the norm of the neuron's output direction, so a neuron that moves the residual little
-is skipped first (benchmarks/RESULTS.md: lower held-out perplexity than CATS at every sparsity measured). Scores go
+is skipped first (benchmarks/RESULTS_LOG.md: lower held-out perplexity than CATS at every sparsity measured). Scores go
 into per-layer log-spaced histograms (fine: 16384 bins over 1e-12 .. 1e4, 0.1% of a decade each), so
 memory does not grow with the corpus; a layer's threshold for sparsity s is the s-quantile of its scores.
 A coarser per-neuron histogram gives how often each neuron is kept at the target (the activation
@@ -12,7 +12,7 @@ statistics hot/cold placement ranks neurons by).
 The output (sparse/thresholded.py reads it) is the input's tensors and keys unchanged, plus
 - `blk.N.ffn_down_t.weight` [F, D]: ffn_down transposed, row i = neuron i, for the axpy kernel. Its type and
   that of the other transposes (sparsify_inputs.transpose_type, `--transpose-type`): by default Q8_0 for
-  F32/F16/BF16 sources (re-quantized along the new rows; benchmarks/RESULTS.md 2026-12-03: decode-kernel
+  F32/F16/BF16 sources (re-quantized along the new rows; benchmarks/RESULTS_LOG.md 2026-12-03: decode-kernel
   perplexity of the trained SwiGLU model within 0.04% of exact transposes at 0.4 and 0.5, and a 1B-shaped
   decode reads about half the bytes of those copies), the source's type for block types (a Q4_0 down
   re-quantized to Q4_0 gave the same perplexity as to Q8_0, 97.305 vs 97.313 at 0.5); `same` keeps float
@@ -317,7 +317,7 @@ def sparsify_file(
 ) -> dict:
     """Calibrate `src` on `corpus` for `sparsity` and write `dst`; what was done, as a dict.
     probe "q4_0": also write a Q4_0 copy of every gate, the score's source at run time; "auto": so for
-    16/32-bit gates (PROBED_GATES; benchmarks/RESULTS.md: +0.01-0.03 points of perplexity, 12% less FFN
+    16/32-bit gates (PROBED_GATES; benchmarks/RESULTS_LOG.md: +0.01-0.03 points of perplexity, 12% less FFN
     time on a 1B-shaped F16 layer); "inputs": the gate from each token's input channels over a threshold,
     no probe and no exact gate (sparsify_inputs.py). attention: also the input sparsity of q/k/v and o."""
     import hotcold

@@ -31,7 +31,7 @@ from hotcold.sparse.thresholded import input_scores
 TRANSPOSE_TYPES = ("auto", "same", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_k", "q6_k")
 FLOAT_SOURCES = (Q.F32, Q.F16, Q.BF16)
 # the transposes of float sources by default: decode-kernel perplexity within 0.04% of exact copies on the
-# trained SwiGLU model, about half their bytes (benchmarks/RESULTS.md 2026-12-03)
+# trained SwiGLU model, about half their bytes (benchmarks/RESULTS_LOG.md 2026-12-03)
 AUTO_FLOAT_TRANSPOSE = Q.Q8_0
 GRID = tuple(round(i / 100, 2) for i in range(101))  # quantile levels 0, 0.01, .., 1
 LOG_LO, LOG_HI, BINS = -12.0, 4.0, 16384  # layer histograms over log10(score)

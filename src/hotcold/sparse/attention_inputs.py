@@ -7,7 +7,7 @@ is above the layer's threshold, and likewise the channels of the o projection's 
 output) against wo's column norms. The product is then computed from the kept channels only, as the
 axpy over a transposed copy of the matrices (`attn_qkv_t` [D, q + k + v], `attn_output_t` [H*Dh, D]: row i
 is channel i's output direction), so a decode token reads (1 - sparsity) of the attention matrices too,
-not only of the FFN (benchmarks/RESULTS.md: the FFN rule alone caps a 1B shape's decode gain at ~1.43x).
+not only of the FFN (benchmarks/RESULTS_LOG.md: the FFN rule alone caps a 1B shape's decode gain at ~1.43x).
 
 The rule depends on the token alone and every kernel computes each token's channels in the same order,
 so a row's bits do not depend on its batch below `cpu.GEMM_MIN_TOKENS` rows; from there (prefill) the

@@ -122,7 +122,7 @@ class SparsifyAssets:
         return cls(method, sparsity, thresholds, grid, quantiles, freq, scale, tokens, gate_in)
 
 
-# a prompt chunk of this many rows or more takes the masked dense path (benchmarks/RESULTS.md)
+# a prompt chunk of this many rows or more takes the masked dense path (benchmarks/RESULTS_LOG.md)
 PROMPT_DENSE_ROWS = 4
 
 
@@ -374,7 +374,7 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
         down = None
         if src.has(names.FFN_DOWN, layer):
             # only many-row forwards and prompt chunks multiply it, always whole: packed, its file rows paged
-            # out (pp52 of a 1B-shaped file 110 -> 126 t/s, benchmarks/RESULTS.md 2026-12-03)
+            # out (pp52 of a 1B-shaped file 110 -> 126 t/s, benchmarks/RESULTS_LOG.md 2026-12-03)
             down = cpu.pack(place(src.raw(names.FFN_DOWN, layer, (c.n_embd, c.n_ff)), device))
         scale = None if assets.scale is None else assets.scale[layer]
         probe = gate_in = None
