@@ -67,3 +67,37 @@ def test_writing_into_the_checkpoint_folder_again_is_allowed(checkpoint, capsys)
     assert main(["convert", str(hf), "-o", str(out), "--outtype", "f32"]) == 0
     assert out.read_bytes() == first
     assert not list(hf.glob(".*.tmp"))
+
+
+def _torn(data: bytes, how: str) -> bytes:
+    if how == "garbage":
+        return b"\x00" * 100
+    if how == "truncated":
+        return data[: len(data) // 2]
+    if how == "header":  # the 8-byte header length, then no JSON
+        return data[:8] + b"{not json" + data[17:]
+    return b""  # empty
+
+
+@pytest.mark.parametrize("how", ["garbage", "truncated", "header", "empty"])
+def test_a_corrupt_safetensors_file_is_one_line_naming_it(checkpoint, tmp_path, capsys, how):
+    hf, _ = checkpoint
+    weights = weights_file(hf)
+    weights.write_bytes(_torn(weights.read_bytes(), how))
+    out = tmp_path / "out.gguf"
+    code = main(["convert", str(hf), "-o", str(out), "--outtype", "f32"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.count("\n") == 1 and str(weights) in err and "torn or corrupt" in err, err
+    assert not out.exists() and not list(tmp_path.rglob(".*.tmp"))
+
+
+def test_a_corrupt_pytorch_bin_is_one_line_naming_it(checkpoint, tmp_path, capsys):
+    hf, _ = checkpoint
+    weights_file(hf).unlink()
+    torn = hf / "pytorch_model.bin"
+    torn.write_bytes(b"PK\x03\x04 not a zip")
+    code = main(["convert", str(hf), "-o", str(tmp_path / "out.gguf"), "--outtype", "f32"])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err
+    assert err.count("\n") == 1 and str(torn) in err, err

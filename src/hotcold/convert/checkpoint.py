@@ -95,15 +95,26 @@ class Checkpoint:
             from safetensors import safe_open
 
             for file in files:
-                handle = safe_open(str(file), "pt")
-                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
-                    self._loaders[name] = lambda h=handle, n=name: h.get_tensor(n)
+                try:
+                    handle = safe_open(str(file), "pt")
+                    keys = list(handle.keys())  # noqa: SIM118 (safe_open is not a dict)
+                except Exception as exc:  # SafetensorError, OSError: a torn or foreign file, named
+                    raise unreadable(file, exc) from exc
+                for name in keys:
+                    self._loaders[name] = lambda h=handle, n=name, f=file: _read(f, n, h.get_tensor)
         else:
             bins = sorted(hf_dir.glob("pytorch_model*.bin")) or sorted(hf_dir.glob("*.bin"))
             if not bins:
                 raise ConvertError(f"{hf_dir}: no *.safetensors or pytorch_model*.bin weights found")
             for file in bins:
-                state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                try:
+                    state = torch.load(file, map_location="cpu", mmap=True, weights_only=True)
+                except Exception as exc:  # a torn pickle or zip, not a state dict: named, no traceback
+                    raise unreadable(file, exc) from exc
+                if not isinstance(state, dict):
+                    raise ConvertError(
+                        f"{file}: not a state dict of tensors (holds a {type(state).__name__})"
+                    )
                 for name, tensor in state.items():
                     self._loaders[name] = lambda t=tensor: t
 
@@ -118,6 +129,23 @@ class Checkpoint:
         if loader is None:
             raise ConvertError(f"{self.dir}: checkpoint has no tensor {name}")
         return loader()
+
+
+def _cause(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def unreadable(file: Path, exc: BaseException) -> ConvertError:
+    """A weights file that cannot be read: one line naming the file and the cause."""
+    return ConvertError(f"{file}: cannot be read as a weights file, torn or corrupt? ({_cause(exc)})")
+
+
+def _read(file: Path, name: str, get: Callable[[str], torch.Tensor]) -> torch.Tensor:
+    try:
+        return get(name)
+    except Exception as exc:  # the header parsed, the tensor's bytes did not
+        raise ConvertError(f"{file}: tensor {name} cannot be read, torn or corrupt? ({_cause(exc)})") from exc
 
 
 PREDICTOR_FILE = re.compile(r"model_(\d+)\.pt$")
