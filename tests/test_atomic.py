@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -11,7 +13,14 @@ import time
 import pytest
 
 from hotcold import atomic
-from hotcold.atomic import OutputError, atomic_output, check_output, remove_stale_temps
+from hotcold.atomic import (
+    DiskFullError,
+    OutputError,
+    atomic_directory,
+    atomic_output,
+    check_output,
+    remove_stale_temps,
+)
 
 
 def test_writes_through_a_temp_file_and_renames(tmp_path):
@@ -145,3 +154,159 @@ def test_names_with_glob_characters(tmp_path):
     with atomic_output(out) as tmp:
         tmp.write_bytes(b"ok")
     assert out.read_bytes() == b"ok" and not stale.exists() and lookalike.exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# A full disk (#47 D8)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("code, extra", [(errno.ENOSPC, ""), (errno.EDQUOT, " (disk quota exceeded)")])
+def test_a_full_disk_names_the_output(tmp_path, code, extra):
+    out = tmp_path / "out.bin"
+    out.write_bytes(b"old")
+    with pytest.raises(DiskFullError) as caught, atomic_output(out) as tmp:
+        tmp.write_bytes(b"half")
+        raise OSError(code, os.strerror(code))
+    assert str(caught.value) == f"no space left on device{extra} writing {out}"
+    assert caught.value.errno == code and isinstance(caught.value, OSError)
+    assert out.read_bytes() == b"old" and sorted(p.name for p in tmp_path.iterdir()) == ["out.bin"]
+
+
+def test_a_short_write_without_errno_is_probed(tmp_path, monkeypatch):
+    """numpy's tofile reports a full disk as 'N requested and 0 written', no errno: the folder is probed."""
+    out = tmp_path / "out.bin"
+    monkeypatch.setattr(atomic, "_probe_no_space", lambda folder: errno.ENOSPC)
+    with pytest.raises(DiskFullError, match=f"^no space left on device writing {out}$"), atomic_output(out):
+        raise OSError("1048576 requested and 0 written")
+    monkeypatch.undo()  # a disk with room: the short write stays what it was
+    with pytest.raises(OSError, match="requested and 0 written") as caught, atomic_output(out):
+        raise OSError("1048576 requested and 0 written")
+    assert not isinstance(caught.value, DiskFullError)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_probe_reads_a_real_full_device(monkeypatch, tmp_path):
+    real_write = os.write
+
+    def full(fd, data):
+        if os.fstat(fd).st_nlink == 0:  # the probe's unlinked scratch file
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    assert atomic._probe_no_space(tmp_path) is None
+    monkeypatch.setattr(os, "write", full)
+    assert atomic._probe_no_space(tmp_path) == errno.ENOSPC
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# Sets of files: a folder replaced as a whole (#47 D4)
+# ------------------------------------------------------------------------------------------------
+
+
+def owns(name: str) -> bool:
+    return name.startswith("part_")
+
+
+def _set(folder, values: dict[str, bytes]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, data in values.items():
+        (folder / name).write_bytes(data)
+
+
+def _contents(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_folder_is_replaced_as_a_whole(tmp_path, monkeypatch, exchange):
+    if not exchange:  # a kernel or filesystem without renameat2's exchange: two renames
+        monkeypatch.setattr(atomic, "_exchange", lambda a, b: False)
+    out = tmp_path / "stats"
+    _set(out, {"part_0": b"old0", "part_1": b"old1", "part_2": b"old2"})
+    os.chmod(out, 0o750)
+    with atomic_directory(out, owns=owns) as staging:
+        assert (
+            staging.parent == tmp_path
+            and staging.name.startswith(".stats.")
+            and staging.name.endswith(".tmpdir")
+        )
+        (staging / "part_0").write_bytes(b"new0")
+        (staging / "part_1").write_bytes(b"new1")
+        assert _contents(out)["part_0"] == b"old0"  # nothing visible until the set is complete
+    assert _contents(out) == {"part_0": b"new0", "part_1": b"new1"}  # the old part_2 went with its set
+    assert out.stat().st_mode & 0o777 == 0o750
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats"]
+    with atomic_directory(tmp_path / "fresh" / "set", owns=owns) as staging:  # a new folder, parents made
+        (staging / "part_0").write_bytes(b"x")
+    assert _contents(tmp_path / "fresh" / "set") == {"part_0": b"x"}
+    assert (tmp_path / "fresh" / "set").stat().st_mode & 0o777 == 0o777 & ~_umask()
+
+
+@pytest.mark.parametrize("error", [RuntimeError("layer 2 failed"), KeyboardInterrupt()])
+def test_a_failure_partway_leaves_the_old_set(tmp_path, error):
+    out = tmp_path / "stats"
+    _set(out, {"part_0": b"old0", "part_1": b"old1"})
+    with pytest.raises(type(error)), atomic_directory(out, owns=owns) as staging:
+        (staging / "part_0").write_bytes(b"new0")
+        raise error
+    assert _contents(out) == {"part_0": b"old0", "part_1": b"old1"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats"]
+
+
+def test_a_full_disk_in_a_set_names_the_file_under_the_final_folder(tmp_path):
+    out = tmp_path / "stats"
+    with pytest.raises(DiskFullError) as caught, atomic_directory(out, owns=owns) as staging:
+        with atomic_output(staging / "part_0") as tmp:
+            tmp.write_bytes(b"half")
+            raise OSError(errno.ENOSPC, "No space left on device")
+    assert str(caught.value) == f"no space left on device writing {out / 'part_0'}"
+    with pytest.raises(DiskFullError, match=f"writing {out}$"), atomic_directory(out, owns=owns):
+        raise OSError(errno.ENOSPC, "No space left on device")  # a writer of its own: the folder is named
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_folder_that_cannot_be_replaced_is_refused(tmp_path, monkeypatch):
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"weights")
+    _set(tmp_path / "act", {"part_0": b"0"})
+    (tmp_path / "act" / "part_1").write_bytes(b"corpus")
+    cases = [
+        (tmp_path / "act", [tmp_path / "act" / "part_1"], "which is the input"),  # an input inside the set
+        (model, [], "is a file"),
+    ]
+    _set(tmp_path / "mixed", {"part_0": b"0", "notes.txt": b"mine"})
+    cases.append((tmp_path / "mixed", [], "holds other files (notes.txt)"))
+    for out, inputs, message in cases:
+        with pytest.raises(OutputError, match=re.escape(message)), atomic_directory(out, inputs, owns=owns):
+            pytest.fail("must not get here")
+    monkeypatch.chdir(tmp_path / "act")
+    for out in (".", tmp_path):  # the current folder, or one holding it
+        with pytest.raises(OutputError, match="current folder"), atomic_directory(out, owns=owns):
+            pytest.fail("must not get here")
+    assert model.read_bytes() == b"weights" and _contents(tmp_path / "mixed")["notes.txt"] == b"mine"
+    assert not list(tmp_path.glob(".*"))
+
+
+def test_a_symlinked_folder_is_replaced_where_it_points(tmp_path):
+    real = tmp_path / "real"
+    _set(real, {"part_0": b"old"})
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    with atomic_directory(link, owns=owns) as staging:
+        (staging / "part_0").write_bytes(b"new")
+    assert link.is_symlink() and _contents(real) == {"part_0": b"new"}
+
+
+def test_stale_temp_folders_of_earlier_runs_are_removed(tmp_path):
+    stale = tmp_path / ".stats.abc.tmpdir"
+    _set(stale, {"part_0": b"killed"})
+    old = atomic.RUN_STARTED - 3600
+    os.utime(stale, (old, old))
+    other = tmp_path / ".other.abc.tmpdir"
+    _set(other, {"part_0": b"x"})
+    os.utime(other, (old, old))
+    with atomic_directory(tmp_path / "stats", owns=owns) as staging:
+        (staging / "part_0").write_bytes(b"new")
+    assert not stale.exists() and other.exists()

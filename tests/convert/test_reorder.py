@@ -80,3 +80,32 @@ def test_refusals_name_the_problem(model_with_stats, tmp_path, tiny_dense_gguf, 
 def test_reorder_file_returns_the_output(model_with_stats, tmp_path):
     src, _ = model_with_stats
     assert reorder_file(src, tmp_path / "r.gguf") == tmp_path / "r.gguf"
+
+
+def test_a_failure_partway_leaves_neither_model_nor_statistics(
+    model_with_stats, tmp_path, monkeypatch, capsys
+):
+    """The statistics are staged, the model written, then both put in place: a failure on the second
+    statistics file used to leave the finished model beside 1 of its 2 statistics."""
+    src, _ = model_with_stats
+    dst = tmp_path / "out" / "m.hot.gguf"
+    real, calls = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    assert main(["reorder", str(src), str(dst)]) == 1
+    err = capsys.readouterr().err
+    assert not dst.exists() and not (dst.parent / "activation").exists()
+    assert sorted(p.name for p in dst.parent.iterdir()) == []
+    assert "Traceback" not in err and f"no space left on device writing {dst.parent / 'activation'}" in err
+    monkeypatch.undo()
+    assert main(["reorder", str(src), str(dst)]) == 0  # nothing left in the way of a second run
+    assert sorted(p.name for p in (dst.parent / "activation").iterdir()) == [
+        "activation_0.pt",
+        "activation_1.pt",
+    ]

@@ -9,7 +9,12 @@ import torch
 
 import hotcold
 from hotcold.cli import main
-from hotcold.placement.profile import corpus_tokens, profile_activations, token_windows
+from hotcold.placement.profile import (
+    corpus_tokens,
+    profile_activations,
+    token_windows,
+    write_activation_files,
+)
 from tests.fixtures import training_text
 
 CTX = 64
@@ -132,3 +137,45 @@ def test_profile_never_writes_over_its_corpus(tiny_dense_gguf, tmp_path, capsys)
     assert code == 1 and "is the input" in err
     assert corpus.read_text() == training_text()
     assert sorted(p.name for p in out.iterdir()) == ["activation_1.pt"]  # none written, not even layer 0
+
+
+def _failing_save(monkeypatch, after: int):
+    """torch.save that fails on its call number `after` (0-based), as a full disk or a kill would."""
+    real, calls = torch.save, []
+
+    def save(obj, f, *args, **kwargs):
+        calls.append(1)
+        if len(calls) > after:
+            raise RuntimeError("simulated failure writing a statistics file")
+        return real(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_statistics_are_written_as_one_set(tmp_path, monkeypatch):
+    """A failure after layer 0's file leaves the old statistics whole (it used to leave new 0, old 1..);
+    a new set with fewer layers leaves none of the old set's files behind."""
+    out = tmp_path / "activation"
+    old = [torch.full((8,), 1), torch.full((8,), 2), torch.full((8,), 3)]
+    write_activation_files(old, out)
+    _failing_save(monkeypatch, after=1)
+    with pytest.raises(RuntimeError, match="simulated"):
+        write_activation_files([torch.zeros(8, dtype=torch.int64)] * 3, out)
+    monkeypatch.undo()
+    assert [torch.load(out / f"activation_{i}.pt").tolist() for i in range(3)] == [c.tolist() for c in old]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["activation"]
+    write_activation_files([torch.zeros(8, dtype=torch.int64)] * 2, out)
+    assert sorted(p.name for p in out.iterdir()) == ["activation_0.pt", "activation_1.pt"]
+
+
+def test_profile_refuses_a_folder_it_cannot_replace_before_the_run(tiny_dense_gguf, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("not statistics")
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(training_text())
+    code = main(["profile", "-m", str(tiny_dense_gguf), "-f", str(corpus), "-o", str(out)])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err and "holds other files (notes.txt)" in err
+    assert "profiling" not in err  # refused before the model ran
+    assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]

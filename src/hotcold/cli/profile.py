@@ -34,6 +34,7 @@ def add_args(p) -> None:
 def run(args) -> int:
     import hotcold
     from hotcold.placement.profile import (
+        check_activation_dir,
         corpus_tokens,
         default_activation_dir,
         profile_activations,
@@ -55,6 +56,10 @@ def run(args) -> int:
         plots.require()
         plots.check_png(args.plot, [args.file] + ([args.model] if args.model else []))
     text = read_corpus(args.file)  # fail on a bad corpus before loading the model
+    model_file = Path(args.model) if args.model and Path(args.model).is_file() else None
+    if args.output or model_file:  # a folder that cannot take the set is refused before the long run
+        early = Path(args.output) if args.output else default_activation_dir(model_file)
+        check_activation_dir(early, [args.file, *([model_file] if model_file else [])])
     start = time.perf_counter()
     llm = hotcold.load(
         args.model, threads=args.threads, device=args.device, dense=True, ctx_size=args.ctx_size

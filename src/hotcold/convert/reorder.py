@@ -8,7 +8,8 @@ single sequence gains too (lone decode 0.95x the time in an in-process A/B on th
 Every per-neuron tensor of a layer moves together: the rows of ffn_up, ffn_gate, ffn_down_t (and the up bias)
 and of the predictor's fc2 (row i predicts neuron i), so the model computes the same function; its sums over
 neurons run in the new order, so the bits differ from the input's. The activation statistics are written,
-permuted the same way, beside the output (`OUT's folder/activation`), where placement and the loader read them.
+permuted the same way, beside the output (`OUT's folder/activation`), where placement and the loader read them:
+as one set (hotcold.atomic.atomic_directory), put in place right after the model, never part of them.
 Every other tensor and key is copied as it is; the original PowerInfer reads the output as it reads the input.
 """
 
@@ -24,10 +25,12 @@ from hotcold.atomic import check_output
 from hotcold.config import config_from_file
 from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
 from hotcold.placement.profile import (
+    activation_dir_writer,
+    check_activation_dir,
     default_activation_dir,
     hottest_first,
     read_activation_files,
-    write_activation_files,
+    save_activation_files,
 )
 
 
@@ -62,6 +65,7 @@ def reorder_file(
         raise ValueError(
             f"{dst}: {stats_out} already holds activation statistics; write the output to another folder"
         )
+    check_activation_dir(stats_out, [src, dst])
     counts = read_activation_files(stats_in, config.n_layer, config.n_ff)
     if counts is None:
         raise ValueError(
@@ -97,6 +101,9 @@ def reorder_file(
         TensorSpec(e.name, e.shape, e.qtype, lambda e=e: produce(e, rows.get(e.name)))
         for e in mf.tensors.values()
     ]
-    write_model_file(dst, mf.architecture, metadata_items(mf), specs, sparse=True, inputs=[src])
-    write_activation_files([c[o] for c, o in zip(counts, orders, strict=True)], stats_out, inputs=[src, dst])
+    # the statistics are staged first, the model written, then both put in place one rename after the other:
+    # a failure before that (a full disk, ^C) leaves neither, never a model beside part of its statistics
+    with activation_dir_writer(stats_out, [src, dst]) as staging:
+        save_activation_files([c[o] for c, o in zip(counts, orders, strict=True)], staging)
+        write_model_file(dst, mf.architecture, metadata_items(mf), specs, sparse=True, inputs=[src])
     return dst

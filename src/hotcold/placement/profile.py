@@ -10,15 +10,17 @@ perplexity cuts llama.cpp's chunks (cli/perplexity.py).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterable, Sequence
+import re
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from hotcold.atomic import atomic_output, check_output
+from hotcold.atomic import atomic_directory, atomic_output, check_directory
 from hotcold.state import Observer
 from hotcold.validate import read_text_file
 
@@ -196,9 +198,44 @@ def profile_activations(
 def save_tensor(
     tensor: torch.Tensor | dict, path: Path, inputs: Iterable[str | os.PathLike[str]] = ()
 ) -> None:
-    """torch.save through hotcold.atomic: never a half-written file, never over one of `inputs`."""
-    with atomic_output(path, inputs, what="output file") as tmp:
-        torch.save(tensor, tmp)
+    """torch.save through hotcold.atomic: never a half-written file, never over one of `inputs`. Through a
+    Python file object: a full disk is then an OSError that atomic names, not torch's RuntimeError."""
+    with atomic_output(path, inputs, what="output file") as tmp, open(tmp, "wb") as f:
+        torch.save(tensor, f)
+
+
+ACTIVATION_FILE = re.compile(r"activation_\d+\.pt")
+
+
+def is_activation_file(name: str) -> bool:
+    """An entry an activation folder may hold (the set `write_activation_files` replaces as a whole)."""
+    return ACTIVATION_FILE.fullmatch(name) is not None
+
+
+def check_activation_dir(
+    out_dir: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]] = ()
+) -> Path:
+    """Refuse, before a long run, a statistics folder that write_activation_files would refuse: one holding
+    other files or an input, a file, the current folder (hotcold.atomic.check_directory)."""
+    return check_directory(out_dir, inputs, owns=is_activation_file, what="statistics folder")
+
+
+@contextlib.contextmanager
+def activation_dir_writer(
+    out_dir: str | os.PathLike[str], inputs: Iterable[str | os.PathLike[str]] = ()
+) -> Iterator[Path]:
+    """A temporary folder to fill with activation files, which then replaces `out_dir` as a whole
+    (hotcold.atomic.atomic_directory): readers see the old set or the new one, never a mix."""
+    with atomic_directory(out_dir, inputs, owns=is_activation_file, what="statistics folder") as staging:
+        yield staging
+
+
+def save_activation_files(counts: Sequence[torch.Tensor], folder: Path) -> list[str]:
+    """activation_{i}.pt for every layer into `folder` (a staging folder of activation_dir_writer)."""
+    names = [f"activation_{i}.pt" for i in range(len(counts))]
+    for c, name in zip(counts, names, strict=True):
+        save_tensor(c.clone(), folder / name)
+    return names
 
 
 def write_activation_files(
@@ -206,16 +243,13 @@ def write_activation_files(
     out_dir: str | os.PathLike[str],
     inputs: Iterable[str | os.PathLike[str]] = (),
 ) -> list[Path]:
-    """DIR/activation_{i}.pt for every layer, each written atomically; none may be one of `inputs` (the
-    model file, the corpus: checked for every file before the first is written)."""
+    """DIR/activation_{i}.pt for every layer, written as one set: the folder is replaced as a whole, so a
+    failure partway leaves the old statistics as they were. None may be one of `inputs` (the model file, the
+    corpus), nor may DIR hold an input or files that are not activation statistics."""
     out_dir = Path(out_dir)
-    inputs = list(inputs)
-    paths = [out_dir / f"activation_{i}.pt" for i in range(len(counts))]
-    for path in paths:
-        check_output(path, inputs, what="output file")
-    for c, path in zip(counts, paths, strict=True):
-        save_tensor(c.clone(), path, inputs)
-    return paths
+    with activation_dir_writer(out_dir, inputs) as staging:
+        names = save_activation_files(counts, staging)
+    return [out_dir / name for name in names]
 
 
 def read_activation_files(activation_dir: Path, n_layer: int, n_ff: int) -> list[torch.Tensor] | None:
