@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hotcold import cores, decoders, registry
+from hotcold import cores, decoders, hub, registry
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import CPU, DevicePlan
 from hotcold.gguf_io import GGUFError, ModelFile
@@ -80,7 +80,7 @@ def load_model(
     """Open a model file and build it as `options` say (or `LoadOptions(**kwargs)`), in stages: the options
     (validated when made), the device plan (plan_devices), the tensor source, the family's build, the decoder."""
     opts = options if options is not None else LoadOptions(**kwargs)
-    path = Path(path) if path is not None else demo_model_path()
+    path = hub.resolve(path) or demo_model_path()  # a model name (ORG/REPO[:TAG]) is pulled or found cached
     threads = opts.threads if opts.threads is not None else cores.default_threads()  # cores.py says why
     torch.set_num_threads(threads)
     device = resolve_device(opts.device)
@@ -361,29 +361,52 @@ def ffn_maker(devices: DevicePlan, *, dense: bool, threads: int | None):
 
 
 def resolve_placement(
-    path: Path, model_file: ModelFile, config: ModelConfig, plan: BudgetPlan, reset: bool, notes: list[str]
+    path: Path,
+    model_file: ModelFile,
+    config: ModelConfig,
+    plan: BudgetPlan,
+    reset: bool,
+    notes: list[str],
+    *,
+    strict: bool = False,
 ) -> list[np.ndarray] | None:
-    """The hot neurons per layer: from the `.generated.gpuidx` cache when it was solved for this budget,
-    model file and statistics, else solved anew from `<model dir>/activation/` and cached."""
-    from hotcold.placement.gpuidx import Placement, gpuidx_path, read_gpuidx, source_signature, write_gpuidx
+    """The hot neurons per layer: from a `.generated.gpuidx` cache (beside the model, else in the user cache:
+    placement.gpuidx) solved for this budget, model file and statistics, else solved anew from
+    `<model dir>/activation/` and cached. strict: a cache that cannot be written raises (hotcold place, whose
+    job it is), instead of a note."""
+    from hotcold.placement.gpuidx import (
+        Placement,
+        gpuidx_candidates,
+        gpuidx_path,
+        model_inputs,
+        read_gpuidx,
+        source_signature,
+        write_gpuidx,
+    )
     from hotcold.placement.profile import default_activation_dir
     from hotcold.placement.solver import solve_placement
 
-    cache = gpuidx_path(path)
     activation_dir = default_activation_dir(path)
     signature = source_signature(path, activation_dir)
     n_ff = [config.n_ff] * config.n_layer
-    if cache.exists() and not reset:
-        try:
-            cached = read_gpuidx(cache)
+    if not reset:
+        stale = False
+        for found in (c for c in gpuidx_candidates(path) if c.exists()):
+            try:
+                cached = read_gpuidx(found)
+            except GGUFError as exc:
+                notes.append(f"ignoring unreadable placement cache ({exc}): solving again")
+                continue
             if cached.vram_capacity == plan.hot_bytes and cached.source == signature and cached.n_ff == n_ff:
                 notes.append(
-                    f"placement from {cache.name}: {100 * cached.hot_fraction():.1f}% of FFN neurons hot"
+                    f"placement from {found.name}: {100 * cached.hot_fraction():.1f}% of FFN neurons hot"
                 )
                 return cached.hot
-            notes.append(f"{cache.name} was solved for another budget, model or statistics: solving again")
-        except GGUFError as exc:
-            notes.append(f"ignoring unreadable placement cache ({exc}): solving again")
+            stale = True
+        if stale:
+            notes.append(
+                f"{gpuidx_path(path).name} was solved for another budget, model or statistics: solving again"
+            )
     if plan.hot_bytes <= 0:
         notes.append("no VRAM left for hot FFN neurons: every FFN neuron runs on the CPU")
         return None
@@ -396,11 +419,16 @@ def resolve_placement(
         return None
     hot = solve_placement(activations, plan.hot_bytes, plan.bytes_per_neuron)
     placement = Placement(hot, n_ff, plan.hot_bytes, signature)
+    cache = gpuidx_path(path)
     try:
-        from hotcold.placement.gpuidx import write_gpuidx
-
-        write_gpuidx(cache, placement)
+        write_gpuidx(cache, placement, model_inputs(path))
+        if cache.parent != path.parent:
+            notes.append(
+                f"placement cache written to {cache} (the model's folder is the installed package or read-only)"
+            )
     except OSError as exc:
+        if strict:
+            raise
         notes.append(
             f"could not write the placement cache {cache} ({exc}); using the placement without caching it"
         )

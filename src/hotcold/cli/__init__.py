@@ -10,6 +10,10 @@ import sys
 # subcommand -> (module under hotcold.cli, one-line help)
 COMMANDS = {
     "generate": ("generate", "generate text from a prompt"),
+    "run": ("run", "chat with a model in the terminal (pulled first when given by name)"),
+    "pull": ("pull", "download a model by name (ORG/REPO[:TAG]) into the Hugging Face cache"),
+    "list": ("list_models", "list the models pulled into the Hugging Face cache"),
+    "rm": ("rm", "remove a pulled model (ORG/REPO, or ORG/REPO:TAG for one file) from the cache"),
     "info": ("info", "show a model's architecture, sizes, sparsity assets and placement"),
     "convert": ("convert", "convert a Hugging Face checkpoint (+ predictors) to GGUF / PowerInfer GGUF"),
     "quantize": (
@@ -79,11 +83,16 @@ def validate_args(args: argparse.Namespace) -> None:
         print(f"hotcold: warning: {warning}", file=sys.stderr)
 
 
-def add_model_args(parser: argparse.ArgumentParser) -> None:
-    """Flags every model-running command shares, named as llama.cpp / PowerInfer name them."""
-    parser.add_argument(
-        "-m", "--model", default=None, help="model file (.gguf); omitted: the bundled demo model"
-    )
+MODEL_HELP = "model file (.gguf), or a name ORG/REPO[:TAG] pulled from the Hugging Face Hub; omitted: the bundled demo model"
+
+
+def add_model_args(parser: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    """Flags every model-running command shares, named as llama.cpp / PowerInfer name them (`positional`: the
+    model is the command's argument, as in `hotcold run ORG/REPO`, instead of -m)."""
+    if positional:
+        parser.add_argument("model", nargs="?", default=None, help=MODEL_HELP)
+    else:
+        parser.add_argument("-m", "--model", default=None, help=MODEL_HELP)
     parser.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
     parser.add_argument("--vram-budget", type=float, default=None, help="GiB of VRAM to use (0: CPU only)")
@@ -128,7 +137,25 @@ def build_parser(commands=COMMANDS) -> argparse.ArgumentParser:
     for name, (module, help_text) in commands.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         importlib.import_module(f"hotcold.cli.{module}").add_args(p)
+        if any(action.dest == "model" for action in p._actions) and name != "pull":
+            # every command that takes -m takes a model name, and so --offline (HF_HUB_OFFLINE=1 also works)
+            p.add_argument(
+                "--offline", action="store_true", help="use only models already in the cache: no network call"
+            )
     return parser
+
+
+def resolve_model_arg(args: argparse.Namespace) -> None:
+    """A model name in -m (ORG/REPO[:TAG], hf.co/ORG/REPO[:TAG]) becomes the path of its file in the Hugging Face
+    cache, pulled first if it is not there; `args.model_name` keeps what the user typed."""
+    model = getattr(args, "model", None)
+    args.model_name = model
+    if model is None:
+        return
+    from hotcold import hub
+
+    if hub.parse_name(model) is not None:
+        args.model = str(hub.resolve(model, offline=getattr(args, "offline", False) or None))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -143,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(f"hotcold.cli.{COMMANDS[args.command][0]}")
     try:
         validate_args(args)
+        resolve_model_arg(args)
         return module.run(args) or 0
     except KeyboardInterrupt:
         print("\nhotcold: interrupted", file=sys.stderr)

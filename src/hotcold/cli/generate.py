@@ -10,14 +10,14 @@ from hotcold.cli import add_model_args, load_from_args
 def add_args(p) -> None:
     add_model_args(p)
     p.add_argument("-p", "--prompt", default=None, help="prompt text")
-    p.add_argument("-f", "--file", default=None, help="read the prompt from a file")
+    p.add_argument(
+        "-f",
+        "--file",
+        default=None,
+        help="read the prompt from a file (neither -p nor -f: from a piped stdin)",
+    )
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.1)
-    p.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**64) (default: random)")
+    add_sampling_args(p)
     p.add_argument("--echo", action="store_true", help="print the prompt before the generated text")
     p.add_argument("--ignore-eos", action="store_true", help="always generate n-predict tokens")
     p.add_argument(
@@ -28,6 +28,40 @@ def add_args(p) -> None:
     )
 
 
+def add_sampling_args(p) -> None:
+    """The sampler's flags, as llama.cpp names them (generate and run)."""
+    p.add_argument("--temp", type=float, default=0.8, help="temperature (0: greedy)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.1)
+    p.add_argument("--seed", type=int, default=None, help="random seed in [0, 2**64) (default: random)")
+
+
+def sampling_kwargs(args) -> dict:
+    return dict(
+        temperature=args.temp, top_k=args.top_k or None, top_p=args.top_p, min_p=args.min_p,
+        repeat_penalty=args.repeat_penalty, seed=args.seed,
+    )  # fmt: skip
+
+
+def piped_stdin() -> str | None:
+    """The text piped or redirected into stdin (`echo hi | hotcold generate`), or None: a terminal, /dev/null,
+    or no stdin at all (as under pytest) is not a prompt. Only a pipe or a file is read, so an inherited
+    terminal never blocks the command."""
+    import os
+    import stat
+
+    try:
+        mode = os.fstat(sys.stdin.fileno()).st_mode
+    except (AttributeError, OSError, ValueError):  # closed, or replaced by an object without a descriptor
+        return None
+    if not (stat.S_ISFIFO(mode) or stat.S_ISREG(mode)):
+        return None
+    text = sys.stdin.read()
+    return text if text.strip() else None
+
+
 def run(args) -> int:
     if args.file is not None:
         from hotcold.validate import read_text_file
@@ -36,7 +70,7 @@ def run(args) -> int:
     elif args.prompt is not None:
         prompt = args.prompt
     else:
-        prompt = "Once upon a time"
+        prompt = piped_stdin() or "Once upon a time"
     constrain = _constraint_args(args)  # a bad schema or grammar fails before the model loads
     llm = load_from_args(args)
     for note in llm.loaded.notes:
@@ -46,12 +80,7 @@ def run(args) -> int:
     for text in llm.stream(
         prompt,
         max_tokens=args.n_predict,
-        temperature=args.temp,
-        top_k=args.top_k or None,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty,
-        seed=args.seed,
+        **sampling_kwargs(args),
         ignore_eos=args.ignore_eos,
         **constrain,
     ):

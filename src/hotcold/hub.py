@@ -1,0 +1,470 @@
+"""Models by name: `org/repo[:TAG]` (or `hf.co/org/repo[:TAG]`) resolved to GGUF files in the standard
+Hugging Face cache, downloaded with `huggingface_hub` (resume, progress bar, nothing under the final name
+until a file is whole).
+
+The file a name means is chosen as llama.cpp's `-hf` chooses it (common/download.cpp, find_best_model): TAG
+matched case-insensitively as `TAG[.-]` in the file's path; no TAG: Q4_K_M, then Q8_0, then the first model
+GGUF; never an `mmproj`, `imatrix` or draft (`mtp-`, `eagle3-`, `dflash-`, `dspark-`) file; of a split model
+(`NAME-00001-of-00003.gguf`) the first part, and then every part. One addition for PowerInfer repos: without
+a TAG a `*.powerinfer.gguf` file is preferred (the repos publish the dense original beside it), and the
+`activation/` statistics beside the chosen file, and its `.generated.gpuidx` if published, come along.
+
+Everything is read from the environment at call time, as `huggingface_hub` reads it at import: `HF_ENDPOINT`,
+`HF_TOKEN`, `HF_HOME` / `HF_HUB_CACHE`, `HF_HUB_OFFLINE`. Offline (that variable, or `offline=True`), a
+cached model resolves without any network call; online, a cached model is still checked against the Hub
+(as llama.cpp does), and when the Hub cannot be reached the cached copy is used with a note."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HUB_HOSTS = ("hf.co/", "huggingface.co/", "https://hf.co/", "https://huggingface.co/")
+DEFAULT_TAGS = ("Q4_K_M", "Q8_0")  # llama.cpp's order when no TAG is given
+NOT_MODEL_MARKS = ("mmproj", "imatrix", "mtp-", "eagle3-", "dflash-", "dspark-")
+POWERINFER_SUFFIX = ".powerinfer.gguf"
+ACTIVATION_DIR = "activation"
+GPUIDX_SUFFIX = ".generated.gpuidx"
+
+# an org or user and a repo as the Hub spells them; an optional :TAG of letters, digits, _ . -
+_NAME = re.compile(
+    r"^(?P<repo>[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*)(?::(?P<tag>[A-Za-z0-9_.-]+))?$"
+)
+_SPLIT = re.compile(r"^(.+)-([0-9]{5})-of-([0-9]{5})$", re.IGNORECASE)
+_TAG_IN_NAME = re.compile(r"[-.]([A-Z0-9_]+)$", re.IGNORECASE)
+
+
+class HubError(ValueError):
+    """A model name that cannot be resolved: the message is one line a person can act on."""
+
+
+@dataclass(frozen=True)
+class ModelName:
+    repo: str
+    tag: str | None = None
+
+    def __str__(self) -> str:
+        return f"{self.repo}:{self.tag}" if self.tag else self.repo
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The files one name needs: the model file(s) (a split model's parts, first part first) and what comes
+    along (PowerInfer statistics, a published GPU index)."""
+
+    primary: str
+    model_files: tuple[str, ...]
+    extras: tuple[str, ...] = field(default=())
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self.model_files + self.extras
+
+
+# ---------------------------------------------------------------------------------------------------
+# Names and file choice (pure)
+
+
+def parse_name(text: str | os.PathLike[str]) -> ModelName | None:
+    """`org/repo[:TAG]` or `hf.co/org/repo[:TAG]` as a ModelName; None for anything that is a local path
+    (an existing file or folder, a name ending in .gguf, an absolute or ./ path)."""
+    s = os.fspath(text)
+    for host in HUB_HOSTS:
+        if s.startswith(host):
+            named = _NAME.match(s[len(host) :])
+            if named is None:
+                raise HubError(f"{s!r} is not a model name: expected {host}ORG/REPO[:TAG]")
+            return ModelName(named["repo"], named["tag"])
+    if os.path.exists(s) or s.lower().endswith((".gguf", ".bin")) or s.startswith(("/", ".", "~")):
+        return None
+    named = _NAME.match(s)
+    return ModelName(named["repo"], named["tag"]) if named else None
+
+
+def split_info(path: str) -> tuple[str, int, int]:
+    """(prefix, part, parts) of a GGUF path: `x-00002-of-00003.gguf` -> ("x", 2, 3); one file: (stem, 1, 1)."""
+    prefix = path[: -len(".gguf")] if path.lower().endswith(".gguf") else path
+    m = _SPLIT.match(prefix)
+    return (m[1], int(m[2]), int(m[3])) if m else (prefix, 1, 1)
+
+
+def tag_of(path: str) -> str:
+    """The quantization tag a file name carries, as llama.cpp reads it: `Qwen3-8B-Q4_K_M.gguf` -> Q4_K_M,
+    `llama-7b-relu.q4.powerinfer.gguf` -> POWERINFER (the text after the last - or . before .gguf)."""
+    prefix, _, _ = split_info(path)
+    m = _TAG_IN_NAME.search(prefix)
+    return m[1].upper() if m else ""
+
+
+def is_model_file(path: str) -> bool:
+    name = path.rsplit("/", 1)[-1]
+    return name.lower().endswith(".gguf") and not any(mark in name for mark in NOT_MODEL_MARKS)
+
+
+def available_tags(paths: list[str]) -> list[str]:
+    """What a user may put after the colon: the tag of each model file (first parts only), sorted."""
+    tags = set()
+    for p in paths:
+        if is_model_file(p) and split_info(p)[1] == 1:
+            prefix = split_info(p)[0]
+            name = prefix.rsplit("/", 1)[-1]
+            # PowerInfer names put the type before .powerinfer (x.q4.powerinfer.gguf): offer "q4" too
+            if name.lower().endswith(".powerinfer"):
+                inner = _TAG_IN_NAME.search(name[: -len(".powerinfer")])
+                tags.add(inner[1].upper() if inner else "POWERINFER")
+            else:
+                tags.add(tag_of(p) or name)
+    return sorted(tags)
+
+
+def choose_files(paths: list[str], tag: str | None, repo: str = "the repository") -> Plan:
+    """The files `repo[:tag]` means among the repository's `paths` (llama.cpp's choice, module docstring)."""
+    models = [p for p in paths if is_model_file(p) and split_info(p)[1] == 1]
+    if not models:
+        ggufs = [p for p in paths if p.lower().endswith(".gguf")]
+        listed = f" (only {', '.join(ggufs[:6])})" if ggufs else ""
+        raise HubError(f"{repo} has no GGUF model file{listed}")
+    primary = None
+    if tag:
+        pattern = re.compile(re.escape(tag) + r"[.-]", re.IGNORECASE)
+        primary = next((p for p in models if pattern.search(p)), None)
+        if primary is None:
+            raise HubError(f"{repo} has no file tagged {tag!r}; its tags: {', '.join(available_tags(paths))}")
+    else:
+        for default in DEFAULT_TAGS:
+            pattern = re.compile(re.escape(default) + r"[.-]", re.IGNORECASE)
+            primary = next((p for p in models if pattern.search(p)), None)
+            if primary is not None:
+                break
+        if primary is None:
+            powerinfer = [p for p in models if p.lower().endswith(POWERINFER_SUFFIX)]
+            primary = (powerinfer or models)[0]
+    prefix, _, parts = split_info(primary)
+    model_files = (primary,)
+    if parts > 1:
+        found = {
+            split_info(p)[1]: p for p in paths if split_info(p)[0] == prefix and split_info(p)[2] == parts
+        }
+        missing = [i for i in range(1, parts + 1) if i not in found]
+        if missing:
+            raise HubError(
+                f"{repo}: {primary} is part 1 of {parts}, but part(s) {missing} are not in the repository"
+            )
+        model_files = tuple(found[i] for i in range(1, parts + 1))
+    folder = primary.rsplit("/", 1)[0] + "/" if "/" in primary else ""
+    extras = [p for p in paths if p.startswith(folder + ACTIVATION_DIR + "/") and p.endswith(".pt")]
+    extras += [p for p in paths if p == primary + GPUIDX_SUFFIX]
+    return Plan(primary, model_files, tuple(sorted(extras)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Environment and cache
+
+
+def cache_dir() -> Path:
+    """The Hugging Face hub cache, as huggingface_hub finds it (HF_HUB_CACHE, else HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub), read now, not at import."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(os.path.expandvars(os.path.expanduser(explicit)))
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "huggingface"
+    )
+    return Path(os.path.expandvars(os.path.expanduser(home))) / "hub"
+
+
+def endpoint() -> str:
+    return (os.environ.get("HF_ENDPOINT") or "https://huggingface.co").rstrip("/")
+
+
+def offline_from_env() -> bool:
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _repo_folder(repo: str) -> Path:
+    return cache_dir() / ("models--" + repo.replace("/", "--"))
+
+
+def cached_snapshot(repo: str, revision: str = "main") -> Path | None:
+    """The cached snapshot folder `revision` points at, or None."""
+    folder = _repo_folder(repo)
+    ref = folder / "refs" / revision
+    commit = ref.read_text().strip() if ref.is_file() else revision
+    snapshot = folder / "snapshots" / commit
+    return snapshot if snapshot.is_dir() else None
+
+
+def _files_under(folder: Path) -> list[str]:
+    return sorted(
+        p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()
+    )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Pull
+
+
+def resolve(model: str | os.PathLike[str] | None, *, offline: bool | None = None, quiet: bool = False):
+    """A model argument as a local path: None stays None (the bundled model), a local path stays itself, a
+    model name is pulled (or found in the cache) and the path of its model file returned."""
+    if model is None:
+        return None
+    name = parse_name(model)
+    return Path(model) if name is None else pull(name, offline=offline, quiet=quiet)
+
+
+def pull(name: ModelName | str, *, offline: bool | None = None, quiet: bool = False) -> Path:
+    """Download (or find in the cache) the files `name` means; the local path of its model file (of a split
+    model: its first part, with the others beside it)."""
+    if isinstance(name, str):
+        parsed = parse_name(name)
+        if parsed is None:
+            raise HubError(f"{name!r} is not a model name (ORG/REPO[:TAG]) and no such file")
+        name = parsed
+    offline = offline_from_env() if offline is None else offline
+    if offline:
+        return _from_cache(name, reason="offline")
+    from huggingface_hub import HfApi
+    from huggingface_hub import errors as hf_errors
+
+    api = HfApi(endpoint=endpoint())
+    try:
+        _probe(name.repo)
+        paths = [f.path for f in api.list_repo_tree(name.repo, recursive=True) if hasattr(f, "size")]
+    except hf_errors.GatedRepoError:
+        raise HubError(
+            f"{name.repo} is gated: accept its terms on {endpoint()}/{name.repo} and set HF_TOKEN "
+            "(or run `hf auth login`)"
+        ) from None
+    except hf_errors.RepositoryNotFoundError:
+        token_hint = "" if _has_token() else " (if it is private, set HF_TOKEN)"
+        raise HubError(f"no model repository {name.repo} on {endpoint()}{token_hint}") from None
+    except hf_errors.HfHubHTTPError as exc:
+        raise HubError(f"{name.repo}: the Hub answered {_status(exc)} listing its files") from None
+    except (OSError, *_network_errors()) as exc:  # no route, DNS, refused, timed out
+        cached = _cached_plan(name)
+        if cached is not None:
+            if not quiet:
+                print(f"hotcold: {endpoint()} unreachable ({type(exc).__name__}); using the cached {name}",
+                      file=sys.stderr)  # fmt: skip
+            return cached
+        raise HubError(
+            f"cannot reach {endpoint()} to fetch {name} ({type(exc).__name__}) and it is not cached"
+        ) from None
+    plan = choose_files(paths, name.tag, name.repo)
+    return _download(name, plan, quiet=quiet)
+
+
+def _probe(repo: str) -> None:
+    """One request, no retries, to find out whether the Hub answers at all: huggingface_hub retries a failed
+    listing five times over ~23 s, which an offline user with the model cached should not wait through."""
+    from huggingface_hub.utils import build_hf_headers, get_session, hf_raise_for_status
+
+    url = f"{endpoint()}/api/models/{repo}/tree/main"
+    hf_raise_for_status(get_session().get(url, headers=build_hf_headers(), timeout=10))
+
+
+def _download(name: ModelName, plan: Plan, *, quiet: bool) -> Path:
+    from huggingface_hub import errors as hf_errors
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
+
+    local = {}
+    if quiet:
+        disable_progress_bars()
+    try:
+        for path in plan.files:
+            try:
+                _fetch_blob(name.repo, path)
+                # the blob is in place: the library links it into the snapshot and records the commit
+                local[path] = Path(
+                    hf_hub_download(name.repo, path, cache_dir=cache_dir(), endpoint=endpoint())
+                )
+            except hf_errors.GatedRepoError:
+                raise HubError(f"{name.repo} is gated: accept its terms and set HF_TOKEN") from None
+            except hf_errors.HfHubHTTPError as exc:
+                raise HubError(
+                    f"{name.repo}: downloading {path} failed: the Hub answered {_status(exc)}"
+                ) from None
+            except (OSError, *_network_errors()) as exc:
+                raise HubError(
+                    f"{name.repo}: downloading {path} failed ({type(exc).__name__}: {exc}); "
+                    "run the same command again to resume"
+                ) from None
+    finally:
+        if quiet:
+            enable_progress_bars()
+    return local[plan.primary]
+
+
+def _fetch_blob(repo: str, path: str) -> None:
+    """Download one file's bytes to the cache's blob for it, resuming a download an earlier run left.
+
+    Written here, not left to `hf_hub_download`, because huggingface_hub 1.x/2.x writes to a temporary file
+    unique to each process and deletes it on failure (its PR #4228): an interrupted multi-GB download would
+    start over. The partial file is `blobs/<etag>.incomplete`, the name huggingface_hub 0.x resumed from;
+    the library's own file-lock path keeps two processes from appending to it at once; the blob gets its
+    final name only when its size is the size the Hub announced."""
+    from huggingface_hub import get_hf_file_metadata, hf_hub_url
+    from huggingface_hub.file_download import http_get, repo_folder_name
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+
+    meta = get_hf_file_metadata(hf_hub_url(repo, path, endpoint=endpoint()), endpoint=endpoint())
+    if meta.etag is None or meta.size is None:
+        return  # the library's own download handles a file without a blob name or size
+    folder = repo_folder_name(repo_id=repo, repo_type="model")
+    blob = cache_dir() / folder / "blobs" / meta.etag
+    if blob.exists():
+        return
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    lock = cache_dir() / ".locks" / folder / f"{meta.etag}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    partial = blob.with_name(blob.name + ".incomplete")
+    with WeakFileLock(lock):
+        if blob.exists():
+            return
+        with open(partial, "ab") as f:
+            done = f.tell()
+            if done > meta.size:  # not a prefix of this file: start again
+                f.truncate(0)
+                done = 0
+            headers = build_hf_headers()
+            headers["Accept-Encoding"] = "identity"
+            http_get(
+                meta.location,
+                f,
+                resume_size=done,
+                headers=headers,
+                expected_size=meta.size,
+                displayed_filename=path.rsplit("/", 1)[-1],
+            )
+        if partial.stat().st_size != meta.size:
+            raise OSError(f"{path}: got {partial.stat().st_size} bytes, the Hub announced {meta.size}")
+        os.replace(partial, blob)
+
+
+def _from_cache(name: ModelName, *, reason: str) -> Path:
+    found = _cached_plan(name)
+    if found is None:
+        raise HubError(f"{name} is not in the cache ({cache_dir()}) and hotcold is {reason}: pull it first")
+    return found
+
+
+def _cached_plan(name: ModelName) -> Path | None:
+    """The model file of `name` in the cached snapshot, when every file it needs is there; no network."""
+    snapshot = cached_snapshot(name.repo)
+    if snapshot is None:
+        return None
+    paths = _files_under(snapshot)
+    try:
+        plan = choose_files(paths, name.tag, name.repo)
+    except HubError:
+        return None
+    if not all((snapshot / p).exists() for p in plan.model_files):
+        return None
+    return snapshot / plan.primary
+
+
+def _has_token() -> bool:
+    if os.environ.get("HF_TOKEN"):
+        return True
+    try:
+        from huggingface_hub import get_token
+
+        return get_token() is not None
+    except Exception:  # an unreadable token file is "no token" for this hint
+        return False
+
+
+def _status(exc) -> str:
+    response = getattr(exc, "response", None)
+    code = getattr(response, "status_code", None)
+    return f"HTTP {code}" if code else type(exc).__name__
+
+
+def _network_errors() -> tuple[type[BaseException], ...]:
+    """The transport errors of the HTTP client huggingface_hub uses (httpx2 in 2.x, httpx in 1.x)."""
+    errors: list[type[BaseException]] = []
+    for module in ("httpx2", "httpx"):
+        try:
+            errors.append(__import__(module).TransportError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
+
+
+# ---------------------------------------------------------------------------------------------------
+# List and remove
+
+
+@dataclass(frozen=True)
+class CachedModel:
+    name: str  # org/repo
+    tag: str
+    size: int  # bytes, every part
+    path: Path  # the model file (first part)
+
+
+def list_models() -> list[CachedModel]:
+    """Every GGUF model file in the cache's snapshots (one row per model: a split model is one row)."""
+    rows = []
+    root = cache_dir()
+    if not root.is_dir():
+        return rows
+    for folder in sorted(root.glob("models--*")):
+        repo = folder.name[len("models--") :].replace("--", "/", 1)
+        snapshot = cached_snapshot(repo)
+        if snapshot is None:
+            continue
+        paths = _files_under(snapshot)
+        for p in paths:
+            prefix, part, parts = split_info(p)
+            if not is_model_file(p) or part != 1:
+                continue
+            siblings = [q for q in paths if split_info(q)[0] == prefix and split_info(q)[2] == parts]
+            size = sum((snapshot / q).stat().st_size for q in siblings if (snapshot / q).exists())
+            rows.append(CachedModel(repo, tag_of(p), size, snapshot / p))
+    return rows
+
+
+def remove(name: ModelName | str) -> list[Path]:
+    """Remove a pulled model from the cache: `org/repo` the whole repository, `org/repo:TAG` the files of that
+    tag (and the repository once no model file is left). The removed paths (files, or the repo folder)."""
+    if isinstance(name, str):
+        parsed = parse_name(name)
+        if parsed is None:
+            raise HubError(f"{name!r} is not a model name (ORG/REPO[:TAG])")
+        name = parsed
+    folder = _repo_folder(name.repo)
+    if not folder.is_dir():
+        raise HubError(f"{name.repo} is not in the cache ({cache_dir()})")
+    if name.tag is None:
+        shutil.rmtree(folder)
+        return [folder]
+    snapshot = cached_snapshot(name.repo)
+    paths = _files_under(snapshot) if snapshot else []
+    plan = choose_files(paths, name.tag, name.repo)  # raises naming the tags that are cached
+    removed = []
+    for p in plan.model_files:
+        link = snapshot / p
+        blob = link.resolve() if link.is_symlink() else None
+        link.unlink()
+        removed.append(link)
+        if blob is not None and blob.exists() and not _still_linked(folder, blob):
+            blob.unlink()
+    if not any(is_model_file(p) for p in _files_under(snapshot)):
+        shutil.rmtree(folder)
+        return [folder]
+    return removed
+
+
+def _still_linked(folder: Path, blob: Path) -> bool:
+    for link in (folder / "snapshots").rglob("*"):
+        if link.is_symlink() and link.resolve() == blob:
+            return True
+    return False
