@@ -9,6 +9,7 @@ import signal
 from pathlib import Path
 
 import pytest
+import torch
 
 from hotcold import hub
 from hotcold.cli import main
@@ -359,3 +360,23 @@ def test_generate_reads_a_piped_prompt(tmp_path, tiny_dense_gguf):
         )  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("Line 7: the quick brown fox")
+
+
+def test_split_model_pulls_every_part_and_loads(hub_site, tmp_path, tiny_dense_gguf):
+    import hotcold
+    from tests.test_gguf_split import split_with_upstream_writer
+
+    made = tmp_path / "made"
+    made.mkdir()
+    parts = split_with_upstream_writer(Path(tiny_dense_gguf), made, max_tensors=6)
+    files = {p.name.replace("model-", "Tiny-Q6_K-"): p.read_bytes() for p in parts}
+    hub_site.repos["org/split-GGUF"] = Repo(files | {"Tiny-Q8_0.gguf": hub_site.dense})
+    path = hub.pull("org/split-GGUF:q6_k")
+    assert path.name == f"Tiny-Q6_K-00001-of-{len(parts):05d}.gguf"
+    assert sorted(p.name for p in path.parent.glob("Tiny-Q6_K-*")) == sorted(files)
+    ids = [1, 5, 9]
+    assert torch.equal(
+        hotcold.load("org/split-GGUF:Q6_K").logits(ids), hotcold.load(tiny_dense_gguf).logits(ids)
+    )
+    [row] = [m for m in hub.list_models() if m.tag == "Q6_K"]
+    assert row.size == sum(len(b) for b in files.values())

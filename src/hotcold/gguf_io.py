@@ -9,6 +9,7 @@ Tensors are handed out as zero-copy views of the memory-mapped file.
 from __future__ import annotations
 
 import os
+import re
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -89,6 +90,11 @@ class TensorEntry:
     n_bytes: int
 
 
+# the keys of a split model (upstream llama-arch.cpp LLM_KV_SPLIT_*), and its parts' names (common/download.cpp)
+SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS = "split.no", "split.count", "split.tensors.count"
+_SPLIT_NAME = re.compile(r"^(.+)-00001-of-([0-9]{5})\.gguf$", re.IGNORECASE)
+
+
 class _Reader(GGUFReader):
     """`gguf.GGUFReader` that also accepts PowerInfer's magic and integer type numbers."""
 
@@ -151,14 +157,59 @@ class ModelFile:
             self.metadata_types[key] = (main, field.types[-1] if main == GGUFValueType.ARRAY else None)
         _check_block_count(self.path, self.metadata)
         self.tensors: dict[str, TensorEntry] = {}
+        self._add_tensors(self.path, reader, size)
+        self.parts = [self.path]
+        if int(self.metadata.get(SPLIT_COUNT, 1) or 1) > 1:
+            self._add_split_parts()
+
+    def _add_tensors(self, path: Path, reader: GGUFReader, size: int) -> None:
         for t in reader.tensors:
             end = t.data_offset + int(t.n_bytes)
             if end > size:
                 raise GGUFError(
-                    f"{self.path}: truncated: tensor {t.name} needs bytes up to {end}, file has {size}"
+                    f"{path}: truncated: tensor {t.name} needs bytes up to {end}, file has {size}"
                 )
+            if t.name in self.tensors:
+                raise GGUFError(f"{path}: tensor {t.name} appears twice in the model's files")
             shape = tuple(int(d) for d in reversed(t.shape.tolist()))
             self.tensors[t.name] = TensorEntry(t.name, shape, t.tensor_type, t.data, int(t.n_bytes))
+
+    def _add_split_parts(self) -> None:
+        """A model split by llama-gguf-split / convert_hf_to_gguf --split-max-*: NAME-00001-of-0000N.gguf holds
+        the metadata, every part tensors; the parts are found beside the first by name and read as one file."""
+        count = int(self.metadata[SPLIT_COUNT])
+        number = int(self.metadata.get(SPLIT_NO, 0))
+        m = _SPLIT_NAME.match(self.path.name)
+        if number != 0:
+            raise GGUFError(
+                f"{self.path}: part {number + 1} of a {count}-part model; open its first part (-00001-of-)"
+            )
+        if m is None:
+            raise GGUFError(
+                f"{self.path}: a {count}-part model whose name is not NAME-00001-of-{count:05d}.gguf"
+            )
+        for i in range(2, count + 1):
+            part = self.path.with_name(f"{m[1]}-{i:05d}-of-{count:05d}.gguf")
+            if not part.is_file():
+                raise GGUFError(f"{self.path}: part {i} of {count} is missing: {part}")
+            size = part.stat().st_size
+            scan_header(part)
+            try:
+                reader = _Reader(part)
+            except Exception as exc:
+                raise GGUFError(
+                    f"{part}: corrupt or truncated GGUF header ({type(exc).__name__}: {exc})"
+                ) from exc
+            field = reader.fields.get(SPLIT_NO)
+            if field is None or int(_plain_value(field)) != i - 1:
+                raise GGUFError(f"{part}: not part {i} of {self.path.name} (its {SPLIT_NO} says otherwise)")
+            self._add_tensors(part, reader, size)
+            self.parts.append(part)
+        expected = self.metadata.get(SPLIT_TENSORS)
+        if expected is not None and int(expected) != len(self.tensors):
+            raise GGUFError(
+                f"{self.path}: the {count} parts hold {len(self.tensors)} tensors, {SPLIT_TENSORS} says {expected}"
+            )
 
     @property
     def is_sparse(self) -> bool:
