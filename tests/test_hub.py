@@ -347,21 +347,6 @@ def test_run_drops_the_oldest_turns_when_the_context_is_full(tiny_dense_gguf):
     assert len(llm.chat_prompt_ids(kept)) + 8 <= 64
 
 
-def test_generate_reads_a_piped_prompt(tmp_path, tiny_dense_gguf):
-    import subprocess
-    import sys
-
-    prompt = tmp_path / "prompt.txt"
-    prompt.write_text("Line 7: the quick brown fox")
-    with open(prompt) as stdin:
-        result = subprocess.run(
-            [sys.executable, "-m", "hotcold", "generate", "-m", str(tiny_dense_gguf), "-n", "2", "--temp", "0", "--echo"],
-            stdin=stdin, capture_output=True, text=True, timeout=300,
-        )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("Line 7: the quick brown fox")
-
-
 def test_split_model_pulls_every_part_and_loads(hub_site, tmp_path, tiny_dense_gguf):
     import hotcold
     from tests.test_gguf_split import split_with_upstream_writer

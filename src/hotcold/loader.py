@@ -93,6 +93,11 @@ def load_model(
         raise ValueError(f"ctx_size must be >= 1, got {ctx}")
     tokenizer = Tokenizer.from_metadata(model_file.metadata, source=str(path))
     notes: list[str] = []
+    if ctx > config.n_ctx_train:  # as llama.cpp warns: positions past training are not extrapolated
+        notes.append(
+            f"warning: a {ctx}-token context is past the model's training context of {config.n_ctx_train} tokens:"
+            " text beyond it may degrade"
+        )
     thresholded = _thresholded_sparsity(model_file, config, opts.sparsity, opts.dense)
     dense = opts.dense or not config.sparse
     fast = _fast_device(opts, device, notes)

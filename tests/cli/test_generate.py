@@ -188,3 +188,26 @@ def test_generate_bad_schema_names_the_flag(tmp_path, capsys):
     assert "--json-schema" in err and "bad.json" in err
     err = run_error(capsys, ["generate", "--grammar", str(tmp_path / "missing.gbnf")])
     assert "no such file" in err
+
+
+def test_generate_reads_a_piped_prompt(tmp_path, tiny_dense_gguf):
+    import subprocess
+    import sys
+
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("Line 7: the quick brown fox")
+    with open(prompt) as stdin:
+        result = subprocess.run(
+            [sys.executable, "-m", "hotcold", "generate", "-m", str(tiny_dense_gguf), "-n", "2", "--temp", "0", "--echo"],
+            stdin=stdin, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("Line 7: the quick brown fox")
+
+
+def test_generate_warns_past_the_training_context(capsys, tiny_dense_gguf):
+    # the tiny model trains on 256 positions (tests/fixtures.make_llama)
+    assert main(["generate", "-m", str(tiny_dense_gguf), "-p", "x", "-n", "1", "-c", "300"]) == 0
+    assert "past the model's training context of 256 tokens" in capsys.readouterr().err
+    assert main(["generate", "-m", str(tiny_dense_gguf), "-p", "x", "-n", "1", "-c", "200"]) == 0
+    assert "training context" not in capsys.readouterr().err
