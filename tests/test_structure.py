@@ -154,3 +154,32 @@ print("RESULT " + json.dumps({{"rc": int(rc), "stray": ours}}))
     result = json.loads(lines[-1][len("RESULT ") :])
     assert result["rc"] == 0, f"collection failed:\n{res.stdout[-3000:]}"
     assert not result["stray"], f"modules of the checkout under a top-level name not ours: {result['stray']}"
+
+
+def test_readme_links_resolve_and_its_figures_are_the_results_page_figures():
+    """The README's links point at files that exist, and each headline figure is, verbatim, the figure of a
+    row of benchmarks/RESULTS.md (the page a user reads): the README never quotes a number the page lacks."""
+    import re
+
+    root = SRC.parent.parent
+    readme = (root / "README.md").read_text()
+    if not (root / "benchmarks" / "RESULTS.md").exists():
+        return  # an installed package without the checkout: nothing to compare
+    for target in re.findall(r"\]\(([^)#]+)\)", readme):
+        if not target.startswith("http"):
+            assert (root / target).exists(), f"README links to {target}, which does not exist"
+    results = (root / "benchmarks" / "RESULTS.md").read_text()
+    headline = readme.split("## Headline figures", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        r
+        for r in headline.splitlines()
+        if r.startswith("| ") and not r.startswith("| claim") and "---" not in r
+    ]
+    assert len(rows) >= 4
+    for row in rows:
+        claim, figure = (c.strip() for c in row.strip("|").split("|")[:2])
+        if figure.startswith("not measured"):
+            continue
+        assert f"| {claim} | {figure} |" in results, (
+            f"README figure not on the results page: {claim}: {figure}"
+        )
