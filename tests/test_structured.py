@@ -4,6 +4,7 @@ alone and batched (each sequence its own matcher), and bad schemas refused with 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -175,3 +176,148 @@ def test_field_name_in_the_message():
 
 def test_vocabulary_handed_over_once(llm):
     assert structured.lltokenizer(llm.tokenizer) is structured.lltokenizer(llm.tokenizer)
+
+
+# --- output that could never end: refused when compiled ------------------------------------------------
+
+LINKED = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
+ENDLESS = [
+    (dict(grammar='root ::= "a" root'), "rule root has no finite derivation"),
+    (dict(grammar='root ::= ("a" | "b") root'), "rule root has no finite derivation"),
+    (dict(grammar='root ::= "b" | x\nx ::= "a" x'), "rule x has no finite derivation"),
+    (dict(grammar='start: "a" start'), "rule start has no finite derivation"),
+    (dict(grammar='root ::= x+\nx ::= y\ny ::= "(" x ")"'), "rules root, x, y have"),
+    (dict(json_schema=LINKED), "the schema has no finite instance"),
+    (
+        dict(
+            json_schema={
+                "$defs": {"n": {"properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]}},
+                "$ref": "#/$defs/n",
+            }
+        ),
+        "the schema has no finite instance",
+    ),
+    (
+        dict(json_schema={"type": "array", "items": {"$ref": "#"}, "minItems": 1}),
+        "the schema has no finite instance",
+    ),
+    (
+        dict(
+            json_schema={
+                "type": "object",
+                "properties": {"optional": {"$ref": "#/$defs/n"}},
+                "$defs": {"n": {"properties": {"n": {"$ref": "#/$defs/n"}}, "required": ["n"]}},
+            }
+        ),
+        "#/properties/optional has no finite instance",
+    ),
+    (dict(grammar='start: "<" %json ' + json.dumps(LINKED)), "%json schema's # has no finite instance"),
+]
+
+
+@pytest.mark.parametrize("kwargs, words", ENDLESS, ids=[f"endless{i}" for i in range(len(ENDLESS))])
+def test_a_grammar_or_schema_without_a_finite_output_is_refused(kwargs, words):
+    """These compile in llguidance and failed only at the first token (or ran to max_tokens)."""
+    with pytest.raises(ValueError, match=re.escape(words)):
+        structured.compile_constraint(field="grammar" if "grammar" in kwargs else "json_schema", **kwargs)
+
+
+FINITE = [
+    dict(grammar='root ::= "a" root?'),
+    dict(grammar='root ::= "a" root | "b"'),
+    dict(grammar='start: x\nx: "(" x ")" | "y"'),
+    dict(grammar='root ::= item*\nitem ::= "[" item* "]"'),
+    dict(json_schema={"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#"}}}),
+    dict(
+        json_schema={
+            "type": "object",
+            "properties": {"kids": {"type": "array", "items": {"$ref": "#"}}},
+            "required": ["kids"],
+        }
+    ),
+    dict(json_schema={"anyOf": [{"type": "string"}, LINKED | {"$defs": {}}]}),
+    dict(json_schema={"type": "object", "properties": {"a": False}}),
+]
+
+
+@pytest.mark.parametrize("kwargs", FINITE, ids=[f"finite{i}" for i in range(len(FINITE))])
+def test_recursion_with_a_way_out_compiles(kwargs):
+    assert structured.compile_constraint(**kwargs) is not None
+
+
+def test_llama_cpp_grammars_compile():
+    """The grammars llama.cpp ships (where its checkout is at hand) pass the finiteness check."""
+    import glob
+    import os
+
+    folder = os.path.expanduser("~/.cache/hotcold-anchors/llama.cpp/grammars")
+    files = sorted(glob.glob(f"{folder}/*.gbnf"))
+    if not files:
+        pytest.skip("no llama.cpp checkout")
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            assert structured.compile_constraint(grammar=f.read()) is not None, path
+
+
+def test_a_constraint_failing_during_generation_is_a_constraint_error(llm):
+    """A grammar that gets past the compile-time check and fails later raises ConstraintError (a ValueError
+    naming the field) with llguidance's first line, not its parser-state dump."""
+    import llguidance
+
+    bad = structured.Constraint(llguidance.grammar_from("grammar", 'root ::= "a" root'), "grammar")
+    m = structured.Matcher(llm.tokenizer, bad)
+    allowed = m.allowed().nonzero().flatten().tolist()
+    with pytest.raises(structured.ConstraintError, match=r"^grammar: the grammar failed") as info:
+        m.consume(allowed[0])
+    assert info.value.field == "grammar" and "\n" not in str(info.value)
+
+
+# --- objects take no keys beyond their properties unless additionalProperties says so -----------------
+
+
+def accepts(llm, constraint, text: str) -> bool:
+    m = structured._fresh_matcher(llm.tokenizer, constraint.grammar)
+    ids = structured.lltokenizer(llm.tokenizer).tokenize_str(text)
+    return m.try_consume_tokens(ids) == len(ids) and m.is_accepting()
+
+
+OPEN = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
+def test_properties_without_additional_properties_take_no_other_keys(llm):
+    """llama.cpp's json-schema-to-grammar reading: `properties` and no `additionalProperties`: no extra keys
+    (JSON Schema's default let a model add keys until max_tokens); nested objects too."""
+    closed = structured.compile_constraint(json_schema=OPEN)
+    assert accepts(llm, closed, '{"a": "x"}')
+    assert not accepts(llm, closed, '{"a": "x", "b": "y"}')
+    nested = structured.compile_constraint(json_schema={"type": "object", "properties": {"o": OPEN}})
+    assert accepts(llm, nested, '{"o": {"a": "x"}}')
+    assert not accepts(llm, nested, '{"o": {"a": "x", "z": 1}}')
+    assert not accepts(llm, nested, '{"z": 1}')
+    allowed = structured.compile_constraint(json_schema=OPEN | {"additionalProperties": True})
+    assert accepts(llm, allowed, '{"a": "x", "b": "y"}')
+    typed = structured.compile_constraint(json_schema=OPEN | {"additionalProperties": {"type": "integer"}})
+    assert accepts(llm, typed, '{"a": "x", "b": 1}') and not accepts(llm, typed, '{"a": "x", "b": "y"}')
+    anything = structured.compile_constraint(json_schema={"type": "object"})  # no properties: any object
+    assert accepts(llm, anything, '{"b": "y"}')
+
+
+def test_all_of_parts_combine_their_keys(llm):
+    schema = {
+        "allOf": [{"properties": {"a": {"type": "integer"}}}, {"$ref": "#/$defs/b"}],
+        "$defs": {"b": {"properties": {"b": {"type": "integer"}}, "required": ["b"]}},
+    }
+    assert accepts(llm, structured.compile_constraint(json_schema=schema), '{"a": 1, "b": 2}')
+
+
+def test_tool_arguments_take_no_other_keys(llm):
+    """tool_choice="required": the function's parameters, a %json schema inside the call grammar, are read
+    the same way."""
+    from hotcold.server import tools
+
+    _, grammar = tools.choice(
+        [{"type": "function", "function": {"name": "f", "parameters": OPEN}}], "required"
+    )
+    c = structured.compile_constraint(grammar=grammar, field="tool_choice")
+    assert accepts(llm, c, '<tool_call>{"name": "f", "arguments": {"a": "x"}}</tool_call>')
+    assert not accepts(llm, c, '<tool_call>{"name": "f", "arguments": {"a": "x", "b": "y"}}</tool_call>')

@@ -16,7 +16,16 @@ waits for it only if it is not ready yet.
 Grammars: a JSON schema (`json_schema`, a dict or JSON text), any JSON object (`json_object`), or a
 grammar in llama.cpp's GBNF or in Lark (`grammar`, llguidance tells them apart). Limits per request:
 `MAX_SPEC_CHARS` of grammar or schema text, and llguidance's parser limits (lexer fuel, grammar size),
-which bound the compile time and the work per token."""
+which bound the compile time and the work per token.
+
+Schemas are read as llama.cpp's json-schema-to-grammar reads them: an object that lists `properties` and
+does not give `additionalProperties` has no other keys (JSON Schema's own default, any key, let a model
+add keys until max_tokens; OpenAI's strict mode forbids them too); give `"additionalProperties": true` to
+allow them. This holds for `json_schema`, and for `%json` schemas inside a grammar (tool arguments).
+A grammar with a rule that has no finite derivation (`root ::= "a" root`) or a schema with a subschema
+that has no finite instance (a required property that refers back to it) is refused here, with the rule
+or the subschema named (hotcold.schema_rules). A constraint that still fails during generation raises
+ConstraintError, naming its field."""
 
 from __future__ import annotations
 
@@ -30,6 +39,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hotcold.schema_rules import close_inline_schemas, closed_objects, endless_rules, infinite_subschemas
 from hotcold.tokenizer import Tokenizer
 from hotcold.tokenizer_types import CONTROL, USER_DEFINED
 
@@ -49,6 +59,14 @@ def _llg():
     return llguidance
 
 
+class ConstraintError(ValueError):
+    """A constraint failed during generation: the request's grammar or schema (`field`) caused it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 @dataclass(frozen=True)
 class Constraint:
     """A compiled grammar (llguidance's grammar text) and the request field it came from."""
@@ -65,7 +83,9 @@ def compile_constraint(
     field: str | None = None,
 ) -> Constraint | None:
     """The constraint for at most one of the three (None when none is given). ValueError, with the
-    field's name (`field`, else the argument's) and llguidance's message, for a bad schema or grammar."""
+    field's name (`field`, else the argument's) and llguidance's message, for a bad schema or grammar, and
+    for one whose output could never end. Objects with `properties` and no `additionalProperties` take no
+    other keys, as llama.cpp's converter reads them (see the module doc)."""
     given = [n for n, v in (("json_schema", json_schema), ("grammar", grammar)) if v is not None]
     if json_object:
         given.append("json_object")
@@ -85,12 +105,15 @@ def compile_constraint(
             if not isinstance(json_schema, dict | bool):
                 raise ValueError(f"a JSON schema is an object, got {type(json_schema).__name__}")
             _check_size(name, json.dumps(json_schema))
+            json_schema = closed_objects(json_schema)
+            _check_finite_schema(json_schema)
             text = llg.LLMatcher.grammar_from_json_schema(json.dumps(json_schema), JSON_OPTIONS)
         else:
             if not isinstance(grammar, str) or not grammar.strip():
                 raise ValueError("the grammar is empty")
             _check_size(name, grammar)
-            text = llg.grammar_from("grammar", grammar)
+            text = close_inline_schemas(llg.grammar_from("grammar", grammar))
+            _check_finite_grammar(text, gbnf="::=" in grammar)
         error = llg.LLMatcher.validate_grammar(text, None, limits=_limits())
     except ValueError as exc:
         raise ValueError(f"{name}: {exc}") from exc
@@ -99,6 +122,32 @@ def compile_constraint(
     if error and not error.startswith("WARNING"):
         raise ValueError(f"{name}: {error}")
     return Constraint(text, name)
+
+
+def _check_finite_schema(schema) -> None:
+    bad = infinite_subschemas(schema)
+    if bad:
+        where = "the schema" if bad[0] == "#" else bad[0]
+        raise ValueError(
+            f"{where} has no finite instance: a required property or item of it leads back to it"
+            " through $ref, so the output could never end"
+        )
+
+
+def _check_finite_grammar(lark: str, *, gbnf: bool) -> None:
+    rules, schemas = endless_rules(lark)
+    if rules:
+        names = ", ".join("root" if gbnf and r == "start" else r for r in rules)
+        which = f"rule {names} has" if len(rules) == 1 else f"rules {names} have"
+        raise ValueError(
+            f"{which} no finite derivation (each alternative leads back to a rule without one), so the"
+            " output could never end"
+        )
+    if schemas:
+        raise ValueError(
+            f"the %json schema's {schemas[0]} has no finite instance: a required property or item of it"
+            " leads back to it through $ref, so the output could never end"
+        )
 
 
 def _check_size(name: str, text: str) -> None:
@@ -239,6 +288,7 @@ class Matcher:
             self._m = _fresh_matcher(tokenizer, constraint.grammar)
         except ValueError as exc:
             raise ValueError(f"{constraint.field}: {exc}") from exc
+        self.field = constraint.field
         self.n_vocab = tokenizer.n_vocab
         self._bits = np.zeros((self.n_vocab + 31) // 32, dtype=np.int32)  # [ceil(V/32)]
         self._future: Future | None = None
@@ -261,9 +311,14 @@ class Matcher:
         if self._future is None:
             self.start()
         if self._future is not None:
-            self._future.result()
-            self._future = None
+            future, self._future = self._future, None
+            try:
+                future.result()
+            except Exception as exc:
+                raise ConstraintError(self.field, f"the grammar failed: {_first_line(str(exc))}") from exc
         self.mask_seconds += time.perf_counter() - t0
+        if self._m.is_error():
+            raise ConstraintError(self.field, f"the grammar failed: {_first_line(self._m.get_error())}")
         bits = np.unpackbits(self._bits.view(np.uint8), bitorder="little")[: self.n_vocab]
         return torch.from_numpy(bits.view(np.bool_))
 
@@ -280,12 +335,18 @@ class Matcher:
     def consume(self, token: int) -> None:
         """Advance past `token`, then start the next mask (unless the grammar is complete, `stopped`).
         The matcher is never touched while a mask is being computed (llguidance's objects are not
-        shared between threads)."""
+        shared between threads). ConstraintError when the grammar fails there (a parser limit)."""
         if self._future is not None:
-            self._future.result()
-            self._future = None
+            future, self._future = self._future, None
+            future.exception()  # wait; an error of that mask is the matcher's error, reported below
         if not self._m.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {self._m.get_error()}")
+            error = _first_line(self._m.get_error()) or "no reason given"
+            raise ConstraintError(self.field, f"the grammar failed after token {token}: {error}")
         self.stopped = self._m.is_stopped()
         if not self.stopped:
             self.start()
+
+
+def _first_line(message: str) -> str:
+    """llguidance's error without the parser state and grammar it appends."""
+    return message.strip().split("\n", 1)[0].strip()

@@ -13,7 +13,8 @@ import torch
 import hotcold
 from hotcold.engine import Engine
 from hotcold.sampling import SamplingParams
-from hotcold.server.scheduler import GenerationRequest, QueueFull, Scheduler, SchedulerClosed
+from hotcold.server.scheduler import GenerationRequest, QueueFull, RequestFailed, Scheduler, SchedulerClosed
+from hotcold.structured import Constraint
 
 TIMEOUT_S = 60
 PROMPTS = [
@@ -386,3 +387,52 @@ def test_prompts_arriving_together_share_their_start(llm):
     got = run_then_close(sched, main)
     assert got == refs
     assert model.started == [a.prompt_ids, b.prompt_ids[50:]]
+
+
+def test_a_request_failing_in_its_own_step_fails_alone(llm):
+    """A constraint that fails at the first token (compiled past the admission check) ends its request with
+    a 400 naming its field; the requests batched with it give what they give alone (before, the error
+    raised out of the batch step and every request of it got a 500 with this request's text)."""
+    import llguidance
+
+    endless = Constraint(llguidance.grammar_from("grammar", 'root ::= "a" root'), "grammar")
+    good = [request(llm, i, n=6) for i in (1, 2)]
+    bad = GenerationRequest(llm.tokenize(PROMPTS[0]), 6, constraint=endless)
+    sched = scheduler(llm, 3)
+
+    async def main():
+        jobs = sched.submit_all([good[0]]), sched.submit_all([bad]), sched.submit_all([good[1]])
+        results = await asyncio.gather(*(collect(j[0]) for j in jobs), return_exceptions=True)
+        return results, await collect(sched.submit(good[0]))  # and the server goes on
+
+    (first, failed, second), again = run_then_close(sched, main)
+    assert isinstance(failed, RequestFailed), failed
+    assert failed.status == 400 and failed.param == "grammar" and str(failed).startswith("grammar: ")
+    assert "<state>" not in str(failed)  # llguidance's first line, not its parser dump
+    assert [first, second, again] == [alone(llm, good[0]), alone(llm, good[1]), alone(llm, good[0])]
+
+
+def test_a_request_with_several_choices_takes_one_queue_place(llm):
+    """The queue counts requests: with one place left, a request with n=3 gets it as a request with n=1
+    would (counting choices, n=3 needed three places free at once and n=1 requests kept taking them)."""
+    release = threading.Event()
+
+    class Blocking(Model):
+        def forward(self, *args, **kwargs):
+            release.wait(TIMEOUT_S)
+            return super().forward(*args, **kwargs)
+
+    sched = scheduler(llm, 1, Blocking(llm.loaded.model), max_queue=2)
+
+    async def main():
+        running = sched.submit(request(llm, 0, n=1))
+        one = sched.submit(request(llm, 1, n=1))  # the first queue place
+        prompt = llm.tokenize(PROMPTS[2])
+        three = sched.submit_all([request(llm, 2, n=2, ids=prompt) for _ in range(3)])  # the second
+        with pytest.raises(QueueFull, match="2 requests are already queued"):
+            sched.submit(request(llm, 3, n=1))
+        release.set()
+        return await asyncio.gather(collect(running), collect(one), *(collect(j) for j in three))
+
+    results = run_then_close(sched, main)
+    assert [len(tokens) for _, tokens in results] == [1, 1, 2, 2, 2]

@@ -26,6 +26,7 @@ ITEM = {
     "required": ["name", "count", "kind"],
     "additionalProperties": False,
 }
+RECURSIVE = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
 LIST = {"type": "array", "items": {"type": "boolean"}, "minItems": 1, "maxItems": 3}
 CHAT = [{"role": "user", "content": "Describe an item as JSON."}]
 
@@ -217,6 +218,23 @@ def test_batched_with_different_schemas_and_unconstrained(server_url):
             "json_schema",
         ),
         ("/completion", {"prompt": "x", "json_schema": ITEM, "grammar": 'root ::= "a"'}, "grammar"),
+        # output that could never end: refused before it runs (it failed at its first token, in the batch)
+        ("/completion", {"prompt": "x", "grammar": 'root ::= "a" root'}, "grammar"),
+        ("/v1/completions", {"prompt": "x", "grammar": 'start: ("a" | "b") start'}, "grammar"),
+        (
+            "/v1/chat/completions",
+            {"messages": CHAT, "response_format": response_format(RECURSIVE)},
+            "response_format.json_schema.schema",
+        ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": CHAT,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": RECURSIVE}}],
+                "tool_choice": "required",
+            },
+            "tool_choice",
+        ),
     ],
 )
 def test_bad_constraints_are_400_naming_the_field(server_url, route, body, param):
@@ -226,6 +244,28 @@ def test_bad_constraints_are_400_naming_the_field(server_url, route, body, param
     assert error["param"] == param and error["message"], error
     ok = httpx.post(f"{server_url}/completion", json={"prompt": "x", "n_predict": 2}, timeout=30)
     assert ok.status_code == 200  # still serving
+
+
+def test_schema_without_additional_properties_gives_only_its_keys(server_url):
+    """A schema that lists properties and says nothing of additionalProperties: the answer has those keys
+    only (llama.cpp's reading). Tool arguments: tests/test_structured.py (this model's context is too short
+    for the tool prompt)."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 3}},
+        "required": ["name"],
+    }
+    client = openai_client(server_url)
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="x",
+            messages=CHAT,
+            max_tokens=40,
+            temperature=1.0,
+            seed=seed,
+            response_format=response_format(schema),
+        )
+        assert set(json.loads(r.choices[0].message.content)) == {"name"}
 
 
 @pytest.mark.parametrize("which", ["dense", "hybrid"])

@@ -46,7 +46,7 @@ from hotcold.server.protocol import (
     model_list,
     stop_list,
 )
-from hotcold.server.scheduler import GenerationRequest, QueueFull, Scheduler, SchedulerClosed
+from hotcold.server.scheduler import GenerationRequest, QueueFull, RequestFailed, Scheduler, SchedulerClosed
 from hotcold.server.streaming import EventStream, cancel_on_disconnect, events, merged
 from hotcold.validate import SEED_LIMIT
 
@@ -354,6 +354,9 @@ class _Server:
                     _gather(choices[i], parts[i], chunk)
         except SchedulerClosed as exc:
             raise ApiError(503, str(exc), type="server_error", code="shutting_down") from exc
+        except RequestFailed as exc:  # this request alone (the batch went on); 400: its input caused it
+            kind = "invalid_request_error" if exc.status < 500 else "server_error"
+            raise ApiError(exc.status, str(exc), param=exc.param, type=kind) from exc
         except Exception as exc:
             raise ApiError(500, f"generation failed: {exc}", type="server_error") from exc
         finally:

@@ -13,7 +13,16 @@ not fit in one forward, so the later ones find the earlier ones' rows). Chunks
 reach the event loop through `call_soon_threadsafe`. A cancelled job (its client went away) leaves the
 queue at once, or leaves the batch at the next step and frees its slot. A request's tokens do not
 depend on what else is in the batch (see hotcold.batching). The `n` choices of one prompt run it once:
-the others start from a copy of the first one's cache and its prompt logits (Engine.copy_prefix)."""
+the others start from a copy of the first one's cache and its prompt logits (Engine.copy_prefix).
+
+One request's failure is its own: when its sampling, its constraint or anything else of its own fails in
+a step, that request ends with the error (`RequestFailed`, status 400 when its input caused it: its
+grammar or schema) and the other requests of the batch go on as if it had never been there. Only a
+failure of the batched forward itself reaches every request in it.
+
+`max_queue` counts requests: a request's `n` choices take one place, so a request with n > 1 gets a place
+as often as one with n = 1 (counting choices, n = 3 needed three places free at once and a stream of n = 1
+requests kept taking them one by one)."""
 
 from __future__ import annotations
 
@@ -28,7 +37,7 @@ from hotcold import batching
 from hotcold.engine import Chunk, Engine
 from hotcold.generation import Generation, common_prefix
 from hotcold.sampling import SamplingParams
-from hotcold.structured import Constraint
+from hotcold.structured import Constraint, ConstraintError
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +58,24 @@ class QueueFull(RuntimeError):
     pass
 
 
+class RequestFailed(RuntimeError):
+    """One request failed on its own (the batch went on): `status` 400 when its input caused it (`param`:
+    the request field), 500 otherwise."""
+
+    def __init__(self, message: str, *, status: int = 500, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+    @classmethod
+    def of(cls, exc: Exception) -> RequestFailed:
+        if isinstance(exc, ConstraintError):
+            return cls(str(exc), status=400, param=exc.field)
+        if isinstance(exc, ValueError):  # the engine refused what the request asked (Generation's checks)
+            return cls(str(exc), status=400)
+        return cls(f"generation failed: {exc}")
+
+
 class SchedulerClosed(RuntimeError):
     pass
 
@@ -65,6 +92,7 @@ class Job:
         self._scheduler = scheduler
         self._queue: asyncio.Queue[Chunk | BaseException] = asyncio.Queue()
         self._finished = False
+        self.group: int = id(self)  # the request this job is a choice of (one queue place per request)
         self.leader: Job | None = None  # another choice of the same prompt, whose prefill this one reuses
         self.slot: _Running | None = None  # where it runs, once admitted (written under the scheduler lock)
 
@@ -90,6 +118,21 @@ class Job:
             if item.finish_reason is not None:
                 self._finished = True
             yield item
+
+
+class _Isolated(Generation):
+    """A Generation whose own failure in a step (sampling, constraint, stop strings) ends it with the error
+    (`error`) instead of raising out of the batch: the other generations of the step still take their
+    logits."""
+
+    error: Exception | None = None
+
+    def take(self, logits) -> None:
+        try:
+            super().take(logits)
+        except Exception as exc:
+            log.warning("a request failed in its own step: %s", exc)
+            self.error, self.done, self.finish_reason = exc, True, "error"
 
 
 @dataclass
@@ -166,13 +209,16 @@ class Scheduler:
         loop = loop or asyncio.get_running_loop()
         jobs = [Job(r, loop, self) for r in requests]
         for job in jobs[1:]:  # the n choices of one prompt: the prompt runs once, for the first
+            job.group = jobs[0].group
             if job.request.prompt_ids == jobs[0].request.prompt_ids:
                 job.leader = jobs[0]
         with self._cond:
             if self._closed:
                 raise SchedulerClosed("the server is shutting down")
-            if len(self._pending) + len(jobs) - len(self._free) > self.max_queue:
-                raise QueueFull(f"the server is busy: {len(self._pending)} requests are already queued")
+            starts_now = not self._pending and len(jobs) <= len(self._free)
+            queued = len({j.group for j in self._pending})  # requests, whatever their n
+            if not starts_now and queued + 1 > self.max_queue:
+                raise QueueFull(f"the server is busy: {queued} requests are already queued")
             self._pending.extend(jobs)
             self._admit()
             self._cond.notify()
@@ -212,7 +258,7 @@ class Scheduler:
                     engine.copy_prefix(leader.engine, len(r.prompt_ids))
                 prefilled = leader.generation.prompt_logits
             try:
-                gen = Generation(
+                gen = _Isolated(
                     engine,
                     r.prompt_ids,
                     max_tokens=r.max_tokens,
@@ -224,7 +270,7 @@ class Scheduler:
                     prefilled=prefilled,
                 )
             except Exception as exc:  # a prompt the engine refuses: this request fails, the others go on
-                job._put(exc)
+                job._put(RequestFailed.of(exc))
                 continue
             self._free.remove(engine)
             job.slot = _Running(job, engine, gen)
@@ -291,6 +337,8 @@ class Scheduler:
         if not job.cancelled.is_set():
             for chunk in gen.drain():
                 job._put(chunk)
+            if gen.error is not None:
+                job._put(RequestFailed.of(gen.error))
         if gen.done or job.cancelled.is_set():
             self._release(r)
 
