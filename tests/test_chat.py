@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from hotcold.chat import render_chat
+from hotcold import chat
+from hotcold.chat import ChatInputError, ChatTemplateError, render_chat
 
 
 class FakeTokenizer:
@@ -41,7 +43,11 @@ def test_fallback_template_ends_with_assistant_cue():
         ("{% for %}", MESSAGES, "does not parse"),
         (None, [{"role": "robot", "content": "x"}], "role"),
         (None, [], "non-empty"),
-        ("{{ messages[0].content + 1 }}", MESSAGES, "template failed"),
+        (
+            "{{ messages[0].content + 1 }}",
+            MESSAGES,
+            r"chat template \(tokenizer.chat_template\) failed: TypeError",
+        ),
     ],
 )
 def test_errors_are_value_errors(template, messages, match):
@@ -92,3 +98,129 @@ def test_upstream_templates_render_a_conversation():
                 failed[path.name] = str(exc)
     assert len(list(UPSTREAM_TEMPLATES.glob("*.jinja"))) > 50
     assert not failed, failed
+
+
+TOOL_HISTORY = [
+    {"role": "user", "content": "Weather?"},
+    {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function", "function": 5}]},
+]
+
+
+@pytest.mark.parametrize(
+    "calls, field",
+    [
+        (
+            [{"id": "c1", "type": "function", "function": 5}],
+            r"messages\[1\]\.tool_calls\[0\]\.function must be an object",
+        ),
+        (
+            [{"function": {"name": 7, "arguments": "{}"}}],
+            r"messages\[1\]\.tool_calls\[0\]\.function\.name must be a string",
+        ),
+        (
+            [{"function": {"name": "f", "arguments": [1]}}],
+            r"messages\[1\]\.tool_calls\[0\]\.function\.arguments",
+        ),
+        ([5], r"messages\[1\]\.tool_calls\[0\] must be an object"),
+        ("call", r"messages\[1\]\.tool_calls must be a list"),
+    ],
+)
+def test_malformed_tool_calls_name_the_field(calls, field):
+    """Issue #47 D2: a call whose `function` is not an object was an AttributeError (a 500 in the server)."""
+    history = [TOOL_HISTORY[0], {"role": "assistant", "content": None, "tool_calls": calls}]
+    for template in (
+        None,
+        "{% for m in messages %}{{ m.tool_calls }}{% endfor %}{{ tools }}",
+    ):  # fallback, native
+        with pytest.raises(ChatInputError, match=field) as info:
+            render_chat(FakeTokenizer(template), history)
+        assert info.value.path[:3] == ("messages", 1, "tool_calls")
+
+
+@pytest.mark.parametrize("name", [5, ["f"], "", "a" * 65, "f</tool_call>", "get weather", "f.g"])
+def test_tool_names_follow_openais_rule(name):
+    """Issue #47 D11: OpenAI's ^[a-zA-Z0-9_-]{1,64}$; a name with "</tool_call>" would end the call early."""
+    tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    with pytest.raises(ChatInputError, match=r"tools\[0\]\.function\.name must be 1 to 64 letters") as info:
+        render_chat(FakeTokenizer(), MESSAGES, tools=[tool])
+    assert info.value.path == ("tools", 0, "function", "name")
+    ok = {"type": "function", "function": {"name": "get_weather-2", "parameters": {"type": "object"}}}
+    assert "get_weather-2" in render_chat(FakeTokenizer(), MESSAGES, tools=[ok])
+
+
+@pytest.mark.parametrize(
+    "template, error",
+    [
+        ("{{ 1 // 0 }}", "ZeroDivisionError"),
+        ("{{ 2.0 ** 10000 }}", "OverflowError"),
+        ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+        ("{% for x in [1] recursive %}{{ loop([1]) }}{% endfor %}", "RecursionError"),
+        ("{{ ''.__class__.__mro__ }}", "SecurityError"),
+        ("{% include 'other.jinja' %}", "TypeError"),
+    ],
+)
+def test_any_template_failure_is_a_chat_template_error_naming_it(template, error):
+    """Issue #47 D3: these were ZeroDivisionError, OverflowError... (500s in the server), not ValueErrors."""
+    with pytest.raises(
+        ChatTemplateError, match=rf"^the model's chat template \(tokenizer.chat_template\) failed: {error}"
+    ):
+        render_chat(FakeTokenizer(template), MESSAGES)
+    with pytest.raises(ChatTemplateError, match=rf"^m.gguf's template failed: {error}"):
+        render_chat(FakeTokenizer(template), MESSAGES, template_name="m.gguf's template")
+
+
+NESTED_LOOPS = "{% for a in range(100000) %}{% for b in range(100000) %}{{ b }}{% endfor %}{% endfor %}"
+SILENT_LOOPS = (
+    "{% set x %}{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}{% endset %}"
+)
+
+
+@pytest.mark.parametrize(
+    "template, bound",
+    [
+        (SILENT_LOOPS, "rendering took more than 0.3 s of CPU"),  # 10**10 steps: it ran on for ever
+        (NESTED_LOOPS, "the prompt passed 100000 characters"),
+        ("{{ 'x' * 10**10 }}", r"\* would make 10000000000 characters"),  # a 10 GB string
+        ("{{ 10 ** (10 ** 10) }}", "an integer power of more than"),  # ran on for ever
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+            "~ would make",
+        ),
+        (
+            "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s + ns.s %}{% endfor %}",
+            r"\+ would make",
+        ),
+        ("{{ 'x'|center(10**10) }}", "center would make"),
+        ("{{ 'x'.ljust(10000000000) }}", "ljust would make"),
+        ("{{ '%*d' % (10000000000, 1) }}", "a format with a width"),
+        ("{{ '{:>10000000000}'.format(1) }}", "a format with a width"),
+        ("{{ [1]|batch(10000000000, 0)|list }}", "batch would make"),
+        ("{{ ('x' * 90000)|sort|list }}", "sort over 90000 items"),
+    ],
+)
+def test_templates_are_bounded_in_time_and_size(monkeypatch, template, bound):
+    """Issue #47 D3: a template that would run on, or make a huge prompt or value, is stopped with an error
+    naming the template and the bound, within a few seconds."""
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.3)
+    monkeypatch.setattr(chat, "MAX_CHARS", 100_000)
+    start = time.monotonic()
+    with pytest.raises(
+        ChatTemplateError,
+        match=rf"^the model's chat template \(tokenizer.chat_template\) was stopped: {bound}",
+    ):
+        render_chat(FakeTokenizer(template), MESSAGES)
+    assert time.monotonic() - start < 10
+
+
+def test_bounds_leave_ordinary_templates_alone():
+    """Loops of every kind, macros, filters and tests under the bounds render as jinja2 renders them, and
+    tojson is transformers' (keys in order, no HTML escapes)."""
+    template = (
+        "{% macro turn(m) %}<{{ m.role|upper }}>{{ m.content ~ '!' }}{% endmacro %}"
+        "{% for m in messages if m.role != 'tool' %}{{ turn(m) }}{{ loop.index }}/{{ loop.length }}{% endfor %}"
+        "{% for k, v in {'b': 1, 'a': 2}.items() %}{{ k }}={{ v }};{% else %}none{% endfor %}"
+        "{{ messages|map(attribute='role')|join(',') }} {{ (messages|selectattr('role', 'equalto', 'user')|list)|length }}"
+        "{{ {'z': '<a&b>', 'y': [1, 2]}|tojson }}{{ '%s-%d'|format('x', 3) }}{{ '{}+{}'.format(1, 2) }}"
+    )
+    out = render_chat(FakeTokenizer(template), MESSAGES)
+    assert out == ('<SYSTEM>Be brief.!1/2<USER>Hi!2/2b=1;a=2;system,user 1{"z": "<a&b>", "y": [1, 2]}x-31+2')
