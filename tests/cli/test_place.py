@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from hotcold.cli import main
+from hotcold.placement.gpuidx import read_gpuidx
 from hotcold.placement.profile import write_activation_files
 
 
@@ -36,9 +37,49 @@ def test_place_writes_its_file(placed_model, capsys):
 
 
 def test_place_fails_when_it_cannot_write_its_file(placed_model, capsys):
-    (placed_model.parent / (placed_model.name + ".generated.gpuidx")).mkdir()  # in the way
+    blocker = placed_model.parent / (placed_model.name + ".generated.gpuidx")
+    blocker.mkdir()  # in the way
     code = main(["place", "-m", str(placed_model), "--vram-budget", "0.05"])
-    out, err = capsys.readouterr()
+    err = capsys.readouterr().err
     assert code == 1 and "Traceback" not in err
-    assert "was not written" in err
-    assert "could not write the placement cache" in out  # the reason, from the loader's notes
+    assert (
+        err.strip().splitlines()[-1] == f"hotcold: error: output file {blocker} is a folder; give a file name"
+    )
+
+
+def test_a_model_in_the_installed_package_gets_its_cache_in_the_user_cache(
+    tmp_path, tiny_sparse_gguf, monkeypatch, capsys
+):
+    """`place` on the bundled model wrote into the installed package; the cache goes to the user cache folder
+    (HOTCOLD_CACHE_DIR here, else ~/.cache/hotcold), and the loader and info find it there."""
+    import hotcold
+    from hotcold.loader import load_model
+
+    package = tmp_path / "site-packages" / "hotcold"
+    (package / "data").mkdir(parents=True)
+    model = package / "data" / "m.powerinfer.gguf"
+    shutil.copy(tiny_sparse_gguf, model)
+    gen = torch.Generator().manual_seed(0)
+    write_activation_files(
+        [torch.randint(0, 100, (1280,), generator=gen) for _ in range(2)], package / "data" / "activation"
+    )
+    from hotcold.kernels import build
+
+    build.get_lib()  # built (or found) in the usual cache before the cache folder moves for this test
+    monkeypatch.setattr(hotcold, "__file__", str(package / "__init__.py"))
+    monkeypatch.setenv("HOTCOLD_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["place", "-m", str(model), "--vram-budget", "0.05"]) == 0
+    out, err = capsys.readouterr()
+    assert sorted(p.name for p in (package / "data").iterdir()) == ["activation", "m.powerinfer.gguf"]
+    caches = list((tmp_path / "cache" / "gpuidx").iterdir())
+    assert len(caches) == 1 and caches[0].name.startswith("m.powerinfer.gguf.")
+    assert caches[0].name.endswith(".generated.gpuidx") and f"wrote {caches[0]}" in err
+    assert read_gpuidx(caches[0]).n_layer == 2
+    for _ in range(
+        2
+    ):  # the loader writes its own cache there too (its plan differs from place's), and finds it
+        loaded = load_model(model, device="cpu", fast_device="cpu", vram_budget=0.04)
+    assert any(f"placement from {caches[0].name}" in n for n in loaded.notes), "\n".join(loaded.notes)
+    assert sorted(p.name for p in (package / "data").iterdir()) == ["activation", "m.powerinfer.gguf"]
+    assert main(["info", "-m", str(model)]) == 0
+    assert f"{caches[0].name}: " in capsys.readouterr().out

@@ -86,3 +86,22 @@ def test_never_written_over_its_model_or_statistics(tmp_path):
     cache.unlink()
     write_gpuidx(cache, placement)
     assert read_gpuidx(cache).hot[0].tolist() == [0, 1, 2, 3]
+
+
+def test_where_the_cache_goes(tmp_path, monkeypatch):
+    """Beside a model in a user's folder (PowerInfer's place); in the user cache for a model inside the
+    installed package, one file per model path; the loader looks beside first, then in the cache."""
+    import hotcold
+    from hotcold.placement.gpuidx import gpuidx_candidates, gpuidx_path
+
+    monkeypatch.setenv("HOTCOLD_CACHE_DIR", str(tmp_path / "cache"))
+    mine = tmp_path / "models" / "m.gguf"
+    mine.parent.mkdir()
+    assert gpuidx_path(mine) == tmp_path / "models" / "m.gguf.generated.gpuidx"
+    package = tmp_path / "site-packages" / "hotcold"
+    monkeypatch.setattr(hotcold, "__file__", str(package / "__init__.py"))
+    bundled, other = package / "data" / "m.gguf", package / "data" / "sub" / "m.gguf"
+    assert gpuidx_path(bundled).parent == tmp_path / "cache" / "gpuidx"
+    assert gpuidx_path(bundled).name.startswith("m.gguf.") and gpuidx_path(bundled) != gpuidx_path(other)
+    assert gpuidx_candidates(bundled) == [package / "data" / "m.gguf.generated.gpuidx", gpuidx_path(bundled)]
+    assert gpuidx_path(mine) == tmp_path / "models" / "m.gguf.generated.gpuidx"

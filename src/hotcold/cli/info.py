@@ -48,7 +48,10 @@ def describe(path: str | None, *, vram_budget: float | None = None, ctx_size: in
         if f"blk.{i}.fc1.weight" in mf.tensors
     ]
     activation_dir = path.parent / "activation"
-    gpuidx = Path(str(path) + ".generated.gpuidx")
+    from hotcold.placement.gpuidx import gpuidx_candidates, gpuidx_path
+
+    # the first place the loader looks that holds one (beside the model, then the user cache), else where it goes
+    gpuidx = next((p for p in gpuidx_candidates(path) if p.exists()), gpuidx_path(path))
     return {
         "file": str(path),
         "format": "PowerInfer (PWRI, sparse)" if mf.is_sparse else "GGUF (dense)",

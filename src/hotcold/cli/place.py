@@ -1,5 +1,5 @@
-"""hotcold place: solve the hot-neuron placement for a VRAM budget and write `<model>.generated.gpuidx`.
-Runs without a GPU: it only needs the model file and its activation statistics. `--plot OUT.png` also draws
+"""hotcold place: solve the hot-neuron placement for a VRAM budget and write `<model>.generated.gpuidx` (beside
+the model; for the bundled demo model or a read-only folder, in the user cache: placement.gpuidx). Runs without a GPU: it only needs the model file and its activation statistics. `--plot OUT.png` also draws
 the hot neurons per layer against the budget (hotcold.plots)."""
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ def run(args) -> int:
     path = Path(args.model) if args.model else demo_model_path()
     if args.plot is not None:  # a missing extra or a bad name fails before anything is solved or written
         from hotcold import plots
-        from hotcold.placement.gpuidx import placement_inputs
+        from hotcold.placement.gpuidx import model_inputs
 
         plots.require()
-        plots.check_png(args.plot, [gpuidx_path(path), *placement_inputs(gpuidx_path(path)), path])
+        plots.check_png(args.plot, [gpuidx_path(path), *model_inputs(path)])
     mf = ModelFile(path)
     config = config_from_file(mf)
     if not config.sparse:
@@ -59,7 +59,7 @@ def run(args) -> int:
     ctx = args.ctx_size or min(config.n_ctx_train, DEFAULT_CTX)
     plan = plan_budget(mf, config, budget, ctx_size=ctx)
     notes = [plan.describe()]
-    hot = resolve_placement(path, mf, config, plan, True, notes)
+    hot = resolve_placement(path, mf, config, plan, True, notes, strict=True)  # a failed write raises
     result = {
         "model": str(path),
         "budget_bytes": budget,
@@ -79,15 +79,15 @@ def run(args) -> int:
         print("hotcold: no placement written", file=sys.stderr)
         return 1
     if not _written(gpuidx_path(path), hot):
-        # the loader goes on without a cache (notes say why); writing it is this command's whole job
         print(
             f"hotcold: error: the placement was solved but {gpuidx_path(path)} was not written",
             file=sys.stderr,
         )
         return 1
+    print(f"hotcold: wrote {gpuidx_path(path)}", file=sys.stderr)
     if args.plot is not None:
         from hotcold import plots
-        from hotcold.placement.gpuidx import placement_inputs
+        from hotcold.placement.gpuidx import model_inputs
 
         used = sum(len(h) * b for h, b in zip(hot, plan.bytes_per_neuron))
         spent = dict(plan.spent, scratch=min(plan.scratch_bytes, budget), hot=used)
@@ -98,7 +98,7 @@ def run(args) -> int:
             budget_bytes=budget,
             spent=spent,
             title=f"{path.name}: placement at a {budget / GIB:g} GiB VRAM budget",
-            inputs=[gpuidx_path(path), *placement_inputs(gpuidx_path(path)), path],
+            inputs=[gpuidx_path(path), *model_inputs(path)],
         )
         print(f"hotcold: wrote {args.plot}", file=sys.stderr)
     return 0

@@ -1,5 +1,9 @@
 """The placement cache `<model path>.generated.gpuidx`, in the original's layout.
 
+Written beside the model, as PowerInfer does, unless the model sits inside the installed hotcold package (the
+bundled demo model) or in a folder that cannot be written: then in the user cache (user_cache_dir:
+~/.cache/hotcold/gpuidx by default), under the model's name and a digest of its path. The loader looks in both.
+
 A `PWRI`-magic GGUF with arch `generic.gpu_index`, keys `generic.gpu_index.block_count` (u32) and
 `split.vram_capacity` (u64), and per layer, in numeric layer order, `blk.{i}.gpu_idx` (I32 [n_ff], 1 = on
 the GPU) then `blk.{i}.gpu_bucket` (I32 [k], the sorted GPU neuron ids). Integer tensors carry PowerInfer's
@@ -28,19 +32,69 @@ ARCH = names.GPU_INDEX_ARCH
 SUFFIX = ".generated.gpuidx"
 
 
-def gpuidx_path(model_path: str | os.PathLike[str]) -> Path:
+def beside_path(model_path: str | os.PathLike[str]) -> Path:
+    """`<model path>.generated.gpuidx`: where PowerInfer reads and writes the cache."""
     return Path(str(model_path) + SUFFIX)
 
 
-def placement_inputs(path: str | os.PathLike[str]) -> list[Path]:
-    """What a placement cache is solved from: its model file and the activation files beside it."""
-    path = Path(path)
-    if not path.name.endswith(SUFFIX):
-        return []
-    model = path.with_name(path.name[: -len(SUFFIX)])
+def user_cache_dir() -> Path:
+    """Where placement caches go when the model's folder cannot take one: gpuidx/ in hotcold's cache folder,
+    the one the compiled kernels use (HOTCOLD_CACHE_DIR, else $XDG_CACHE_HOME/hotcold or ~/.cache/hotcold)."""
+    if folder := os.environ.get("HOTCOLD_CACHE_DIR"):
+        return Path(folder) / "gpuidx"
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hotcold" / "gpuidx"
+
+
+def cached_path(model_path: str | os.PathLike[str]) -> Path:
+    """The user-cache file for one model: its name plus a digest of its absolute path (two models of one name
+    in different folders keep their own caches)."""
+    model = Path(model_path).resolve()
+    tag = hashlib.sha256(os.fsencode(model)).hexdigest()[:16]
+    return user_cache_dir() / f"{model.name}.{tag}{SUFFIX}"
+
+
+def _package_dir() -> Path:
+    import hotcold
+
+    return Path(hotcold.__file__).resolve().parent
+
+
+def writes_beside(model_path: str | os.PathLike[str]) -> bool:
+    """A model's cache goes beside it unless its folder is inside the installed hotcold package (the bundled
+    demo model: installing or upgrading would replace it, and it is not the user's folder) or not writable."""
+    folder = Path(model_path).resolve().parent
+    package = _package_dir()
+    if folder == package or package in folder.parents:
+        return False
+    return os.access(folder, os.W_OK | os.X_OK)
+
+
+def gpuidx_path(model_path: str | os.PathLike[str]) -> Path:
+    """Where a model's placement cache is written: beside the model, else in the user cache (writes_beside)."""
+    return beside_path(model_path) if writes_beside(model_path) else cached_path(model_path)
+
+
+def gpuidx_candidates(model_path: str | os.PathLike[str]) -> list[Path]:
+    """Where a model's placement cache is looked for, in order: beside the model (PowerInfer's own, or one
+    hotcold wrote there), then the user cache."""
+    return [beside_path(model_path), cached_path(model_path)]
+
+
+def model_inputs(model_path: str | os.PathLike[str]) -> list[Path]:
+    """What a model's placement cache is solved from: the model file and the activation files beside it."""
+    model = Path(model_path)
     activation_dir = model.parent / "activation"
     found = sorted(activation_dir.glob("activation_*.pt")) if activation_dir.is_dir() else []
     return [model, *found]
+
+
+def placement_inputs(path: str | os.PathLike[str]) -> list[Path]:
+    """What a placement cache beside its model is solved from (model_inputs of the model its name names)."""
+    path = Path(path)
+    if not path.name.endswith(SUFFIX):
+        return []
+    return model_inputs(path.with_name(path.name[: -len(SUFFIX)]))
 
 
 @dataclass(frozen=True)
