@@ -69,3 +69,40 @@ def test_a_second_stream_on_the_same_thread_is_refused(llm):
         llm.generate(PROMPTS[1], max_tokens=2)
     first.close()
     assert llm.generate(PROMPTS[1], max_tokens=2)  # the turn was given back
+
+
+def test_a_new_thread_with_an_ended_threads_id_waits_its_turn(llm):
+    """Issue #47 D6: a thread id is reused once its thread has ended. A thread that left a stream open (handed
+    to another thread) ends; a new thread with the same id must wait for the turn like any other thread,
+    not be told it is "already generating"."""
+    held = {}
+
+    def start_a_stream():
+        held["stream"] = llm.stream(PROMPTS[0], max_tokens=8)
+        next(held["stream"])
+        held["ident"] = threading.get_ident()
+
+    first = threading.Thread(target=start_a_stream)
+    first.start()
+    first.join(timeout=120)
+    result = {}
+
+    def generate_if_same_id():
+        if threading.get_ident() == held["ident"]:
+            try:
+                result["text"] = llm.generate(PROMPTS[1], max_tokens=2)
+            except RuntimeError as exc:
+                result["error"] = exc
+
+    for _ in range(50):  # the next thread usually gets the ended one's id (its stack is reused)
+        second = threading.Thread(target=generate_if_same_id)
+        second.start()
+        second.join(timeout=0.5)
+        if second.is_alive() or result:
+            break
+    else:
+        pytest.skip("no new thread got the ended thread's id")
+    assert "error" not in result, result  # it waits: the stream still holds the turn
+    held["stream"].close()
+    second.join(timeout=120)
+    assert result["text"]

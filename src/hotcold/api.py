@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -38,16 +39,20 @@ class Model:
         self.engine = Engine(loaded.model, loaded.tokenizer, loaded.ctx_size)
         self.last_stats = None
         self._turn = threading.Lock()  # the engine's context: one user at a time
-        self._owner: int | None = None
+        # the thread holding the turn, by its Thread object: a thread id is reused once its thread has ended,
+        # so a new thread would look like the owner; a weak reference, so an ended thread is not kept
+        self._owner: weakref.ref[threading.Thread] | None = None
 
     def _take_turn(self):
-        if self._owner == threading.get_ident():
+        me = threading.current_thread()
+        owner = self._owner
+        if owner is not None and owner() is me:
             raise RuntimeError(
                 "this thread is already generating with this Model (a stream not yet finished or closed): "
                 "finish or close it first, or use generate_batch for several generations at once"
             )
         self._turn.acquire()
-        self._owner = threading.get_ident()
+        self._owner = weakref.ref(me)
 
     def _end_turn(self):
         self._owner = None
@@ -181,7 +186,10 @@ class Model:
         from hotcold.chat import render_chat
 
         # a template that writes the BOS text itself gets no second BOS from the tokenizer
-        prompt = render_chat(self.tokenizer, messages, tools=tools)
+        own = f"{self.path.name}'s chat template (tokenizer.chat_template)"  # errors name the model's file
+        prompt = render_chat(
+            self.tokenizer, messages, tools=tools, template_name=own if self.tokenizer.chat_template else None
+        )
         bos_id = self.tokenizer.bos_id
         ids = self.tokenizer.encode(prompt, add_bos=True, add_eos=False)  # the reply follows the prompt
         if bos_id is not None and len(ids) > 1 and ids[0] == bos_id and ids[1] == bos_id:
