@@ -24,6 +24,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import threading
 from pathlib import Path
@@ -58,6 +59,12 @@ _TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF
 # values are ggml's (d * q - m, unfused) whatever the compiler's default contraction is.
 _BASE_FLAGS = ["-shared", "-fPIC", "-std=gnu11", "-Wno-psabi", "-ffp-contract=off"]
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
+
+# said on stderr before the first build on a machine (or after an upgrade changes the source)
+COMPILING = (
+    "hotcold: compiling the C CPU kernels for this machine with {cc}, once (about 30 s; cached in {cache}). "
+    "They need a C compiler; without one (or if this fails) hotcold runs on slower torch kernels."
+)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -293,7 +300,10 @@ def _build_and_load() -> ctypes.CDLL | None:
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning("no C compiler (cc/gcc) found: using the slower torch CPU kernels")
+        log.warning(
+            "no C compiler (cc/gcc) found: using the slower torch CPU kernels (install gcc or clang, or set CC, "
+            "for the fast C kernels: compiled once, on first use)"
+        )
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, timeout=60).stdout
@@ -306,14 +316,19 @@ def _build_and_load() -> ctypes.CDLL | None:
         return None
     src = source_bytes()
     custom = os.environ.get("HOTCOLD_CFLAGS")  # e.g. "-O3 -mavx2 -mfma -mf16c -fopenmp"
+    told = False
     for flags in [custom.split()] if custom else _FLAG_SETS:
         h = hashlib.sha256()
         for part in (src, cc.encode(), version, " ".join(flags + _BASE_FLAGS).encode(), _machine_signature()):
             h.update(part)
             h.update(b"\0")
         path = cache / f"cpu_kernels-{h.hexdigest()[:20]}.so"
-        if not path.exists() and not _compile(cc, flags, path):
-            continue
+        if not path.exists():
+            if not told:  # a person waits ~30 s here, once: say why (logging's default level would hide it)
+                print(COMPILING.format(cc=cc, cache=cache), file=sys.stderr, flush=True)
+                told = True
+            if not _compile(cc, flags, path):
+                continue
         try:
             lib = ctypes.CDLL(str(path))
             if lib.hc_abi_version() != ABI_VERSION:
