@@ -65,7 +65,7 @@ def test_serve_subprocess_with_api_key(tiny_sparse_gguf):
     try:
         assert url.startswith("http://127.0.0.1:")  # loopback unless told otherwise
         deadline = time.monotonic() + 10
-        while not any("2 slot(s), API key required" in s for s in seen):
+        while not any("2 slots, API key required" in s for s in seen):
             assert time.monotonic() < deadline, "".join(seen)
             time.sleep(0.05)
 
@@ -85,6 +85,22 @@ def test_serve_subprocess_with_api_key(tiny_sparse_gguf):
         while not any(f'{rid} "POST /v1/completions" 200' in s for s in seen):
             assert time.monotonic() < deadline, "".join(seen)
             time.sleep(0.05)
+    finally:
+        stop(proc)
+
+
+def test_default_server_opens_llama_servers_four_slots(tiny_sparse_gguf):
+    """No -np: 4 slots, as llama-server's auto (their KV caches fit this machine's memory), so a request with
+    n=2 is answered (one slot before: refused)."""
+    proc, url, seen = start_serve("-m", str(tiny_sparse_gguf), "-c", "128", "-t", "1")
+    try:
+        deadline = time.monotonic() + 10
+        while not any("4 slots (-np 4, as llama-server)" in s for s in seen):
+            assert time.monotonic() < deadline, "".join(seen)
+            time.sleep(0.05)
+        assert httpx.get(url + "/health", timeout=10).json()["slots_idle"] == 4
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Once", "max_tokens": 2, "n": 2}, timeout=60)
+        assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     finally:
         stop(proc)
 

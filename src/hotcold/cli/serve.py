@@ -16,6 +16,11 @@ import threading
 
 from hotcold.cli import add_model_args, load_from_args
 
+# llama-server's -np default is -1, "auto": 4 slots (tools/server/server.cpp). Its 4 share one KV pool of
+# the context size; here each slot has its own, which on the CPU costs memory only as it fills (an anonymous
+# map, hotcold.state), and on a GPU is charged to the VRAM budget at load.
+AUTO_PARALLEL = 4
+
 
 def add_args(p) -> None:
     add_model_args(p)
@@ -25,8 +30,9 @@ def add_args(p) -> None:
         "-np",
         "--parallel",
         type=int,
-        default=1,
-        help="requests generated at once, each with its own KV cache; more wait in a FIFO queue",
+        default=None,
+        help=f"requests generated at once, each with its own KV cache; more wait in a FIFO queue (default:"
+        f" {AUTO_PARALLEL}, as llama-server's auto; fewer where their KV caches would not fit in memory)",
     )
     p.add_argument(
         "--api-key",
@@ -70,7 +76,7 @@ def _is_loopback(host: str) -> bool:
 def run(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    if args.parallel < 1:
+    if args.parallel is not None and args.parallel < 1:
         raise ValueError(f"--parallel must be >= 1, got {args.parallel}")
     if args.max_queue < 0:
         raise ValueError(f"--max-queue must be >= 0, got {args.max_queue}")
@@ -85,6 +91,9 @@ def run(args) -> int:
             f"hotcold: warning: serving on {args.host} without --api-key: anyone who can reach it can use it",
             file=sys.stderr,
         )
+    args.auto_parallel = args.parallel is None
+    if args.auto_parallel:
+        args.parallel = AUTO_PARALLEL  # the load charges a KV cache per slot (LoadOptions.from_args)
     if args.ray:
         return _run_ray(args)
     if args.replicas != 1 or args.max_replicas is not None or args.ray_address is not None:
@@ -119,10 +128,20 @@ def _run_plain(args) -> int:
         llm = load_from_args(args)
         for note in llm.loaded.notes:
             print(f"hotcold: {note}", file=sys.stderr)
-        app = create_app(llm, parallel=args.parallel, api_key=args.api_key or None, limits=limits)
+        slots, why = args.parallel, ""
+        if getattr(args, "auto_parallel", False):
+            per_slot, free = cpu_kv_bytes(llm), available_memory()
+            slots = fit_slots(AUTO_PARALLEL, per_slot, free)
+            why = (
+                f" (-np {AUTO_PARALLEL}, as llama-server)"
+                if slots == AUTO_PARALLEL
+                else f" (not {AUTO_PARALLEL}: a slot's KV cache at context {llm.ctx_size} takes up to"
+                f" {per_slot / 2**30:.2f} GiB and {free / 2**30:.1f} GiB of memory are free; -np to choose)"
+            )
+        app = create_app(llm, parallel=slots, api_key=args.api_key or None, limits=limits)
         print(
             f"hotcold: {llm.path} loaded in {llm.load_seconds:.1f} s; context {llm.ctx_size} tokens,"
-            f" {args.parallel} slot(s){', API key required' if args.api_key else ''}",
+            f" {slots} slot{'' if slots == 1 else 's'}{why}{', API key required' if args.api_key else ''}",
             file=sys.stderr,
         )
         return app
@@ -151,6 +170,44 @@ def _run_plain(args) -> int:
     if lifecycle.error is not None:
         raise lifecycle.error
     return 0
+
+
+def fit_slots(wanted: int, per_slot_bytes: int, available_bytes: int) -> int:
+    """Slots, at most `wanted` and at least 1, whose KV caches (`per_slot_bytes` each when full) fit in
+    `available_bytes` of memory."""
+    if per_slot_bytes <= 0:
+        return wanted
+    return max(1, min(wanted, available_bytes // per_slot_bytes))
+
+
+def cpu_kv_bytes(llm) -> int:
+    """Bytes of one sequence's KV cache, full, in the layers that keep it in CPU memory (a GPU layer's is
+    already within the VRAM budget the load spent)."""
+    import torch
+
+    from hotcold.device import kv_dtype
+    from hotcold.placement.budget import kv_bytes_per_layer
+
+    plan = getattr(llm.loaded.model, "plan", None)
+    devices = plan.attention if plan is not None else [torch.device("cpu")] * llm.config.n_layer
+    return sum(
+        kv_bytes_per_layer(llm.config, llm.ctx_size, kv_dtype(d).itemsize) for d in devices if d.type == "cpu"
+    )
+
+
+def available_memory() -> int:
+    """Bytes of memory the system can give without swapping (Linux's MemAvailable), else free pages."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # unknown: do not hold the default back
 
 
 def _run_ray(args) -> int:

@@ -299,7 +299,8 @@ class _Server:
         if n > self.scheduler.parallel:
             raise ApiError(
                 400,
-                f"n={n}: this server runs at most {self.scheduler.parallel} sequences at once (--parallel)",
+                f"n={n}: this server runs at most {_count(self.scheduler.parallel, 'sequence')} at once"
+                " (--parallel)",
                 param="n",
             )
 
@@ -368,6 +369,10 @@ class _Server:
         for c, p in zip(choices, parts):
             c.text = "".join(p)
         return JSONResponse(fmt.whole(choices))
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _gather(choice: Choice, parts: list[str], chunk) -> None:

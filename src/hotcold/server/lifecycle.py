@@ -152,6 +152,7 @@ class DrainingServer(uvicorn.Server):
             log.info("drained: no request left running")
             return True
         if time.monotonic() > self._drain_deadline:
-            log.warning("drain timeout: %d request(s) still running are cut", self.lifecycle.in_flight)
+            n = self.lifecycle.in_flight
+            log.warning("drain timeout: %d %s still running cut", n, "request" if n == 1 else "requests")
             return True
         return False
