@@ -163,12 +163,29 @@ BAD_REQUESTS = [
     ("/v1/completions", [1, 2, 3], 400, None),
     ("/v1/chat/completions", {"messages": "hi"}, 400, "messages"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": 5}]}, 400, "messages.0.content"),
     ("/completion", {"prompt": "x", "n_predict": -2}, 400, "n_predict"),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/tokenize", {"content": None}, 400, "content"),
     ("/v1/nothing-here", {}, 404, None),
+    # issue #47 D10: every 400 names its field
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed"),
+    ("/completion", {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"prompt": 7, "max_tokens": "x"}, 400, "prompt"),  # two fields wrong: the first
+    # issue #47 D2: a call whose function is not an object was a 500
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [{"id": "c", "function": 5}]},
+            ]
+        },
+        400,
+        "messages.1.tool_calls.0.function",
+    ),
 ]
 
 
@@ -334,3 +351,60 @@ def test_lone_surrogates_and_huge_seeds_never_500(server_url, llm):
         r = post(server_url, path, body)
         assert r.status_code == 400 and "seed must be in [0, 2**64)" in r.json()["error"]["message"]
     assert httpx.get(server_url + "/health", timeout=10).json()["status"] == "ok"
+
+
+def test_chat_templates_that_fail_or_run_on_are_400s_naming_the_template(llm, monkeypatch):
+    """Issue #47 D3: a model's template that divides by zero, recurses for ever or loops 10**10 times gave a
+    500 or ran on (25 s and counting); now a 400 naming the template within a few seconds, and the server
+    carries on."""
+    import copy
+
+    from hotcold import chat
+
+    monkeypatch.setattr(chat, "RENDER_SECONDS", 0.5)
+    model = copy.copy(llm)
+    model.tokenizer = copy.copy(llm.tokenizer)
+    body = {"messages": CHAT, "max_tokens": 2}
+    with running(create_app(model)) as url:
+        for template, problem in [
+            ("{{ 1 // 0 }}", "failed: ZeroDivisionError"),
+            ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "failed: RecursionError"),
+            (
+                "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}",
+                "was stopped",
+            ),
+            ("{{ 'x' * 10**10 }}", "was stopped"),
+            ("{{ raise_exception('no system role') }}", "refused the conversation: no system role"),
+        ]:
+            model.tokenizer.chat_template = template
+            start = time.monotonic()
+            r = post(url, "/v1/chat/completions", body)
+            assert r.status_code == 400, r.text
+            error = r.json()["error"]
+            assert error["message"].startswith(
+                f"{llm.path.name}'s chat template (tokenizer.chat_template) {problem}"
+            )
+            assert error["code"] == "chat_template_error" and error["param"] == "messages"
+            assert time.monotonic() - start < 10
+        model.tokenizer.chat_template = None
+        assert post(url, "/v1/chat/completions", body).status_code == 200
+
+
+def test_a_body_that_trickles_in_gets_408(llm):
+    """Issue #47 D7: a client that sent its headers and then trickled the body held the connection for as
+    long as it liked (40 s and more); the body must arrive within Limits.body_timeout_s."""
+    import socket
+
+    with running(create_app(llm, limits=Limits(body_timeout_s=1.0))) as url:
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as sock:
+            head = (
+                "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                "Content-Length: 100\r\n\r\n"
+            )
+            sock.sendall(head.encode() + b'{"prompt": ')  # and nothing more
+            start = time.monotonic()
+            answer = sock.recv(65536).decode()
+        assert answer.startswith("HTTP/1.1 408"), answer
+        assert '"code":"body_timeout"' in answer and time.monotonic() - start < 8
+        assert post(url, "/v1/completions", {"prompt": "x", "max_tokens": 1}).status_code == 200

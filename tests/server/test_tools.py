@@ -224,7 +224,13 @@ def test_bad_tool_requests_are_400(server_url):
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
-        ({"tools": [{"type": "function", "function": {}}]}, "tools.0"),
+        ({"tools": [{"type": "function", "function": {}}]}, "tools.0.function.name"),
+        ({"tools": [{"type": "function", "function": 5}]}, "tools.0"),
+        # issue #47 D11: names as OpenAI requires them (^[a-zA-Z0-9_-]{1,64}$); these were accepted
+        ({"tools": [WX, short(7, {})]}, "tools.1.function.name"),
+        ({"tools": [short(["f"], {})]}, "tools.0.function.name"),
+        ({"tools": [short("f</tool_call>", {})]}, "tools.0.function.name"),
+        ({"tools": [short("f" * 65, {})]}, "tools.0.function.name"),
         (
             {"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
             "tool_choice",

@@ -22,14 +22,14 @@ from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
-from hotcold import __version__
+from hotcold import __version__, validate
 from hotcold.engine import Engine
 from hotcold.loader import vram_figures
 from hotcold.sampling import SamplingParams
 from hotcold.server import constraints, figures, tools
 from hotcold.server.echo import prompt_logprobs
 from hotcold.server.guard import Guard, add_error_handlers, request_id
-from hotcold.server.messages import chat_messages
+from hotcold.server.messages import chat_error, chat_messages
 from hotcold.server.metrics import Metrics
 from hotcold.server.protocol import (
     ApiError,
@@ -61,6 +61,7 @@ PAGE_CSP = (
 @dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 1 << 20  # a request body above this gets 413
+    body_timeout_s: float = 30.0  # a request body that takes longer to arrive gets 408 (trickled in)
     max_tokens: int | None = None  # tokens generated per request at most (None: the context size)
     max_queue: int = 64  # requests waiting for a slot; beyond that 503
 
@@ -100,6 +101,7 @@ def create_app(
         Guard,
         api_key=api_key,
         max_body_bytes=limits.max_body_bytes,
+        body_timeout_s=limits.body_timeout_s,
         metrics=metrics,
         id_header=request_id_header,
     )
@@ -291,8 +293,8 @@ class _Server:
     async def chat_ids(self, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
         try:
             ids = await run_in_threadpool(self.llm.chat_prompt_ids, messages, tools=tools)
-        except ValueError as exc:  # bad roles, or the template refused the conversation
-            raise ApiError(400, str(exc), param="messages") from exc
+        except ValueError as exc:  # a malformed message or tool, or the template failed or refused it
+            raise chat_error(exc) from exc
         return self._check_prompt(ids)
 
     def check_choices(self, n: int) -> None:
@@ -395,7 +397,11 @@ def _openai_params(body) -> SamplingParams:
 
 
 def _params(**kwargs) -> SamplingParams:
-    try:
-        return SamplingParams(**kwargs)
-    except ValueError as exc:
-        raise ApiError(400, str(exc)) from exc
+    """The sampling parameters, each checked by the shared rules (a 400 naming the field: they carry the
+    request's names, top_k and seed included)."""
+    for name, value in kwargs.items():
+        try:
+            validate.check_optional(name, value)
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=name) from exc
+    return SamplingParams(**kwargs)

@@ -1,9 +1,11 @@
-"""In front of every route: OpenAI-shaped errors, the API key, the request body limit, the JSON-only rule,
+"""In front of every route: OpenAI-shaped errors, the API key, the request body limits (size, and time to
+arrive: uvicorn's timeouts end idle connections, not a body that trickles in), the JSON-only rule,
 request counts for /metrics, a request id (`X-Request-Id`, the client's own when it sends a usable one)
 in the response and in the log, and a JSON 500 for anything unexpected (the server carries on)."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import re
@@ -43,8 +45,8 @@ ROUTES = frozenset(
 OPEN_ROUTES = frozenset(("/health", "/"))
 
 
-def _json_error(status: int, message: str, **kwargs) -> JSONResponse:
-    return JSONResponse(error_body(message, **kwargs), status_code=status)
+def _json_error(status: int, message: str, *, headers: dict | None = None, **kwargs) -> JSONResponse:
+    return JSONResponse(error_body(message, **kwargs), status_code=status, headers=headers)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -52,8 +54,11 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if any(e.get("type") == "json_invalid" for e in errors):
         detail = next(e for e in errors if e.get("type") == "json_invalid").get("ctx", {}).get("error", "")
         return f"the request body is not valid JSON ({detail})", None
-    # a union field fails once per member: name the field they share, list the distinct complaints
+    # a union field fails once per member: name the field they share, list the distinct complaints; with
+    # several fields wrong, the first (as OpenAI names one)
     locs = [[str(p) for p in e.get("loc", ()) if p != "body"] for e in errors]
+    errors = [e for e, loc in zip(errors, locs) if loc[:1] == locs[0][:1]]
+    locs = [loc for loc in locs if loc[:1] == locs[0][:1]]
     common = locs[0]
     for loc in locs[1:]:
         n = 0
@@ -91,17 +96,25 @@ def request_id(scope) -> str:
 
 
 class Guard:
-    """Pure ASGI middleware in front of every route: the request id, the API key, the body size limit
-    (the body is read here, bounded, then replayed), request counts for /metrics, and a JSON 500 for
-    anything unexpected. `id_header=False` leaves the `X-Request-Id` response header to a proxy in front
+    """Pure ASGI middleware in front of every route: the request id, the API key, the body limits (the body
+    is read here, bounded in size and in time: 413 or 408, then replayed), request counts for /metrics, and
+    a JSON 500 for anything unexpected. `id_header=False` leaves the `X-Request-Id` response header to a proxy in front
     that adds it itself (Ray Serve's, which also hands us its id in the request headers)."""
 
     def __init__(
-        self, app, *, api_key: str | None, max_body_bytes: int, metrics: Metrics, id_header: bool = True
+        self,
+        app,
+        *,
+        api_key: str | None,
+        max_body_bytes: int,
+        metrics: Metrics,
+        id_header: bool = True,
+        body_timeout_s: float = 30.0,
     ):
         self.app = app
         self.api_key = api_key.encode() if api_key else None
         self.max_body_bytes = max_body_bytes
+        self.body_timeout_s = body_timeout_s
         self.metrics = metrics
         self.id_header = id_header
 
@@ -138,7 +151,16 @@ class Guard:
                 return await _json_error(
                     415, "send the request body as JSON, with 'Content-Type: application/json'"
                 )(scope, receive, send_counted)
-            body = await self._read_body(scope, receive)
+            try:
+                body = await asyncio.wait_for(self._read_body(scope, receive), self.body_timeout_s)
+            except asyncio.TimeoutError:  # the same as TimeoutError from Python 3.11 on
+                # the rest of the body may still come: the connection closes after the answer
+                return await _json_error(
+                    408,
+                    f"the request body did not arrive within {self.body_timeout_s:g} s",
+                    code="body_timeout",
+                    headers={"connection": "close"},
+                )(scope, receive, send_counted)
             if body is None:
                 return await _json_error(
                     413, f"the request body is larger than {self.max_body_bytes} bytes", code="body_too_large"

@@ -1,8 +1,19 @@
-"""OpenAI chat messages -> the {"role", "content"} dicts the chat templates take."""
+"""OpenAI chat messages -> the {"role", "content"} dicts the chat templates take, and hotcold.chat's errors
+-> 400s naming the field (`param` in the server's dotted form: "messages.1.tool_calls.0.function")."""
 
 from __future__ import annotations
 
+from hotcold.chat import ChatInputError, ChatTemplateError
 from hotcold.server.protocol import ApiError, ChatMessage
+
+
+def chat_error(exc: ValueError) -> ApiError:
+    """The 400 for a conversation hotcold.chat refused: a malformed message or tool (its field), or the
+    chat template failed, refused it or passed a bound (code "chat_template_error")."""
+    if isinstance(exc, ChatInputError):
+        return ApiError(400, str(exc), param=".".join(map(str, exc.path)))
+    code = "chat_template_error" if isinstance(exc, ChatTemplateError) else None
+    return ApiError(400, str(exc), param="messages", code=code)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict]:

@@ -14,6 +14,8 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from hotcold.chat import ChatInputError, check_tool_name
+from hotcold.server.messages import chat_error
 from hotcold.server.protocol import ApiError, ChatFormat
 from hotcold.structured import JSON_OPTIONS
 
@@ -36,16 +38,20 @@ class ToolCall:
 
 
 def functions(tools: list[dict]) -> list[dict]:
-    """The function definitions (400 for anything else)."""
+    """The function definitions (400 for anything else, or a name OpenAI would refuse)."""
     out = []
     for i, t in enumerate(tools):
         fn = t.get("function") if isinstance(t, dict) else None
-        if t.get("type", "function") != "function" or not isinstance(fn, dict) or not fn.get("name"):
+        if not isinstance(fn, dict) or t.get("type", "function") != "function":
             raise ApiError(
                 400,
                 f"tools[{i}]: expected {{'type': 'function', 'function': {{'name': ...}}}}",
                 param=f"tools.{i}",
             )
+        try:  # OpenAI's rule: a name cannot carry "</tool_call>" (or anything else) into the prompt
+            check_tool_name(fn.get("name"), ("tools", i, "function", "name"))
+        except ChatInputError as exc:
+            raise chat_error(exc) from exc
         out.append(fn)
     return out
 
