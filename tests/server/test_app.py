@@ -174,6 +174,12 @@ BAD_REQUESTS = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "seed": -1}, 400, "seed"),
     ("/completion", {"prompt": "x", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"prompt": 7, "max_tokens": "x"}, 400, "prompt"),  # two fields wrong: the first
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "image_url"}]}]},
+        400,
+        "messages.0.content.1",
+    ),
     # issue #47 D2: a call whose function is not an object was a 500
     (
         "/v1/chat/completions",

@@ -27,7 +27,7 @@ def chat_messages(messages: list[ChatMessage]) -> list[dict]:
                     raise ApiError(
                         400,
                         f"messages[{i}].content[{j}]: only text parts are supported, got type {part.type!r}",
-                        param=f"messages.{i}.content",
+                        param=f"messages.{i}.content.{j}",
                     )
                 parts.append(part.text)
             content = "".join(parts)
