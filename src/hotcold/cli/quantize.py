@@ -24,8 +24,24 @@ def add_args(p) -> None:
 
 
 def run(args) -> int:
-    from hotcold.convert.quantize import quantize_file
+    from pathlib import Path
 
-    out = quantize_file(args.input, args.output, args.type, predictor_type=args.predictor_type, progress=True)
+    from hotcold.atomic import check_output
+    from hotcold.convert.quantize import quantize_file, quantize_statistics
+
+    check_output(args.output, [args.input], what="quantize: output")
+    statistics = (
+        quantize_statistics(Path(args.input), Path(args.output)) if Path(args.input).is_file() else None
+    )
+    out = quantize_file(
+        args.input,
+        args.output,
+        args.type,
+        predictor_type=args.predictor_type,
+        progress=True,
+        statistics=statistics,
+    )
     print(f"hotcold: wrote {out}", file=sys.stderr)
+    for line in statistics.describe() if statistics is not None else ():
+        print(f"hotcold: {line}", file=sys.stderr)
     return 0

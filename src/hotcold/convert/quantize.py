@@ -32,8 +32,10 @@ from tqdm import tqdm
 from hotcold import names, quants
 from hotcold.atomic import check_output
 from hotcold.convert import encode
+from hotcold.convert.statistics import CARRY, StatisticsPlan, plan_statistics
 from hotcold.gguf_io import ModelFile, TensorEntry, TensorSpec, as_torch, metadata_items, write_model_file
 from hotcold.kernels import cpu
+from hotcold.placement.profile import activation_dir_writer
 
 F = LlamaFileType
 # llama.cpp's type names (llama-quantize's QUANT_OPTIONS) -> (general.file_type, default tensor type)
@@ -297,10 +299,12 @@ def quantize_file(
     *,
     predictor_type: str | None = None,
     progress: bool = False,
+    statistics: StatisticsPlan | None = None,
 ) -> Path:
     """Requantize src to dst (see the module doc). predictor_type: the type of a PowerInfer file's
     predictors (default: Q8_0 for a block-format target; "keep": their own type, F32 ones as F16); the
-    original's `quantize` makes them Q4_0 for a Q4_0 file and Q5_0 otherwise."""
+    original's `quantize` makes them Q4_0 for a Q4_0 file and Q5_0 otherwise. src's activation statistics
+    are carried beside dst by `statistics` (default: quantize_statistics(src, dst), see convert/statistics.py)."""
     ftype = ftype_of(outtype)
     src, dst = Path(src), Path(dst)
     if predictor_type is not None:
@@ -327,6 +331,27 @@ def quantize_file(
     def bar(items):
         return tqdm(items, desc=f"quantizing -> {dst.name}", unit="tensor") if progress else items
 
-    return write_model_file(
-        dst, mf.architecture, meta, specs, sparse=mf.is_sparse, progress=bar, inputs=[src]
-    )
+    def write() -> Path:
+        return write_model_file(
+            dst, mf.architecture, meta, specs, sparse=mf.is_sparse, progress=bar, inputs=[src]
+        )
+
+    plan = statistics if statistics is not None else quantize_statistics(src, dst, mf)
+    if plan is None or plan.action != CARRY:
+        return write()
+    # the statistics staged, the model written, then both put in place (as reorder does)
+    with activation_dir_writer(plan.target, [src, dst]) as staging:
+        plan.copy_into(staging)
+        return write()
+
+
+def quantize_statistics(src: Path, dst: Path, mf: ModelFile | None = None) -> StatisticsPlan | None:
+    """What quantize_file does with src's activation statistics (convert/statistics.py); None when src's
+    shape cannot be read (then nothing is carried)."""
+    from hotcold.config import config_from_file
+
+    try:
+        config = config_from_file(mf if mf is not None else ModelFile(src))
+    except (ValueError, KeyError, OSError):
+        return None
+    return plan_statistics(Path(src), Path(dst), n_layer=config.n_layer, n_ff=config.n_ff)
