@@ -61,9 +61,9 @@ PAGE_CSP = (
 @dataclass(frozen=True)
 class Limits:
     max_body_bytes: int = 1 << 20  # a request body above this gets 413
-    body_timeout_s: float = 30.0  # a request body that takes longer to arrive gets 408 (trickled in)
     max_tokens: int | None = None  # tokens generated per request at most (None: the context size)
     max_queue: int = 64  # requests waiting for a slot; beyond that 503
+    body_timeout_s: float = 30.0  # a request body that takes longer to arrive gets 408 (trickled in)
 
 
 def create_app(
