@@ -34,6 +34,12 @@ class ModelConfig:
     sparse_threshold: float
     sliding_window: int | None = None
     rope_base_swa: float | None = None  # the sliding-window layers' RoPE base where it is their own (Gemma 3)
+    rope_ctx_orig: int | None = (
+        None  # longrope (Phi-3.x): the context its short factors serve; longer: long ones
+    )
+    rope_attn_factor: float = (
+        1.0  # longrope: rotated q and k scaled by it (llama.cpp's rope.scaling.attn_factor)
+    )
     n_expert: int = 0
     n_expert_used: int = 0
     name: str = ""
@@ -142,6 +148,8 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
         sparse_threshold=sparse_threshold(meta),
         sliding_window=get("attention.sliding_window") or None,
         rope_base_swa=None if get("rope.freq_base_swa") is None else float(get("rope.freq_base_swa")),
+        rope_ctx_orig=get("rope.scaling.original_context_length") or None,
+        rope_attn_factor=float(get("rope.scaling.attn_factor", 1.0)),
         n_expert=integer("expert_count", 0, lo=0),
         n_expert_used=integer("expert_used_count", 0, lo=0),
         name=str(meta.get("general.name", "")),

@@ -107,7 +107,7 @@ def load_model(
     cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
     src, make_ffn = _tensor_source(
         path, model_file, config, placed.devices, opts, dense=dense, thresholded=thresholded, threads=threads,
-        notes=notes,
+        notes=notes, ctx=ctx,
     )  # fmt: skip
     model = module.build(src, make_ffn)
     decoders.choose_decoder(model, requested=opts.decoder, ctx_size=ctx, notes=notes)
@@ -216,7 +216,7 @@ def plan_devices(
 
 def _tensor_source(
     path: Path, model_file: ModelFile, config: ModelConfig, devices: DevicePlan, opts: LoadOptions, *,
-    dense: bool, thresholded, threads: int, notes: list[str],
+    dense: bool, thresholded, threads: int, notes: list[str], ctx: int,
 ):  # fmt: skip
     """(TensorSource, make_ffn): the source made whole at once (a sparsified file's assets, the rows' order for
     batches), and the FFN maker the family asks for each layer's FFN."""
@@ -231,7 +231,7 @@ def _tensor_source(
     ):
         order = neuron_order(path, config, notes)
     if thresholded is None:
-        src = TensorSource(model_file, config, devices, neuron_order=order)
+        src = TensorSource(model_file, config, devices, neuron_order=order, ctx_size=ctx)
         return src, ffn_maker(devices, dense=dense, threads=threads)
     from hotcold.sparse.attention_inputs import InputAssets
     from hotcold.sparse.thresholded import thresholded_maker
@@ -241,7 +241,7 @@ def _tensor_source(
         model_file, assets.grid, assets.method, config.n_layer, config.n_embd, config.n_head * config.head_dim
     )
     src = TensorSource(
-        model_file, config, devices, thresholded=True, neuron_order=order,
+        model_file, config, devices, thresholded=True, neuron_order=order, ctx_size=ctx,
         sparse_inputs=None if inputs is None else (inputs, level, threads),
     )  # fmt: skip
     also = " and of attention inputs" if inputs is not None else ""

@@ -113,6 +113,7 @@ ROPE_FREQ_BASE = Keys.Rope.FREQ_BASE
 ROPE_SCALING_TYPE = Keys.Rope.SCALING_TYPE
 ROPE_SCALING_FACTOR = Keys.Rope.SCALING_FACTOR
 ROPE_SCALING_ORIG_CTX_LEN = Keys.Rope.SCALING_ORIG_CTX_LEN
+ROPE_SCALING_ATTN_FACTOR = Keys.Rope.SCALING_ATTN_FACTOR  # longrope / YaRN: cos and sin scaled by it
 ROPE_FREQ_BASE_SWA = Keys.Rope.FREQ_BASE_SWA  # the sliding-window layers' RoPE base (Gemma 3)
 ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"  # older llama.cpp files
 # PowerInfer's and hotcold's own keys (other readers ignore them)

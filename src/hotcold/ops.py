@@ -160,15 +160,22 @@ def embed(token_embd: Weight, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def rope_tables(
-    n_ctx: int, rope_dim: int, base: float, scale: float, freq_factors: torch.Tensor | None = None
+    n_ctx: int,
+    rope_dim: int,
+    base: float,
+    scale: float,
+    freq_factors: torch.Tensor | None = None,
+    mscale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [S, rope_dim/2] for positions 0..n_ctx-1 (linear scaling multiplies positions by `scale`;
-    freq_factors [rope_dim/2] divide each pair's frequency: Llama 3.1's scaling, the file's rope_freqs)."""
+    freq_factors [rope_dim/2] divide each pair's frequency: Llama 3.1's scaling, the file's rope_freqs, or
+    Phi-3's longrope factors; mscale multiplies both, so every kernel that rotates by the tables scales the
+    rotated q and k by it, as ggml's rope does with attn_factor)."""
     inv_freq = base ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.to(torch.float64)
     angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * scale * inv_freq[None, :]
-    return angles.cos().float(), angles.sin().float()
+    return (angles.cos() * mscale).float(), (angles.sin() * mscale).float()
 
 
 class RopeTables:
@@ -195,12 +202,13 @@ class RopeTables:
         # base / scale: the config's unless given (Gemma 3's local layers: their own base, no scaling)
         self.base = config.rope_base if base is None else base
         self.scale = config.rope_scale if scale is None else scale
+        self.mscale = getattr(config, "rope_attn_factor", 1.0)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for device in set(devices):
             self._tables[device] = self._build(config.n_ctx_train, device)
 
     def _build(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        tables = rope_tables(n, self.rope_dim, self.base, self.scale, self.freq_factors)
+        tables = rope_tables(n, self.rope_dim, self.base, self.scale, self.freq_factors, self.mscale)
         return tuple(t.to(device) for t in tables)
 
     def _covering(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,6 +44,7 @@ class TensorSource:
         thresholded: bool = False,
         sparse_inputs=None,
         neuron_order: list[torch.Tensor | None] | None = None,
+        ctx_size: int | None = None,
     ):
         """thresholded: a `hotcold sparsify` file run thresholded (its FFN read from ffn_down_t, rows gathered, not
         packed); sparse_inputs: and with input-sparse attention, (attention_inputs.InputAssets, sparsity,
@@ -57,6 +58,7 @@ class TensorSource:
         self.thresholded = thresholded
         self.sparse_inputs = sparse_inputs
         self.neuron_order = neuron_order
+        self.ctx_size = ctx_size  # the context the model is loaded for: it picks Phi-3's longrope factors
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors
@@ -83,22 +85,28 @@ class TensorSource:
         return [cpu.pack(place(part, self.layer_device(layer))) for part in row_parts(t, rows)]
 
     def rope_freqs(self) -> torch.Tensor | None:
-        """The file's `rope_freqs` [rope_dim / 2] (Llama 3.1's RoPE scaling: each pair's frequency divided by its
-        factor, as upstream llama.cpp's converter writes it), float32 on the CPU; None where the file has none.
-        Factors that are not finite and positive are refused, named."""
-        for name in (names.ROPE_FACTORS_LONG, names.ROPE_FACTORS_SHORT):  # refused, never run as plain RoPE
-            if self.has(name):
-                raise GGUFError(
-                    f"{self.path}: tensor {names.tensor(name)}: long-context RoPE scaling (longrope) is not supported yet"
-                )
-        if not self.has(names.ROPE_FREQS):
-            return None
+        """The factors [rope_dim / 2] that divide each RoPE pair's frequency, float32 on the CPU, or None: the
+        file's `rope_freqs` (Llama 3.1's scaling, as upstream llama.cpp's converter writes it), or Phi-3's
+        longrope `rope_factors_long` / `rope_factors_short`, chosen as llama.cpp chooses them: long when the
+        context the model is loaded for is past `rope.scaling.original_context_length`. Factors that are not
+        finite and positive are refused, named."""
         c = self.config
-        t = self.raw(names.ROPE_FREQS, None, (c.rope_dim // 2,))
+        name = names.ROPE_FREQS
+        if not self.has(name) and (self.has(names.ROPE_FACTORS_LONG) or self.has(names.ROPE_FACTORS_SHORT)):
+            if c.rope_ctx_orig is None:
+                raise GGUFError(
+                    f"{self.path}: longrope factors without the metadata key "
+                    f"{c.arch}.rope.scaling.original_context_length that chooses between them"
+                )
+            long = self.ctx_size is not None and self.ctx_size > c.rope_ctx_orig
+            name = names.ROPE_FACTORS_LONG if long else names.ROPE_FACTORS_SHORT
+        if not self.has(name):
+            return None
+        t = self.raw(name, None, (c.rope_dim // 2,))
         t = (cpu.dequantize_rows(t) if isinstance(t, QuantTensor) else t).float().reshape(-1)
         if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
             raise GGUFError(
-                f"{self.path}: tensor {names.tensor(names.ROPE_FREQS)} has factors that are not finite and > 0"
+                f"{self.path}: tensor {names.tensor(name)} has factors that are not finite and > 0"
             )
         return t
 

@@ -4,6 +4,7 @@ as llama layers (the fused matrices split by rows at load), decoded by the same 
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch
 import hotcold
 from hotcold.convert import convert
 from hotcold.gguf_io import ModelFile
-from tests.fixtures import TOKENIZER_VOCAB, run_family_checks, save_checkpoint, scale_matrices
+from tests.fixtures import TOKENIZER_VOCAB, random_ids, run_family_checks, save_checkpoint, scale_matrices
 
 CASES = {
     "phi3-mha-full-rotary": dict(num_key_value_heads=4, partial_rotary_factor=1.0),
@@ -80,13 +81,80 @@ def test_file_layout_follows_upstream(converted):
     assert len(layer.qkv.weights) == 3
 
 
-def test_long_context_variants_are_refused_by_name(tmp_path, spm_model_file):
+LONGROPE = dict(
+    rope_type="longrope",
+    short_factor=[1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+    long_factor=[1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+    original_max_position_embeddings=64,
+)  # Phi-3.5-mini / Phi-4-mini's scaling, scaled down: factors for 8 rotated pairs, a 64-token original context
+
+
+@pytest.fixture(scope="module")
+def longrope(tmp_path_factory, spm_model_file):
+    folder = tmp_path_factory.mktemp("longrope")
+    hf = make_phi3(
+        folder / "hf", spm_model_file, num_key_value_heads=2, original_max_position_embeddings=64,
+        rope_parameters=dict(rope_theta=10000.0, partial_rotary_factor=1.0, **LONGROPE),
+    )  # fmt: skip
+    return hf, convert(folder / "hf", None, folder / "model.gguf", outtype="f32")
+
+
+def test_longrope_file_layout_follows_upstream(longrope):
+    _, path = longrope
+    mf = ModelFile(path)
+    assert mf.metadata["phi3.rope.scaling.original_context_length"] == 64
+    # upstream: sqrt(1 + ln(256 / 64) / ln(64))
+    assert mf.metadata["phi3.rope.scaling.attn_factor"] == pytest.approx(
+        (1 + math.log(4) / math.log(64)) ** 0.5
+    )
+    for name in ("long", "short"):  # float32, as upstream writes them
+        stored = mf.tensor(f"rope_factors_{name}.weight")
+        assert stored.dtype == torch.float32
+        assert torch.equal(stored, torch.tensor(LONGROPE[f"{name}_factor"], dtype=torch.float32))
+
+
+@pytest.mark.parametrize("ctx, n_tokens", [(64, 40), (256, 100)])
+def test_longrope_matches_transformers(longrope, ctx, n_tokens):
+    """Within the original context the short factors rotate (transformers: for any sequence up to it); loaded
+    for a longer context, the long ones (transformers: for a sequence past it), as llama.cpp picks them."""
+    hf, path = longrope
+    llm = hotcold.load(path, device="cpu", ctx_size=ctx)
+    ids = random_ids(n_tokens, seed=ctx)
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0].float()
+    got = llm.logits(ids)
+    assert (got - expected).abs().max().item() <= 1e-4 * expected.abs().max().item()
+    # and the two factor sets differ enough that the wrong one would fail
+    other = hotcold.load(path, device="cpu", ctx_size=256 if ctx == 64 else 64).logits(ids[:40])
+    assert (other - expected[:40]).abs().max().item() > 1e-2 * expected.abs().max().item()
+
+
+def test_longrope_f16_decoders_agree(longrope):
+    from hotcold.convert.quantize import quantize_file
+    from tests.fixtures import check_decoder_equals_eager
+
+    _, path = longrope
+    f16 = Path(path).with_suffix(".f16.gguf")
+    quantize_file(path, f16, "f16")
+    fast = hotcold.load(f16, device="cpu", ctx_size=256)
+    assert fast.decoder == "cpu_one_call", fast.loaded.notes
+    check_decoder_equals_eager(fast, hotcold.load(f16, device="cpu", ctx_size=256, decoder="eager"))
+
+
+def test_longrope_with_wrong_factor_counts_is_refused(longrope, tmp_path):
+    import json
+    import shutil
+
     from hotcold.convert.checkpoint import ConvertError
 
-    scaling = dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8,
-                   original_max_position_embeddings=128)  # fmt: skip
-    make_phi3(tmp_path / "hf", spm_model_file, rope_parameters=dict(rope_theta=10000.0, **scaling))
-    with pytest.raises(ConvertError, match="longrope"):
+    _, path = longrope
+    shutil.copytree(Path(path).parent / "hf", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["rope_parameters"]["short_factor"] = [
+        1.0
+    ] * 3  # transformers refuses this too; an edited file has it
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConvertError, match="long_factor and short_factor of 8 values each"):
         convert(tmp_path / "hf", None, tmp_path / "m.gguf", outtype="f32")
 
 

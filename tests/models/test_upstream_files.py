@@ -38,10 +38,15 @@ def make_model(kind: str, hf_dir: Path, spm_model: Path):
         params = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=32)  # fmt: skip
         return make_llama(hf_dir, spm_model, hidden_act="silu", num_key_value_heads=2, rope_parameters=params)
-    if kind == "phi3":
-        from tests.models.test_phi3 import CASES, make_phi3
+    if kind in ("phi3", "phi3-longrope"):
+        from tests.models.test_phi3 import CASES, LONGROPE, make_phi3
 
-        hf = make_phi3(hf_dir, spm_model, **CASES["phi4mini-gqa-partial-tied"])
+        if kind == "phi3":
+            hf = make_phi3(hf_dir, spm_model, **CASES["phi4mini-gqa-partial-tied"])
+        else:  # Phi-3.5-mini / Phi-4-mini's long-context RoPE, scaled down
+            params = dict(rope_theta=10000.0, partial_rotary_factor=1.0, **LONGROPE)
+            hf = make_phi3(hf_dir, spm_model, num_key_value_heads=2, original_max_position_embeddings=64,
+                           rope_parameters=params)  # fmt: skip
         # upstream's Phi-3 vocabulary step reads the tokenizer class from tokenizer_config.json
         config = hf_dir / "tokenizer_config.json"
         settings = json.loads(config.read_text()) if config.exists() else {}
@@ -52,17 +57,18 @@ def make_model(kind: str, hf_dir: Path, spm_model: Path):
     return make_gemma3(hf_dir, spm_model, **CASES["gqa-window8"])
 
 
-@pytest.mark.parametrize("kind", ["llama3", "phi3", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama3", "phi3", "phi3-longrope", "gemma3"])
 def test_upstream_files_match_transformers(tmp_path, spm_model_file, kind):
     hf = make_model(kind, tmp_path / "hf", spm_model_file)
     path = upstream_convert(tmp_path / "hf", tmp_path / "upstream.gguf")
-    llm = hotcold.load(path, device="cpu")
+    # longrope within its original context: the short factors, as transformers uses them for 40 tokens
+    llm = hotcold.load(path, device="cpu", ctx_size=64 if kind == "phi3-longrope" else None)
     ids = random_ids(120 if kind == "llama3" else 40, seed=3)
     ours, ref = llm.logits(ids), hf_logits(hf, ids)
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), (kind, float((ours - ref).abs().max()))
 
 
-@pytest.mark.parametrize("kind", ["llama3", "phi3", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama3", "phi3", "phi3-longrope", "gemma3"])
 def test_hotcold_convert_writes_what_upstream_writes(tmp_path, spm_model_file, kind):
     """The same checkpoint through `hotcold convert` and upstream's converter: the same tensors (names, shapes and
     F32 values) and the same model keys ({arch}.*)."""
