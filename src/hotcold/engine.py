@@ -11,7 +11,15 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 
 from hotcold import decoders
-from hotcold.generation import PREFILL_CHUNK, Chunk, Generation, GenerationStats, common_prefix
+from hotcold.generation import (
+    PREFILL_CHUNK,
+    Chunk,
+    Generation,
+    GenerationStats,
+    NonFiniteLogits,
+    check_finite,
+    common_prefix,
+)
 from hotcold.kernels import cpu
 from hotcold.ops import embed
 from hotcold.sampling import SamplingParams, make_generator, sample
@@ -176,6 +184,7 @@ class Engine:
         history = list(prompt_ids)
         decode_start = time.perf_counter()
         while True:
+            check_finite(logits, f"at generated token {stats.generated_tokens + 1}")
             token = sample(logits, params, history, generator)
             history.append(token)
             stats.generated_tokens += 1
@@ -214,5 +223,38 @@ class Engine:
             ids, pos = gen.want()
             with torch.inference_mode():
                 logits = self.forward(ids, pos, last_only=True)[-1]
-            gen.take(logits)
+            try:
+                gen.take(logits)
+            except NonFiniteLogits as exc:
+                raise NonFiniteLogits(f"{exc}; {self.locate_nonfinite(gen.tokens)}") from None
             yield from gen.drain()
+
+    def locate_nonfinite(self, ids: Sequence[int]) -> str:
+        """Where NaN/inf first appear in a dense forward of `ids`, in words: the first layer whose FFN input or
+        activations are not finite (state.Observer sees both). On the error path only: it costs a forward."""
+        bad: dict[int, str] = {}  # layer -> what is not finite there (every prefill chunk visits every layer)
+
+        def observe(layer: int, h: torch.Tensor, _p: torch.Tensor, a: torch.Tensor) -> None:
+            if layer not in bad and not bool(torch.isfinite(h).all()):
+                bad[layer] = "input"
+            elif layer not in bad and not bool(torch.isfinite(a).all()):
+                bad[layer] = "activations"
+
+        try:
+            logits = self.logits(list(ids), observe=observe)
+        except Exception as exc:  # the diagnosis must never hide the error it explains
+            return f"locating the first non-finite layer failed ({type(exc).__name__}: {exc})"
+        if bad:
+            i = min(bad)
+            if bad[i] == "activations":
+                return (
+                    f"the first non-finite values are layer {i}'s FFN activations (blk.{i}.ffn_up / ffn_gate)"
+                )
+            source = f"blk.{i}'s attention" + (f" or blk.{i - 1}'s FFN" if i > 0 else "")
+            return f"the first non-finite values are layer {i}'s FFN input (from {source})"
+        if not bool(torch.isfinite(logits).all()):
+            return (
+                "every layer's FFN input and activations are finite: the last layer's FFN output, the output norm "
+                "or the output head (output.weight) is not"
+            )
+        return "a dense forward of the same tokens is finite: the sparse path (predictors fc1 / fc2) is not"

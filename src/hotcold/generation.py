@@ -40,6 +40,22 @@ from hotcold.tokenizer import StreamingDetokenizer
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the activation memory of long prompts
 
 
+class NonFiniteLogits(RuntimeError):
+    """The model computed NaN or infinite logits: weights that hold NaN/inf, or values past the range of the
+    type they are computed in. Sampling over them would pick token 0 ("⁇") for ever; a RuntimeError, since the
+    model, not the request, is at fault (Engine.stream adds where the values first go bad)."""
+
+
+def check_finite(logits: torch.Tensor, at: str) -> None:
+    """NonFiniteLogits when `logits` hold NaN or inf; one pass over [V] values, negligible beside a forward."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    kind = "NaN" if bool(torch.isnan(logits).any()) else "infinite"
+    raise NonFiniteLogits(
+        f"the model's logits are {kind} {at}: its weights hold NaN/inf values or its computation overflows"
+    )
+
+
 @dataclass
 class GenerationStats:
     prompt_tokens: int = 0
@@ -222,7 +238,13 @@ class Generation:
         self._decode_t0 = now
         self._sample(logits)
 
+    @property
+    def tokens(self) -> list[int]:
+        """The prompt and the tokens sampled so far (the input of the next forward)."""
+        return list(getattr(self, "_history", self.prompt))
+
     def _sample(self, logits: torch.Tensor) -> None:
+        check_finite(logits, f"at generated token {self.stats.generated_tokens + 1}")
         masked = logits
         if self._matcher is not None:
             masked = self._matcher.apply(logits)

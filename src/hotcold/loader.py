@@ -87,6 +87,7 @@ def load_model(
     model_file = ModelFile(path)
     registry.require(model_file.architecture, str(path))
     config = config_from_file(model_file)
+    check_small_tensors(model_file, path)
     module = registry.model_module(config, str(path))
     ctx = opts.ctx_size or min(config.n_ctx_train, DEFAULT_CTX)
     if ctx < 1:
@@ -363,6 +364,28 @@ def ffn_maker(devices: DevicePlan, *, dense: bool, threads: int | None):
         )
 
     return make
+
+
+def check_small_tensors(model_file: ModelFile, path: Path) -> None:
+    """Refuse (GGUFError naming the tensor) NaN/inf in the 1-D float tensors: norms and biases, a few KB a layer,
+    scanned at every load. One bad norm makes every output NaN; the matrices (GBs) are not scanned here: a NaN
+    there shows in the logits, which generation checks (generation.check_finite) and Engine.stream locates."""
+    from gguf import GGMLQuantizationType as Q
+
+    for entry in model_file.tensors.values():
+        if len(entry.shape) != 1 or entry.qtype not in (Q.F32, Q.F16, Q.BF16):
+            continue
+        data = np.asarray(entry.data)
+        if entry.qtype == Q.BF16:  # stored as bytes: NaN / inf have every exponent bit set
+            data = data.view(np.uint16)
+            bad = int(np.count_nonzero((data & 0x7F80) == 0x7F80))
+        else:
+            bad = int(data.size - np.count_nonzero(np.isfinite(data)))
+        if bad:
+            raise GGUFError(
+                f"{path}: tensor {entry.name} holds {bad} NaN/inf of its {data.size} values: the file is "
+                "damaged, or was written from weights that had overflowed"
+            )
 
 
 def resolve_placement(
