@@ -98,6 +98,8 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
     n_head = integer("attention.head_count", required=True)
     n_head_kv = integer("attention.head_count_kv", n_head)
     n_ff = integer("feed_forward_length", required=True)
+    if get("expert_count") and get("expert_feed_forward_length"):  # Qwen3-MoE: the FFN a token runs is an expert's
+        n_ff = integer("expert_feed_forward_length")
     n_layer = _check_layers(model_file, integer("block_count", required=True))
     if n_embd % n_head and f"{arch}.attention.key_length" not in meta:
         raise GGUFError(f"{path}: embedding_length {n_embd} is not divisible by head_count {n_head}")

@@ -21,6 +21,7 @@ ARCHITECTURES = {
     "falcon": "falcon",
     "opt": "opt",
     "mixtral": "mixtral",
+    "qwen3moe": "mixtral",  # Qwen3-MoE: Qwen3's attention, softmax top-k experts renormalised (Mixtral's router)
 }
 
 

@@ -29,6 +29,7 @@ FAMILIES = {
     "mixtral": "mixtral",
     "qwen2": "qwen",
     "qwen3": "qwen",
+    "qwen3_moe": "qwen3moe",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "falcon": "falcon",

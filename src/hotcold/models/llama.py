@@ -34,7 +34,7 @@ from hotcold.weights import TensorSource
 
 # architectures whose RoPE rotates the two halves of a head (llama.cpp's LLAMA_ROPE_TYPE_NEOX): their converters
 # keep q/k as stored; llama's permutes them into adjacent pairs
-NEOX_ROPE = {"qwen2", "qwen3", "phi3", "gemma3"}
+NEOX_ROPE = {"qwen2", "qwen3", "qwen3moe", "phi3", "gemma3"}
 GEMMA3_SWA_PATTERN = (
     6  # Gemma 3: layer i attends globally iff (i + 1) % 6 == 0, else in its window (as upstream)
 )
