@@ -39,7 +39,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hotcold.schema_rules import close_inline_schemas, closed_objects, endless_rules, infinite_subschemas
+from hotcold.grammar_rules import close_inline_schemas, endless_rules
+from hotcold.schema_rules import closed_objects, infinite_subschemas
 from hotcold.tokenizer import Tokenizer
 from hotcold.tokenizer_types import CONTROL, USER_DEFINED
 
