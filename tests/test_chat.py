@@ -224,3 +224,109 @@ def test_bounds_leave_ordinary_templates_alone():
     )
     out = render_chat(FakeTokenizer(template), MESSAGES)
     assert out == ('<SYSTEM>Be brief.!1/2<USER>Hi!2/2b=1;a=2;system,user 1{"z": "<a&b>", "y": [1, 2]}x-31+2')
+
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+# as OpenAI clients send it: the call's arguments as JSON text, content null; ids of 9 letters and digits (Mistral's
+# templates refuse others)
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "You are helpful."},
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call00001",
+                "type": "function",
+                "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call00001", "content": "18 degrees"},
+]
+
+
+def test_upstream_tool_calling_templates_render_a_tool_call_and_its_result():
+    """Issue #44: every upstream template that renders tools also renders a conversation holding a call (arguments
+    as JSON text, as the server passes them) and its result: ~20 of them (Qwen3, GLM, MiniMax, DeepSeek V3.2...)
+    iterate `arguments.items()` and failed, others wrote the arguments JSON-encoded twice. As llama.cpp does, the
+    arguments reach those templates as an object, and reach templates that write them as text as the text."""
+    if not UPSTREAM_TEMPLATES.is_dir():
+        pytest.skip(
+            f"no {UPSTREAM_TEMPLATES} (../shared/anchors/build-llama-cpp.sh unpacks it; HOTCOLD_LLAMA_CPP)"
+        )
+    failed, tool_templates = {}, 0
+    for path in sorted(UPSTREAM_TEMPLATES.glob("*.jinja")):
+        tokenizer = FakeTokenizer(path.read_text())
+        try:
+            if "get_weather" not in render_chat(tokenizer, TOOL_CONVERSATION[:2], tools=[WEATHER]):
+                continue
+        except ValueError:
+            continue  # it does not render tools at all
+        tool_templates += 1
+        try:
+            out = render_chat(tokenizer, TOOL_CONVERSATION, tools=[WEATHER])
+        except ValueError as exc:
+            failed[path.name] = str(exc)
+            continue
+        if "Paris" not in out or "18 degrees" not in out:
+            failed[path.name] = "the call or its result is missing"
+        elif '\\"city\\"' in out or "{'city': 'Paris'}" in out:
+            failed[path.name] = "the arguments are written JSON-encoded twice or as a Python dict"
+    assert tool_templates > 40
+    assert not failed, failed
+
+
+OBJECT_ARGS = (  # as Qwen3-Coder and GLM write a call: one line per argument
+    "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.name }}("
+    "{% for k, v in c.function.arguments.items() %}{{ k }}={{ v }};{% endfor %}){% endfor %}{% endfor %}{{ tools|length }}"
+)
+TEXT_ARGS = (  # as functionary v3.2 writes a call: the arguments' text as it is
+    "{% for m in messages %}{% for c in m.tool_calls or [] %}{{ c.function.name }}"
+    "{{ c.function.arguments }}{% endfor %}{% endfor %}{{ tools|length }}"
+)
+
+
+def test_tool_call_arguments_are_objects_for_templates_that_read_them_as_objects():
+    """Issue #44: as llama.cpp decides (common/jinja/caps.cpp), a template that uses an argument's value from an
+    object gets objects; a template that writes the arguments as they are gets the client's text (not a dict's
+    Python repr)."""
+    text = TOOL_CONVERSATION[2]["tool_calls"][0]["function"]["arguments"]
+    assert chat.reads_object_arguments(OBJECT_ARGS) and not chat.reads_object_arguments(TEXT_ARGS)
+    assert (
+        render_chat(FakeTokenizer(OBJECT_ARGS), TOOL_CONVERSATION, tools=[WEATHER])
+        == "get_weather(city=Paris;)1"
+    )
+    assert render_chat(FakeTokenizer(TEXT_ARGS), TOOL_CONVERSATION, tools=[WEATHER]) == f"get_weather{text}1"
+    assert (
+        TOOL_CONVERSATION[2]["tool_calls"][0]["function"]["arguments"] == text
+    )  # the caller's data unchanged
+    broken = [*TOOL_CONVERSATION[:2], {**TOOL_CONVERSATION[2], "tool_calls": [
+        {"id": "call00001", "type": "function", "function": {"name": "get_weather", "arguments": "{city"}}]}]  # fmt: skip
+    with pytest.raises(
+        ChatInputError, match=r"messages\[2\]\.tool_calls\[0\]\.function\.arguments must be JSON"
+    ):
+        render_chat(FakeTokenizer(OBJECT_ARGS), broken, tools=[WEATHER])
+    assert render_chat(FakeTokenizer(TEXT_ARGS), broken, tools=[WEATHER]) == "get_weather{city1"
+
+
+def test_templates_may_append_to_lists_but_not_change_the_callers_data():
+    """Kimi K2 queues tool call ids with `list.append` / `list.pop` (llama.cpp's Jinja has both); jinja2's
+    immutable sandbox refused them. The template works on a copy of the conversation."""
+    template = (
+        "{% set ns = namespace(ids=[]) %}{% for m in messages %}{% set _ = ns.ids.append(m.role) %}{% endfor %}"
+        "{{ ns.ids.pop(0) }}{{ ns.ids|join(',') }}{% set _ = messages.append({'role': 'x'}) %}{{ messages|length }}"
+    )
+    msgs = [dict(m) for m in MESSAGES]
+    assert render_chat(FakeTokenizer(template), msgs) == "systemuser3"
+    assert msgs == MESSAGES
+    with pytest.raises(ChatTemplateError, match="SecurityError"):
+        render_chat(FakeTokenizer("{% set _ = messages[0].update({'a': 1}) %}"), MESSAGES)
