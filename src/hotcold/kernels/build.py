@@ -60,12 +60,8 @@ _TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF
 _BASE_FLAGS = ["-shared", "-fPIC", "-std=gnu11", "-Wno-psabi", "-ffp-contract=off"]
 _FLAG_SETS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3"])
 
-# said on stderr before the first build on a machine (or after an upgrade changes the source)
-COMPILING = (
-    "hotcold: compiling the C CPU kernels for this machine with {cc}, once (about 30 s; cached in {cache}). "
-    "They need a C compiler; without one (or if this fails) hotcold runs on slower torch kernels."
-)
-
+COMPILING = "hotcold: compiling the C CPU kernels with {cc}, once (about 30 s; cached in {cache}); "
+COMPILING += "they need a C compiler: without one (or if this fails) hotcold runs on slower torch kernels"
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _loaded = False
@@ -205,7 +201,9 @@ def _writable_cache_dir() -> Path | None:
     return None
 
 
-def _compile(cc: str, flags: list[str], out: Path) -> bool:
+def _compile(cc: str, flags: list[str], out: Path, *, announce: bool = False) -> bool:
+    if announce:  # a person waits ~30 s, once: say why (logging's default level would hide it)
+        print(COMPILING.format(cc=cc, cache=out.parent), file=sys.stderr)
     try:
         fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=".tmp", dir=out.parent)
         os.close(fd)
@@ -300,10 +298,7 @@ def _build_and_load() -> ctypes.CDLL | None:
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
-        log.warning(
-            "no C compiler (cc/gcc) found: using the slower torch CPU kernels (install gcc or clang, or set CC, "
-            "for the fast C kernels: compiled once, on first use)"
-        )
+        log.warning("no C compiler (cc/gcc) found: using the slower torch CPU kernels (install gcc or clang)")
         return None
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, timeout=60).stdout
@@ -316,19 +311,14 @@ def _build_and_load() -> ctypes.CDLL | None:
         return None
     src = source_bytes()
     custom = os.environ.get("HOTCOLD_CFLAGS")  # e.g. "-O3 -mavx2 -mfma -mf16c -fopenmp"
-    told = False
-    for flags in [custom.split()] if custom else _FLAG_SETS:
+    for i, flags in enumerate([custom.split()] if custom else _FLAG_SETS):
         h = hashlib.sha256()
         for part in (src, cc.encode(), version, " ".join(flags + _BASE_FLAGS).encode(), _machine_signature()):
             h.update(part)
             h.update(b"\0")
         path = cache / f"cpu_kernels-{h.hexdigest()[:20]}.so"
-        if not path.exists():
-            if not told:  # a person waits ~30 s here, once: say why (logging's default level would hide it)
-                print(COMPILING.format(cc=cc, cache=cache), file=sys.stderr, flush=True)
-                told = True
-            if not _compile(cc, flags, path):
-                continue
+        if not path.exists() and not _compile(cc, flags, path, announce=i == 0):
+            continue
         try:
             lib = ctypes.CDLL(str(path))
             if lib.hc_abi_version() != ABI_VERSION:
