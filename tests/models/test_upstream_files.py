@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import hotcold
+from hotcold.gguf_io import ModelFile
 from tests.fixtures import hf_logits, make_llama, random_ids
 
 SOURCE = Path(os.environ.get("HOTCOLD_LLAMA_CPP", Path.home() / ".cache" / "hotcold-anchors" / "llama.cpp"))
@@ -33,20 +34,24 @@ def upstream_convert(hf_dir: Path, out: Path) -> Path:
     return out
 
 
-def make_model(kind: str, hf_dir: Path, spm_model: Path):
+def make_model(kind: str, hf_dir: Path, spm_model: Path, **wide):
+    """A tiny transformers model of `kind` saved to hf_dir; `wide` overrides its sizes (K-quants need rows of
+    256 values)."""
     if kind == "llama3":
         params = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                       original_max_position_embeddings=32)  # fmt: skip
-        return make_llama(hf_dir, spm_model, hidden_act="silu", num_key_value_heads=2, rope_parameters=params)
+        return make_llama(
+            hf_dir, spm_model, hidden_act="silu", num_key_value_heads=2, rope_parameters=params, **wide
+        )
     if kind in ("phi3", "phi3-longrope"):
         from tests.models.test_phi3 import CASES, LONGROPE, make_phi3
 
         if kind == "phi3":
-            hf = make_phi3(hf_dir, spm_model, **CASES["phi4mini-gqa-partial-tied"])
+            hf = make_phi3(hf_dir, spm_model, **{**CASES["phi4mini-gqa-partial-tied"], **wide})
         else:  # Phi-3.5-mini / Phi-4-mini's long-context RoPE, scaled down
             params = dict(rope_theta=10000.0, partial_rotary_factor=1.0, **LONGROPE)
             hf = make_phi3(hf_dir, spm_model, num_key_value_heads=2, original_max_position_embeddings=64,
-                           rope_parameters=params)  # fmt: skip
+                           rope_parameters=params, **wide)  # fmt: skip
         # upstream's Phi-3 vocabulary step reads the tokenizer class from tokenizer_config.json
         config = hf_dir / "tokenizer_config.json"
         settings = json.loads(config.read_text()) if config.exists() else {}
@@ -54,7 +59,8 @@ def make_model(kind: str, hf_dir: Path, spm_model: Path):
         return hf
     from tests.models.test_gemma3 import CASES, make_gemma3
 
-    return make_gemma3(hf_dir, spm_model, **CASES["gqa-window8"])
+    gemma_wide = dict(wide, head_dim=64, query_pre_attn_scalar=64) if wide else {}
+    return make_gemma3(hf_dir, spm_model, **{**CASES["gqa-window8"], **gemma_wide})
 
 
 @pytest.mark.parametrize("kind", ["llama3", "phi3", "phi3-longrope", "gemma3"])
@@ -73,7 +79,6 @@ def test_hotcold_convert_writes_what_upstream_writes(tmp_path, spm_model_file, k
     """The same checkpoint through `hotcold convert` and upstream's converter: the same tensors (names, shapes and
     F32 values) and the same model keys ({arch}.*)."""
     from hotcold.convert import convert
-    from hotcold.gguf_io import ModelFile
 
     make_model(kind, tmp_path / "hf", spm_model_file)
     theirs = ModelFile(upstream_convert(tmp_path / "hf", tmp_path / "upstream.gguf"))
@@ -86,3 +91,50 @@ def test_hotcold_convert_writes_what_upstream_writes(tmp_path, spm_model_file, k
     assert ours.architecture == arch
     keys = {k for k in theirs.metadata if k.startswith(f"{arch}.")}
     assert {k: ours.metadata.get(k) for k in keys} == {k: theirs.metadata[k] for k in keys}
+
+
+BIN = Path(os.environ.get("HOTCOLD_LLAMA_BIN", SOURCE / "build" / "bin"))
+WIDE = dict(hidden_size=256, intermediate_size=512)  # rows of 256 values: K-quants and Q4_K_M's mixture apply
+
+
+@pytest.mark.skipif(
+    not (BIN / "llama-perplexity").is_file() or not (BIN / "llama-quantize").is_file(),
+    reason=f"no llama-quantize / llama-perplexity in {BIN} (../shared/anchors/build-llama-cpp.sh builds them)",
+)
+@pytest.mark.parametrize("kind", ["llama3", "phi3", "gemma3"])
+def test_llama_quantize_files_perplexity_matches_llama_perplexity(tmp_path, spm_model_file, kind):
+    """Upstream's converter, then `llama-quantize` Q4_K_M (K-quants, Q6_K where its mixture says): hotcold's
+    perplexity on that file within 0.5% of `llama-perplexity`'s on the same text, context and chunks."""
+    import re
+
+    from tests.fixtures import training_text
+
+    make_model(kind, tmp_path / "hf", spm_model_file, **WIDE)
+    f32 = upstream_convert(tmp_path / "hf", tmp_path / "f32.gguf")
+    q4km = tmp_path / "q4km.gguf"
+    res = subprocess.run(
+        [str(BIN / "llama-quantize"), str(f32), str(q4km), "Q4_K_M"], capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    text = tmp_path / "text.txt"
+    text.write_text(training_text())
+    ctx, chunks = 128, 4
+    res = subprocess.run(
+        [str(BIN / "llama-perplexity"), "-m", str(q4km), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks),
+         "-t", "2", "-b", str(ctx)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    theirs = float(re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)[1])
+    ours = subprocess.run(
+        [sys.executable, "-m", "hotcold", "perplexity", "-m", str(q4km), "-f", str(text), "-c", str(ctx),
+         "--max-tokens", str(ctx * chunks), "-t", "2", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    result = json.loads(ours.stdout)
+    assert result["chunks"] == chunks
+    print(f"{kind}: hotcold {result['perplexity']:.4f}, llama-perplexity {theirs:.4f}")
+    assert abs(result["perplexity"] / theirs - 1) <= 0.005, (kind, result["perplexity"], theirs)
+    types = {e.qtype.name for e in ModelFile(q4km).tensors.values()}
+    assert {"Q4_K", "Q6_K"} <= types, types  # the K-quant kernels ran, not a fallback type
