@@ -25,6 +25,7 @@ from hotcold.placement.budget import (
     plan_budget,
     plan_offload,
 )
+from hotcold.placement.gpuidx import resolve_placement  # the .gpuidx cache: found, or solved and written
 from hotcold.sparse.ffn import DenseFFN, SparseFFN
 from hotcold.tokenizer import Tokenizer
 from hotcold.weights import TensorSource
@@ -386,82 +387,6 @@ def check_small_tensors(model_file: ModelFile, path: Path) -> None:
                 f"{path}: tensor {entry.name} holds {bad} NaN/inf of its {data.size} values: the file is "
                 "damaged, or was written from weights that had overflowed"
             )
-
-
-def resolve_placement(
-    path: Path,
-    model_file: ModelFile,
-    config: ModelConfig,
-    plan: BudgetPlan,
-    reset: bool,
-    notes: list[str],
-    *,
-    strict: bool = False,
-) -> list[np.ndarray] | None:
-    """The hot neurons per layer: from a `.generated.gpuidx` cache (beside the model, else in the user cache:
-    placement.gpuidx) solved for this budget, model file and statistics, else solved anew from
-    `<model dir>/activation/` and cached. strict: a cache that cannot be written raises (hotcold place, whose
-    job it is), instead of a note."""
-    from hotcold.placement.gpuidx import (
-        Placement,
-        gpuidx_candidates,
-        gpuidx_path,
-        model_inputs,
-        read_gpuidx,
-        source_signature,
-        write_gpuidx,
-    )
-    from hotcold.placement.profile import default_activation_dir
-    from hotcold.placement.solver import solve_placement
-
-    activation_dir = default_activation_dir(path)
-    signature = source_signature(path, activation_dir)
-    n_ff = [config.n_ff] * config.n_layer
-    if not reset:
-        stale = False
-        for found in (c for c in gpuidx_candidates(path) if c.exists()):
-            try:
-                cached = read_gpuidx(found)
-            except GGUFError as exc:
-                notes.append(f"ignoring unreadable placement cache ({exc}): solving again")
-                continue
-            if cached.vram_capacity == plan.hot_bytes and cached.source == signature and cached.n_ff == n_ff:
-                notes.append(
-                    f"placement from {found.name}: {100 * cached.hot_fraction():.1f}% of FFN neurons hot"
-                )
-                return cached.hot
-            stale = True
-        if stale:
-            notes.append(
-                f"{gpuidx_path(path).name} was solved for another budget, model or statistics: solving again"
-            )
-    if plan.hot_bytes <= 0:
-        notes.append("no VRAM left for hot FFN neurons: every FFN neuron runs on the CPU")
-        return None
-    activations = load_activations(activation_dir, config)
-    if activations is None:
-        notes.append(
-            f"no activation statistics in {activation_dir}: cannot choose hot neurons, every FFN neuron runs on the "
-            f"CPU. Run `hotcold profile -m {path} -f corpus.txt` to create them."
-        )
-        return None
-    hot = solve_placement(activations, plan.hot_bytes, plan.bytes_per_neuron)
-    placement = Placement(hot, n_ff, plan.hot_bytes, signature)
-    cache = gpuidx_path(path)
-    try:
-        write_gpuidx(cache, placement, model_inputs(path))
-        if cache.parent != path.parent:
-            notes.append(
-                f"placement cache written to {cache} (the model's folder is the installed package or read-only)"
-            )
-    except OSError as exc:
-        if strict:
-            raise
-        notes.append(
-            f"could not write the placement cache {cache} ({exc}); using the placement without caching it"
-        )
-    notes.append(f"placement solved: {100 * placement.hot_fraction():.1f}% of FFN neurons hot")
-    return hot
 
 
 def neuron_order(path: Path, config: ModelConfig, notes: list[str]) -> list[torch.Tensor | None] | None:

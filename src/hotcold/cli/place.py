@@ -33,9 +33,9 @@ def run(args) -> int:
 
     from hotcold.config import config_from_file
     from hotcold.gguf_io import ModelFile
-    from hotcold.loader import AUTO_BUDGET_STEP, DEFAULT_CTX, demo_model_path, resolve_placement
+    from hotcold.loader import AUTO_BUDGET_STEP, DEFAULT_CTX, demo_model_path
     from hotcold.placement.budget import GIB, default_budget_bytes, plan_budget
-    from hotcold.placement.gpuidx import gpuidx_path
+    from hotcold.placement.gpuidx import gpuidx_path, resolve_placement
 
     path = Path(args.model) if args.model else demo_model_path()
     if args.plot is not None:  # a missing extra or a bad name fails before anything is solved or written

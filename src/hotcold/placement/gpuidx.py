@@ -18,6 +18,7 @@ import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -25,6 +26,10 @@ from gguf import GGUFValueType as V
 
 from hotcold import names
 from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, write_model_file
+
+if TYPE_CHECKING:
+    from hotcold.config import ModelConfig
+    from hotcold.placement.budget import BudgetPlan
 
 ARCH = names.GPU_INDEX_ARCH
 
@@ -170,3 +175,71 @@ def read_gpuidx(path: str | os.PathLike[str]) -> Placement:
         n_ff.append(len(idx))
     source = {k: v for k, v in mf.metadata.items() if k.startswith(names.HOTCOLD_PREFIX)}
     return Placement(hot, n_ff, int(mf.metadata[names.VRAM_CAPACITY]), source)
+
+
+def resolve_placement(
+    path: Path,
+    model_file: ModelFile,
+    config: ModelConfig,
+    plan: BudgetPlan,
+    reset: bool,
+    notes: list[str],
+    *,
+    strict: bool = False,
+) -> list[np.ndarray] | None:
+    """The hot neurons per layer: from a `.generated.gpuidx` cache (gpuidx_candidates: beside the model, then in
+    the user cache) solved for this budget, model file and statistics, else solved anew from
+    `<model dir>/activation/` and cached. strict: a cache that cannot be written raises (hotcold place, whose
+    job it is), instead of a note."""
+    from hotcold.placement.profile import default_activation_dir, read_activation_files
+    from hotcold.placement.solver import solve_placement
+
+    activation_dir = default_activation_dir(path)
+    signature = source_signature(path, activation_dir)
+    n_ff = [config.n_ff] * config.n_layer
+    if not reset:
+        stale = False
+        for found in (c for c in gpuidx_candidates(path) if c.exists()):
+            try:
+                cached = read_gpuidx(found)
+            except GGUFError as exc:
+                notes.append(f"ignoring unreadable placement cache ({exc}): solving again")
+                continue
+            if cached.vram_capacity == plan.hot_bytes and cached.source == signature and cached.n_ff == n_ff:
+                notes.append(
+                    f"placement from {found.name}: {100 * cached.hot_fraction():.1f}% of FFN neurons hot"
+                )
+                return cached.hot
+            stale = True
+        if stale:
+            notes.append(
+                f"{gpuidx_path(path).name} was solved for another budget, model or statistics: solving again"
+            )
+    if plan.hot_bytes <= 0:
+        notes.append("no VRAM left for hot FFN neurons: every FFN neuron runs on the CPU")
+        return None
+    counts = read_activation_files(activation_dir, config.n_layer, config.n_ff)
+    activations = None if counts is None else [c.float() for c in counts]
+    if activations is None:
+        notes.append(
+            f"no activation statistics in {activation_dir}: cannot choose hot neurons, every FFN neuron runs on the "
+            f"CPU. Run `hotcold profile -m {path} -f corpus.txt` to create them."
+        )
+        return None
+    hot = solve_placement(activations, plan.hot_bytes, plan.bytes_per_neuron)
+    placement = Placement(hot, n_ff, plan.hot_bytes, signature)
+    cache = gpuidx_path(path)
+    try:
+        write_gpuidx(cache, placement, model_inputs(path))
+        if cache.parent != path.parent:
+            notes.append(
+                f"placement cache written to {cache} (the model's folder is the installed package or read-only)"
+            )
+    except OSError as exc:
+        if strict:
+            raise
+        notes.append(
+            f"could not write the placement cache {cache} ({exc}); using the placement without caching it"
+        )
+    notes.append(f"placement solved: {100 * placement.hot_fraction():.1f}% of FFN neurons hot")
+    return hot
