@@ -351,13 +351,18 @@ def write_model_file(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for spec in progress(tensors) if progress is not None else tensors:
-            array = np.ascontiguousarray(spec.produce())
-            if array.nbytes != spec.n_bytes:
-                raise ValueError(
-                    f"tensor {spec.name}: produced {array.nbytes} bytes, expected {spec.n_bytes}"
-                )
-            writer.write_tensor_data(array)
+        items = progress(tensors) if progress is not None else tensors
+        try:
+            for spec in items:
+                array = np.ascontiguousarray(spec.produce())
+                if array.nbytes != spec.n_bytes:
+                    raise ValueError(
+                        f"tensor {spec.name}: produced {array.nbytes} bytes, expected {spec.n_bytes}"
+                    )
+                writer.write_tensor_data(array)
+        finally:  # a progress bar ends its line before an error is printed (a full disk, a bad tensor)
+            if callable(close := getattr(items, "close", None)):
+                close()
         writer.close()
         if sparse:
             with open(tmp, "r+b") as f:

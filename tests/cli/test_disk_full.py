@@ -106,3 +106,32 @@ def test_sparsify(tmp_path, spm_model_file, monkeypatch, capsys):
     out = tmp_path / "s.gguf"
     argv = ["sparsify", "-m", str(dense), "-f", str(corpus), "-o", str(out), "--max-tokens", "200", "-t", "1"]
     check_one_line(capsys, main(argv), out)
+
+
+def test_the_progress_bar_ends_its_line_before_the_error(tmp_path, tiny_dense_gguf, monkeypatch):
+    """The writer closes its progress bar when a write fails, so the error starts a line of its own (an open
+    tqdm bar on a terminal would have the error printed after it, on the same line)."""
+    from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+
+    class Bar:
+        def __init__(self, items):
+            self.items, self.closed = list(items), False
+
+        def __iter__(self):
+            return iter(self.items)
+
+        def close(self):
+            self.closed = True
+
+    bars = []
+
+    def progress(items):
+        bars.append(Bar(items))
+        return bars[-1]
+
+    mf = ModelFile(tiny_dense_gguf)
+    specs = [TensorSpec(e.name, e.shape, e.qtype, lambda e=e: e.data) for e in mf.tensors.values()]
+    monkeypatch.setattr(gguf.GGUFWriter, "write_tensor_data", full_disk)
+    with pytest.raises(atomic.DiskFullError):
+        write_model_file(tmp_path / "o.gguf", mf.architecture, metadata_items(mf), specs, progress=progress)
+    assert bars[0].closed
