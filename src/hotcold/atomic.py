@@ -232,8 +232,11 @@ def check_directory(
     if out_dir.exists() and not out_dir.is_dir():
         raise OutputError(f"{what} {out_dir} is a file; give a folder")
     target = out_dir.resolve()
-    cwd = Path.cwd().resolve()
-    if target == cwd or target in cwd.parents:
+    try:
+        cwd = Path.cwd().resolve()
+    except OSError:  # the current folder was removed: nothing to protect
+        cwd = None
+    if cwd is not None and (target == cwd or target in cwd.parents):
         raise OutputError(
             f"{what} {out_dir} is the current folder (or holds it): it is replaced as a whole; give a new folder"
         )
