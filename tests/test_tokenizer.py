@@ -559,3 +559,41 @@ def test_lone_surrogates_become_replacement_characters(spm_pair, bpe_pair):
             fixed = "".join("\ufffd" if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
             assert tok.encode(text) == tok.encode(fixed)
         assert tok.decode(tok.encode("x\udc80y", add_bos=False)) == "x\ufffdy"
+
+
+# --------------------------------------------------------------------------- end of generation
+
+
+def _vocab_meta(tokens: list[str], types: list[int], **ids) -> dict:
+    return {
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": [0.0] * len(tokens),
+        "tokenizer.ggml.token_type": types,
+        **{f"tokenizer.ggml.{k}": v for k, v in ids.items()},
+    }
+
+
+@pytest.mark.parametrize(
+    "tokens, types, ids, eog",
+    [
+        # Llama 3.1: EOS, <|eot_id|> and <|eom_id|> by text; a normal "<|end|>" too (any type counts upstream)
+        (["<s>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "a"], [3, 3, 3, 3, 1, 1],
+         {"eos_token_id": 1}, {1, 2, 3, 4}),
+        # gpt-oss: <|return|> and <|call|> end turns, so <|end|> does not
+        (["<|endoftext|>", "<|return|>", "<|call|>", "<|end|>", "a"], [3, 3, 3, 3, 1], {"eos_token_id": 1}, {0, 1, 2}),
+        # Solar Open: <|calls|> and <|flush|>, likewise
+        (["<|endoftext|>", "<|calls|>", "<|flush|>", "<|end|>"], [3, 3, 3, 3], {}, {0, 1, 2}),
+        # FIM tokens by key, else by text (the first of each list): Qwen2.5-Coder's <|fim_pad|>, <|repo_name|>,
+        # <|file_sep|>; not <|fim_prefix|>
+        (["<|fim_prefix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "x"], [3, 3, 3, 3, 1], {}, {1, 2, 3}),
+        (["<s>", "</s>", "pad", "rep", "sep"], [3, 3, 3, 3, 3],
+         {"eos_token_id": 1, "fim_pad_token_id": 2, "fim_rep_token_id": 3, "fim_sep_token_id": 4}, {1, 2, 3, 4}),
+        # EOT / EOM by key, whatever their text; "</s>" dropped where <|tool_response> ends turns (Gemma 4)
+        (["<s>", "</s>", "<|tool_response>", "<my_eot>", "<my_eom>"], [3, 1, 3, 3, 3],
+         {"eot_token_id": 3, "eom_token_id": 4}, {2, 3, 4}),
+    ],
+)  # fmt: skip
+def test_end_of_generation_tokens_follow_llama_cpps_rules(tokens, types, ids, eog):
+    tok = Tokenizer.from_metadata(_vocab_meta(tokens, types, **ids))
+    assert tok.eog_ids == eog

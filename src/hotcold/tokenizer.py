@@ -32,6 +32,7 @@ from hotcold.tokenizer_bpe import (
     BpeEncoder,
     bytes_to_unicode,
 )
+from hotcold.tokenizer_eog import derive_eog_ids
 from hotcold.tokenizer_spm import SpmEncoder
 from hotcold.tokenizer_types import BYTE, BYTE_PIECE, CONTROL, NORMAL, SPACE, UNKNOWN, UNUSED, USER_DEFINED
 
@@ -58,20 +59,6 @@ __all__ = [
 KEY = "tokenizer.ggml."
 SUPPORTED_MODELS = ("llama", "gpt2")
 UNK_SURFACE = " \u2047 "  # what SentencePiece prints for <unk>
-
-# Control tokens that end a turn in common chat formats (llama.cpp treats these as end of generation).
-_EOG_TEXTS = frozenset(
-    [
-        "<|eot_id|>",
-        "<|eom_id|>",
-        "<|im_end|>",
-        "<|end|>",
-        "<end_of_turn>",
-        "<|endoftext|>",
-        "<EOT>",
-        "<|end_of_text|>",
-    ]
-)
 
 
 def _per_byte_replace(err: UnicodeDecodeError) -> tuple[str, int]:
@@ -231,8 +218,15 @@ class Tokenizer:
         if chat_template is not None and not isinstance(chat_template, str):
             raise ValueError(f"{source}: tokenizer.chat_template must be a string")
 
-        eog = [eos_id, eot_id, eom_id]
-        eog += [i for i, t in enumerate(tokens) if types[i] == CONTROL and t in _EOG_TEXTS]
+        eog = derive_eog_ids(
+            tokens,
+            eos_id=eos_id,
+            eot_id=eot_id,
+            eom_id=eom_id,
+            fim_pad_id=special_id("fim_pad_token_id"),
+            fim_rep_id=special_id("fim_rep_token_id"),
+            fim_sep_id=special_id("fim_sep_token_id"),
+        )
         try:
             return cls(
                 kind=kind,
@@ -315,7 +309,8 @@ class Tokenizer:
         return self.tokens[token_id]
 
     def is_eog(self, token_id: int) -> bool:
-        """True for tokens that end generation: EOS, and end-of-turn / end-of-message tokens."""
+        """True for tokens that end generation: EOS, end-of-turn / end-of-message tokens and the rest of
+        llama.cpp's set (hotcold.tokenizer_eog)."""
         return token_id in self.eog_ids
 
     def __repr__(self) -> str:
