@@ -208,14 +208,16 @@ def test_logprobs_with_n_choices(server_url, llm):
 
 
 def test_n_choices_are_queued_all_or_none(llm):
-    sched = Scheduler([Engine(llm.loaded.model, llm.tokenizer, llm.ctx_size) for _ in range(2)], max_queue=1)
+    """A request's n choices start together when the slots are free, else take one queue place together (a
+    request is one place, whatever its n: tests/server/test_scheduler.py), or are refused together."""
+    sched = Scheduler([Engine(llm.loaded.model, llm.tokenizer, llm.ctx_size) for _ in range(2)], max_queue=0)
     req = GenerationRequest(llm.tokenize(PROMPT), 2)
 
     async def main():
         with pytest.raises(QueueFull):
-            sched.submit_all([req] * 4)  # 2 slots + 1 queue place: no room for 4, so none is queued
+            sched.submit_all([req] * 3)  # 2 slots, no queue place: 3 choices cannot all start, so none is queued
         assert sched.queue_depth == 0
-        jobs = sched.submit_all([req] * 3)
+        jobs = sched.submit_all([req] * 2)
         results = []
         for job in jobs:
             results.append([c async for c in job])
