@@ -83,3 +83,45 @@ def test_a_model_in_the_installed_package_gets_its_cache_in_the_user_cache(
     assert sorted(p.name for p in (package / "data").iterdir()) == ["activation", "m.powerinfer.gguf"]
     assert main(["info", "-m", str(model)]) == 0
     assert f"{caches[0].name}: " in capsys.readouterr().out
+
+
+def place_json(capsys, *args) -> dict:
+    import json
+
+    assert main(["place", *args, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_larger_budget_holds_no_fewer_hot_neurons_unless_it_says_why(tmp_path, monkeypatch, capsys):
+    """#47: the demo model held 100% of its FFN neurons hot at 0.05 GiB and 0% at 0.06, where the first GPU
+    layer's attention scratch took the budget. Now 0.06 holds fewer only to put the output head on the GPU,
+    and says so with both figures; the value kept off the CPU grows with the budget."""
+    monkeypatch.setenv("HOTCOLD_CACHE_DIR", str(tmp_path / "cache"))
+    runs = {b: place_json(capsys, "--vram-budget", b) for b in ("0.05", "0.06", "0.1")}
+    assert runs["0.05"]["hot_fraction"] == 1.0 and runs["0.1"]["hot_fraction"] == 1.0
+    at_006 = runs["0.06"]
+    assert at_006["hot_fraction"] > 0.25 and at_006["displaced_hot_neurons"] > 0
+    assert any("output head on the GPU: read every token" in c for c in at_006["choice"])
+    assert any("output head on the GPU" in n for n in at_006["notes"])  # the text output says it too
+    values = [runs[b]["value_bytes_per_token"] for b in ("0.05", "0.06", "0.1")]
+    assert values == sorted(values) and values[0] < values[1] < values[2]
+
+
+def test_the_loaders_plan_reuses_the_cache_place_wrote(placed_model, capsys):
+    """The plan is chosen by value in plan_budget itself, so the loader (which calls it as here) and `place`
+    agree on the bytes left for hot rows, which key the cache."""
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.placement.budget import GIB, plan_budget
+    from hotcold.placement.gpuidx import resolve_placement
+
+    mf = ModelFile(placed_model)
+    config = config_from_file(mf)
+    budget = int(0.05 * GIB)
+    data = place_json(capsys, "-m", str(placed_model), "--vram-budget", "0.05", "-c", "512")
+    assert data["value_bytes_per_token"] is not None  # chosen by value: statistics lie beside the model
+    plan = plan_budget(mf, config, budget, ctx_size=512)  # what the loader plans at the same budget
+    notes: list[str] = []
+    hot = resolve_placement(placed_model, mf, config, plan, False, notes)
+    assert any(n.startswith("placement from ") for n in notes), notes
+    assert [len(h) for h in hot] == data["hot_neurons_per_layer"]

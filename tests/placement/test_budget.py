@@ -68,6 +68,9 @@ SHAPES = {  # ReluLLaMA-7B, ReluLLaMA-13B (PowerInfer's), ReluFalcon-40B
     "7B": dict(arch="llama", D=4096, F=11008, L=32, H=32, Hkv=32, V=32000, rank=1024, n_ctx=4096),
     "13B": dict(arch="llama", D=5120, F=13824, L=40, H=40, Hkv=40, V=32000, rank=1024, n_ctx=4096),
     "40B": dict(arch="falcon", D=8192, F=32768, L=60, H=128, Hkv=8, V=65024, rank=1024, n_ctx=2048),
+    "small": dict(
+        arch="llama", D=768, F=3072, L=12, H=12, Hkv=4, V=32000, rank=128, n_ctx=2048
+    ),  # test_value
 }
 
 

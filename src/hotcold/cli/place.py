@@ -66,6 +66,12 @@ def run(args) -> int:
         "hot_bytes": plan.hot_bytes,
         "layers_on_gpu": sum(plan.layer_on_gpu),
         "hot_neurons_per_layer": [len(h) for h in hot] if hot is not None else None,
+        "hot_fraction": sum(len(h) for h in hot) / (config.n_layer * config.n_ff) if hot is not None else 0.0,
+        # with activation statistics (placement.value): CPU bytes a token the plan keeps off the CPU, the hot
+        # neurons it gives up for units read every token, and why; None / 0 / [] without statistics
+        "value_bytes_per_token": plan.value_bytes,
+        "displaced_hot_neurons": plan.displaced,
+        "choice": plan.choice,
         "notes": notes,
     }
     if args.json:
