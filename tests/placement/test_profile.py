@@ -179,3 +179,39 @@ def test_profile_refuses_a_folder_it_cannot_replace_before_the_run(tiny_dense_gg
     assert code == 1 and "Traceback" not in err and "holds other files (notes.txt)" in err
     assert "profiling" not in err  # refused before the model ran
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
+
+
+def test_profile_of_the_bundled_model_writes_to_the_user_cache_and_is_used_from_there(
+    tmp_path, monkeypatch, capsys
+):
+    """`hotcold profile` without -m wrote into the installed package's data/activation (#47). It writes to
+    activation/ in the user cache; the loader's statistics folder, `info` and the placement cache's inputs
+    then point there. Only the package's own folder is untouched."""
+    import json
+    import os
+
+    from hotcold.kernels import build
+    from hotcold.loader import demo_model_path
+    from hotcold.placement import profile as profile_mod
+    from hotcold.placement.gpuidx import model_inputs
+
+    demo = demo_model_path()
+    bundled = demo.parent / "activation"
+    build.get_lib()  # built (or found) in the usual cache before the cache folder moves for this test
+    monkeypatch.setenv("HOTCOLD_CACHE_DIR", str(tmp_path / "cache"))
+    # before anything runs (the old code would write into the package): the target is in the cache
+    target = profile_mod.activation_output_dir(demo)
+    assert tmp_path / "cache" in target.parents
+    before = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in bundled.iterdir()}
+    assert profile_mod.default_activation_dir(demo) == bundled  # nothing profiled yet: the bundled statistics
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(training_text())
+    assert main(["profile", "-f", str(corpus), "-c", "64", "--max-tokens", "200", "-t", "1"]) == 0
+    err = capsys.readouterr().err
+    assert f"wrote 8 files to {target}" in err and "user cache" in err
+    assert {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in bundled.iterdir()} == before
+    assert sorted(os.listdir(target)) == [f"activation_{i}.pt" for i in range(8)]
+    assert profile_mod.default_activation_dir(demo) == target  # where the loader and placement read
+    assert model_inputs(demo)[1:] == [target / f"activation_{i}.pt" for i in range(8)]
+    assert main(["info", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["activation_stats"] == str(target)

@@ -47,8 +47,10 @@ def describe(path: str | None, *, vram_budget: float | None = None, ctx_size: in
         for i in range(c.n_layer)
         if f"blk.{i}.fc1.weight" in mf.tensors
     ]
-    activation_dir = path.parent / "activation"
     from hotcold.placement.gpuidx import gpuidx_candidates, gpuidx_path
+    from hotcold.placement.profile import default_activation_dir
+
+    activation_dir = default_activation_dir(path)  # beside the model, or where `hotcold profile` wrote them
 
     # the first place the loader looks that holds one (beside the model, then the user cache), else where it goes
     gpuidx = next((p for p in gpuidx_candidates(path) if p.exists()), gpuidx_path(path))
@@ -85,9 +87,12 @@ def vram_plan(mf, c, budget_gib: float, ctx_size: int | None) -> dict:
     from hotcold.placement.budget import GIB, default_ctx, plan_budget, plan_offload
 
     budget, ctx = int(budget_gib * GIB), ctx_size or default_ctx(c)
+    chosen: dict = {}
     if c.sparse:
         plan = plan_budget(mf, c, budget, ctx_size=ctx)
         parts, missed = plan.parts(), plan.missed
+        # with statistics: what the plan keeps off the CPU a token, and why it left hot neurons out (if it did)
+        chosen = {"value_bytes_per_token": plan.value_bytes, "choice": plan.choice}
         placed = (
             f"attention of {sum(plan.layer_on_gpu)}/{c.n_layer} layers, predictors of "
             f"{sum(plan.predictor_on_gpu)}, output on {'GPU' if plan.output_on_gpu else 'CPU'}"
@@ -105,6 +110,7 @@ def vram_plan(mf, c, budget_gib: float, ctx_size: int | None) -> dict:
         "total_bytes": sum(parts.values()),
         "placed": placed,
         "did_not_fit": missed,
+        **chosen,
     }
 
 
@@ -148,9 +154,10 @@ def _vram_text(v: dict) -> str:
             f"allocated {_gib(v['allocated_bytes'])}, peak reserved {_gib(v['peak_reserved_bytes'])}"
         )
     missed = "; did not fit: " + "; ".join(v["did_not_fit"]) if v["did_not_fit"] else ""
+    choice = "; " + "; ".join(v["choice"]) if v.get("choice") else ""
     return (
         f"{_gib(v['budget_bytes'])} at ctx {v['ctx_size']}: {text} = {_gib(v['total_bytes'])}; "
-        f"{v['placed']}{missed}"
+        f"{v['placed']}{missed}{choice}"
     )
 
 

@@ -19,7 +19,9 @@ def add_args(p) -> None:
         "-o",
         "--output",
         default=None,
-        help="output folder (default: <model dir>/activation, where the loader looks)",
+        help="output folder (default: <model dir>/activation, where the loader looks; for the bundled model or "
+        "one in a read-only folder: activation/ in the user cache, HOTCOLD_CACHE_DIR or ~/.cache/hotcold, where "
+        "the loader looks too)",
     )
     p.add_argument("--max-tokens", type=int, default=None, help="profile at most this many corpus tokens")
     p.add_argument(
@@ -33,10 +35,11 @@ def add_args(p) -> None:
 
 def run(args) -> int:
     import hotcold
+    from hotcold.loader import demo_model_path
     from hotcold.placement.profile import (
+        activation_output_dir,
         check_activation_dir,
         corpus_tokens,
-        default_activation_dir,
         profile_activations,
         read_corpus,
         token_windows,
@@ -57,8 +60,10 @@ def run(args) -> int:
         plots.check_png(args.plot, [args.file] + ([args.model] if args.model else []))
     text = read_corpus(args.file)  # fail on a bad corpus before loading the model
     model_file = Path(args.model) if args.model and Path(args.model).is_file() else None
+    if args.model is None:
+        model_file = demo_model_path()
     if args.output or model_file:  # a folder that cannot take the set is refused before the long run
-        early = Path(args.output) if args.output else default_activation_dir(model_file)
+        early = Path(args.output) if args.output else activation_output_dir(model_file)
         check_activation_dir(early, [args.file, *([model_file] if model_file else [])])
     start = time.perf_counter()
     llm = hotcold.load(
@@ -67,7 +72,8 @@ def run(args) -> int:
     ctx = window_ctx(args.ctx_size, llm.config.n_ctx_train)
     ids = corpus_tokens(llm.tokenizer, text, max_tokens=args.max_tokens, spread=True, source=args.file)
     counts = profile_activations(llm, ids, ctx=ctx, progress=True)
-    out_dir = args.output or default_activation_dir(llm.path)
+    # never into the installed package (the bundled model) or a read-only folder: the user cache instead
+    out_dir = args.output or activation_output_dir(llm.path)
     paths = write_activation_files(counts, out_dir, inputs=[llm.path, args.file])
     n_seen = sum(len(w) for w in token_windows(ids, ctx, llm.tokenizer.bos_id))  # BOS positions count too
     rates = " ".join(f"{100 * c.sum().item() / (c.numel() * n_seen):.1f}" for c in counts)
@@ -77,6 +83,12 @@ def run(args) -> int:
         file=sys.stderr,
     )
     print(f"hotcold: wrote {len(paths)} files to {out_dir}", file=sys.stderr)
+    if not args.output and Path(out_dir).parent != llm.path.parent:
+        print(
+            f"hotcold: {llm.path.parent} is the installed package or read-only, so the statistics went to the "
+            "user cache; the loader, `place` and `info` use them from there",
+            file=sys.stderr,
+        )
     if args.plot is not None:
         _plot(counts, args.plot, n_tokens=n_seen, name=llm.path.name, inputs=[llm.path, args.file, *paths])
     return 0

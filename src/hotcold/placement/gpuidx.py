@@ -26,6 +26,7 @@ from gguf import GGUFValueType as V
 
 from hotcold import names
 from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, write_model_file
+from hotcold.placement.user_cache import cache_name, cache_root, writes_beside
 
 if TYPE_CHECKING:
     from hotcold.config import ModelConfig
@@ -43,36 +44,13 @@ def beside_path(model_path: str | os.PathLike[str]) -> Path:
 
 
 def user_cache_dir() -> Path:
-    """Where placement caches go when the model's folder cannot take one: gpuidx/ in hotcold's cache folder,
-    the one the compiled kernels use (HOTCOLD_CACHE_DIR, else $XDG_CACHE_HOME/hotcold or ~/.cache/hotcold)."""
-    if folder := os.environ.get("HOTCOLD_CACHE_DIR"):
-        return Path(folder) / "gpuidx"
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "hotcold" / "gpuidx"
+    """Where placement caches go when the model's folder cannot take one: gpuidx/ in hotcold's cache folder."""
+    return cache_root() / "gpuidx"
 
 
 def cached_path(model_path: str | os.PathLike[str]) -> Path:
-    """The user-cache file for one model: its name plus a digest of its absolute path (two models of one name
-    in different folders keep their own caches)."""
-    model = Path(model_path).resolve()
-    tag = hashlib.sha256(os.fsencode(model)).hexdigest()[:16]
-    return user_cache_dir() / f"{model.name}.{tag}{SUFFIX}"
-
-
-def _package_dir() -> Path:
-    import hotcold
-
-    return Path(hotcold.__file__).resolve().parent
-
-
-def writes_beside(model_path: str | os.PathLike[str]) -> bool:
-    """A model's cache goes beside it unless its folder is inside the installed hotcold package (the bundled
-    demo model: installing or upgrading would replace it, and it is not the user's folder) or not writable."""
-    folder = Path(model_path).resolve().parent
-    package = _package_dir()
-    if folder == package or package in folder.parents:
-        return False
-    return os.access(folder, os.W_OK | os.X_OK)
+    """The user-cache file for one model."""
+    return user_cache_dir() / f"{cache_name(model_path)}{SUFFIX}"
 
 
 def gpuidx_path(model_path: str | os.PathLike[str]) -> Path:
@@ -88,8 +66,10 @@ def gpuidx_candidates(model_path: str | os.PathLike[str]) -> list[Path]:
 
 def model_inputs(model_path: str | os.PathLike[str]) -> list[Path]:
     """What a model's placement cache is solved from: the model file and the activation files beside it."""
+    from hotcold.placement.profile import default_activation_dir
+
     model = Path(model_path)
-    activation_dir = model.parent / "activation"
+    activation_dir = default_activation_dir(model)
     found = sorted(activation_dir.glob("activation_*.pt")) if activation_dir.is_dir() else []
     return [model, *found]
 

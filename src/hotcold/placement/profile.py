@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from hotcold.atomic import atomic_directory, atomic_output, check_directory
+from hotcold.placement.user_cache import cache_name, cache_root, writes_beside
 from hotcold.state import Observer
 from hotcold.validate import read_text_file
 
@@ -281,6 +282,19 @@ def hottest_first(counts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [torch.argsort(c, descending=True, stable=True) for c in counts]
 
 
+def activation_output_dir(model_path: str | os.PathLike[str]) -> Path:
+    """Where `hotcold profile` writes a model's statistics without -o: `<model dir>/activation`, unless the model
+    sits in the installed package (the bundled demo model) or a read-only folder, as for the placement cache
+    (placement.gpuidx.writes_beside): then activation/<model name>.<digest of its path>/ in the user cache
+    (HOTCOLD_CACHE_DIR, else ~/.cache/hotcold)."""
+    if writes_beside(model_path):
+        return Path(model_path).parent / "activation"
+    return cache_root() / "activation" / cache_name(model_path)
+
+
 def default_activation_dir(model_path: str | os.PathLike[str]) -> Path:
-    """Where the loader looks for activation statistics: `<model dir>/activation`."""
-    return Path(model_path).parent / "activation"
+    """Where the loader and the placement look for a model's statistics: where `hotcold profile` writes them
+    (activation_output_dir) when that folder exists, else `<model dir>/activation` (the bundled model's own,
+    or PowerInfer's layout)."""
+    written = activation_output_dir(model_path)
+    return written if written.is_dir() else Path(model_path).parent / "activation"
