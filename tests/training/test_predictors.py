@@ -171,3 +171,46 @@ def test_bad_inputs(tiny_dense_gguf, corpus, tmp_path, capsys):
     assert "empty folder" in run_error(
         capsys, ["train-predictors", "-m", model, "-f", str(corpus), "-o", str(bad), "--max-tokens", "300"]
     )
+
+
+def test_predictors_are_written_as_one_set(tiny_dense_gguf, corpus, trained, tmp_path, monkeypatch, capsys):
+    """A failure partway (here: training layer 1) left model_0.pt and a config.json for one layer in the folder
+    (#47); the folder is replaced as a whole, so it stays as it was: absent, or the old set, byte for byte."""
+    import shutil
+
+    from hotcold.training import predictors as trainer
+
+    def fake_layer(i, samples, n_train, cfg, *, device, progress):
+        if i == 1:
+            raise RuntimeError("simulated failure in layer 1")
+        state = {"fc1.weight": torch.zeros(8, samples.inputs.shape[1]), "fc2.weight": torch.zeros(1280, 8)}
+        return state, trainer.LayerResult(i, 8, -1.0, 1.0, 1.0, 1.0, 0.1, 1.0)
+
+    monkeypatch.setattr(trainer, "train_layer", fake_layer)
+    argv = ["train-predictors", "-m", str(tiny_dense_gguf), "-f", str(corpus), "--rank", "8"]
+    argv += ["-c", str(CTX), "--max-tokens", "300", "-t", "1"]
+    new = tmp_path / "new"
+    assert "simulated failure in layer 1" in run_error(capsys, [*argv, "-o", str(new)])
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no folder, no temporary folder left
+
+    old = (
+        tmp_path / "old"
+    )  # a finished set missing one layer (a run of an older hotcold, or one layer removed)
+    shutil.copytree(trained, old)
+    (old / "model_1.pt").unlink()
+    before = {p.name: p.read_bytes() for p in old.iterdir()}
+    assert "simulated failure in layer 1" in run_error(capsys, [*argv, "-o", str(old)])
+    assert {p.name: p.read_bytes() for p in old.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["old"]
+
+
+def test_a_predictor_folder_with_other_files_is_refused_before_training(
+    tiny_dense_gguf, corpus, tmp_path, capsys
+):
+    out = tmp_path / "pred"
+    out.mkdir()
+    (out / "README.md").write_text("mine")
+    argv = ["train-predictors", "-m", str(tiny_dense_gguf), "-f", str(corpus), "-o", str(out), "-t", "1"]
+    err = run_error(capsys, argv)
+    assert "holds other files (README.md)" in err and "training" not in err
+    assert sorted(p.name for p in out.iterdir()) == ["README.md"]

@@ -13,7 +13,11 @@ def add_args(p) -> None:
     p.add_argument("-m", "--model", default=None, help="or a dense / PowerInfer .gguf model file")
     p.add_argument("-f", "--file", required=True, help="training corpus: a UTF-8 text file")
     p.add_argument(
-        "-o", "--output", required=True, help="predictor folder to write (model_{i}.pt, config.json)"
+        "-o",
+        "--output",
+        required=True,
+        help="predictor folder to write (model_{i}.pt, config.json), replaced as a whole when every layer is "
+        "done; layers it already holds are kept",
     )
     p.add_argument("--rank", type=int, default=None, help="one fixed predictor rank (default: a ladder)")
     p.add_argument(

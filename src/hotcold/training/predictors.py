@@ -23,8 +23,8 @@ Method (CPU-friendly: the model runs once, then the layers are trained one by on
    t_layer < 0 onto the shared SPARSE_THRESHOLD = -1 exactly.
 
 Output: PowerInfer's predictor folder (`model_{i}.pt` with fc1.weight / fc2.weight as float32,
-`config.json` with `sparse_threshold` and per-layer statistics), each file written atomically; layers whose
-`model_{i}.pt` exists are skipped, so an interrupted run resumes.
+`config.json` with `sparse_threshold` and per-layer statistics), written as one set (atomic_directory): a
+failure partway leaves the folder as it was, never a mix. Layers it already holds are kept, not retrained.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import json
 import logging
 import math
 import os
+import re
+import shutil
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from hotcold.atomic import atomic_output, check_output
+from hotcold.atomic import atomic_directory, atomic_output, check_directory
 from hotcold.placement.profile import (
     check_relu,
     ffn_widths,
@@ -367,13 +369,11 @@ def train_predictors(
     cfg = config or TrainConfig()
     out_dir = Path(out_dir)
     inputs = [llm.path, *inputs]
-    out_dir.mkdir(parents=True, exist_ok=True)
+    check_directory(out_dir, inputs, owns=is_predictor_file, what="predictor folder")  # before the slow part
     config_path = out_dir / "config.json"
     saved = _read_config(config_path)
     n_layer = llm.config.n_layer
     pending = [i for i in range(n_layer) if not (out_dir / f"model_{i}.pt").exists()]
-    for path in [config_path, *(out_dir / f"model_{i}.pt" for i in pending)]:
-        check_output(path, inputs, what="output file")  # before the slow part
     if len(pending) < n_layer and saved.get("sparse_threshold") != SPARSE_THRESHOLD:
         raise ValueError(
             f"{out_dir}: holds predictors that hotcold did not train (config.json lacks sparse_threshold "
@@ -415,16 +415,34 @@ def train_predictors(
         )
         samples = collect_samples(llm, windows, pending, progress=progress)
         summary.update(ctx=ctx, train_tokens=n_train, val_tokens=n_tokens - n_train, device=str(device))
+    with atomic_directory(out_dir, inputs, owns=is_predictor_file, what="predictor folder") as staging:
+        for i in range(n_layer):  # the layers the folder holds go into the new set as they are
+            if i not in pending:
+                _carry(out_dir / f"model_{i}.pt", staging / f"model_{i}.pt")
         for i in tqdm(pending, desc="training predictors", unit="layer", disable=not progress):
             state, result = train_layer(i, samples.pop(i), n_train, cfg, device=device, progress=progress)
-            save_tensor(state, out_dir / f"model_{i}.pt", inputs)
+            save_tensor(state, staging / f"model_{i}.pt", inputs)
             layer_stats[i] = _rounded(asdict(result))
-            summary["layers"] = [layer_stats[k] for k in sorted(layer_stats)]
-            _write_json({**saved, **summary}, config_path, inputs)
-    summary["layers"] = [layer_stats[k] for k in sorted(layer_stats)]
-    merged = {**saved, **summary}
-    _write_json(merged, config_path, inputs)
+        summary["layers"] = [layer_stats[k] for k in sorted(layer_stats)]
+        merged = {**saved, **summary}
+        _write_json(merged, staging / "config.json", inputs)
     return merged
+
+
+PREDICTOR_FILE = re.compile(r"model_\d+\.pt|config\.json")
+
+
+def is_predictor_file(name: str) -> bool:
+    """An entry a predictor folder may hold (the set train_predictors replaces as a whole)."""
+    return PREDICTOR_FILE.fullmatch(name) is not None
+
+
+def _carry(old: Path, new: Path) -> None:
+    """A file of the old set into the new one: a hard link (no copy; the old folder goes as a whole), else a copy."""
+    try:
+        os.link(old, new)
+    except OSError:
+        shutil.copy2(old, new)
 
 
 def _rounded(d: dict) -> dict:
