@@ -19,8 +19,9 @@ Value, in CPU bytes read per token that the plan moves to the GPU:
 The hot rows of each variant are the solver's greedy choice (groups by activation mass per byte), valued
 without solving: exact when every layer's neurons cost the same, a lower bound otherwise.
 
-Every variant possible at one budget is possible at a larger one, with at least as many bytes for rows, so
-the value never decreases as the budget grows. The hot-neuron count may, where units read every token are
+Every variant possible at one budget is possible at a larger one, with at least as many bytes for rows (where
+the attention blocks are of one size, as in every family here: a larger budget cannot swap which k layers fit),
+so the value never decreases as the budget grows. The hot-neuron count may, where units read every token are
 worth more than the rows they displace: the plan's `choice` then says so, with both figures.
 """
 
@@ -172,19 +173,18 @@ def choose_plan(
     if most.neurons > best.neurons:
         plan.displaced = most.neurons - best.neurons
         plan.choice.append(
-            f"{_units(best.plan, most.plan, L)} on the GPU: read every token "
+            f"{_units(best.plan, most.plan, L) or 'units read every token'} on the GPU: read every token "
             f"({_mib(best.fixed - most.fixed)} a token), more than the {plan.displaced} hot neurons "
             f"displaced (at most {_mib(most.rows - best.rows)} a token by the statistics)"
         )
     default = candidates[0]
     if best is not default:
-        left_out = _units(default.plan, best.plan, L)
-        if left_out:
-            plan.choice.append(
-                f"{left_out} on the CPU: on the GPU they would keep {_mib(default.value)} a token off the CPU "
-                f"with {default.neurons} hot neurons, {best.neurons} hot neurons in their place keep "
-                f"{_mib(best.value)} by the statistics"
-            )
+        d = default.plan
+        plan.choice.append(
+            f"the original's order (attention+KV of {sum(d.layer_on_gpu)}/{L} layers, predictors of "
+            f"{sum(d.predictor_on_gpu)}, output on {'GPU' if d.output_on_gpu else 'CPU'}, {default.neurons} hot "
+            f"neurons) would keep {_mib(default.value)} a token off the CPU by the statistics"
+        )
     if best.value > 0:
         plan.choice.append(f"the plan keeps {_mib(best.value)} a token off the CPU by the statistics")
     return plan
