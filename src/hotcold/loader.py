@@ -170,8 +170,10 @@ def plan_devices(
         else:
             budget = int((opts.vram_budget or 0) * GIB)
         plan = plan_budget(
-            model_file, config, budget, ctx_size=ctx, device_type=fast.type, kv_sequences=opts.kv_sequences
-        )
+            model_file, config, budget, ctx_size=ctx, device_type=fast.type, kv_sequences=opts.kv_sequences,
+            # with no hot rows to place, the value walk must not leave attention or the head on the CPU for them
+            activations=None if opts.disable_gpu_index else "auto",
+        )  # fmt: skip
         notes.append(plan.describe())
         hot = (
             None

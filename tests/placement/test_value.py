@@ -121,3 +121,22 @@ def test_without_statistics_the_walk_keeps_the_originals_order(tiny_sparse_gguf)
     c = config_from_file(mf)
     auto = plan_budget(mf, c, 1 << 34, ctx_size=64)
     assert auto.value_bytes is None and auto.choice == [] and auto.output_on_gpu and all(auto.layer_on_gpu)
+
+
+def test_disable_gpu_index_plans_without_hot_rows():
+    """--disable-gpu-index places no hot rows, so the plan must not trade attention or the head for them: it is
+    the plan of a model without statistics (today's order), whatever the statistics say."""
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.loader import demo_model_path, load_model
+    from hotcold.placement.budget import plan_budget
+
+    mf = ModelFile(demo_model_path())
+    config = config_from_file(mf)
+    budget = int(0.06 * 2**30)
+    plain = plan_budget(mf, config, budget, ctx_size=512, device_type="cpu", activations=None)
+    loaded = load_model(
+        None, device="cpu", fast_device="cpu", vram_budget=0.06, disable_gpu_index=True, ctx_size=512
+    )
+    assert loaded.plan.layer_on_gpu == plain.layer_on_gpu
+    assert loaded.plan.output_on_gpu == plain.output_on_gpu
