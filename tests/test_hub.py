@@ -331,7 +331,7 @@ def test_run_ctrl_c_stops_a_reply_not_the_chat(monkeypatch, capsys, tiny_dense_g
 
 def test_run_drops_the_oldest_turns_when_the_context_is_full(tiny_dense_gguf):
     import hotcold
-    from hotcold.cli.run import fit_history
+    from hotcold.cli.run import Prompt, fit_history
 
     llm = hotcold.load(tiny_dense_gguf, ctx_size=64)
     history = [{"role": "system", "content": "be brief"}]
@@ -341,7 +341,7 @@ def test_run_drops_the_oldest_turns_when_the_context_is_full(tiny_dense_gguf):
             {"role": "assistant", "content": "answer " * 4},
         ]
     history.append({"role": "user", "content": "last"})
-    kept, dropped = fit_history(llm, history, 1, 8)
+    kept, dropped = fit_history(Prompt(llm), history, 1, 8)
     assert dropped > 0 and kept[0]["role"] == "system" and kept[1]["role"] == "user"
     assert kept[-1] == {"role": "user", "content": "last"}
     assert len(llm.chat_prompt_ids(kept)) + 8 <= 64
@@ -365,3 +365,22 @@ def test_split_model_pulls_every_part_and_loads(hub_site, tmp_path, tiny_dense_g
     )
     [row] = [m for m in hub.list_models() if m.tag == "Q6_K"]
     assert row.size == sum(len(b) for b in files.values())
+
+
+def test_run_goes_on_in_plain_text_when_the_template_fails(monkeypatch, capsys, tmp_path, tiny_dense_gguf):
+    """#44: a template that raises is named in a warning, and the chat falls back to plain text."""
+    from gguf import GGUFValueType
+
+    from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+
+    mf = ModelFile(tiny_dense_gguf)
+    meta = [m for m in metadata_items(mf) if m[0] != "tokenizer.chat_template"]
+    meta.append(("tokenizer.chat_template", "{{ 1 // 0 }}", GGUFValueType.STRING, None))
+    specs = [TensorSpec(e.name, e.shape, e.qtype, lambda e=e: e.data) for e in mf.tensors.values()]
+    bad = tmp_path / "bad-template.gguf"
+    write_model_file(bad, mf.architecture, meta, specs)
+    monkeypatch.setattr("sys.stdin", io.StringIO("first\nsecond\n"))
+    assert main(["run", str(bad), "-n", "2", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("the chat goes on in plain text") == 1 and "chat template" in err
+    assert err.count("tokens/s") == 2

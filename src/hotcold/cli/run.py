@@ -4,7 +4,8 @@ The model's own chat template renders the whole history each turn (the engine's 
 it has already computed, so a turn costs only its new tokens); replies stream as they are generated.
 Ctrl-C stops a reply (after the token being computed, so the context stays whole) and the chat goes on;
 Ctrl-C at the prompt, Ctrl-D or /bye ends it. When the history no longer fits the context, the oldest turns
-are dropped (the system prompt stays), and the chat says so."""
+are dropped (the system prompt stays), and the chat says so. A chat template that fails (it raises, or runs
+past its bounds) is named in a warning and the chat goes on in plain text ("User: ... Assistant:")."""
 
 from __future__ import annotations
 
@@ -13,9 +14,15 @@ import sys
 import threading
 import time
 
+from hotcold.chat import ChatTemplateError
 from hotcold.cli import add_model_args, load_from_args
 from hotcold.cli.generate import add_sampling_args, sampling_kwargs
 
+PLAIN = {
+    "system": "{}\n\n",
+    "user": "User: {}\n",
+    "assistant": "Assistant: {}\n",
+}  # chat.FALLBACK_TEMPLATE's text
 HELP = "/bye: end the chat   /clear: forget the conversation   /help: this list   Ctrl-C: stop a reply"
 
 
@@ -38,6 +45,7 @@ def run(args) -> int:
     print(f"hotcold: chatting with {name} ({llm.ctx_size}-token context). {HELP}", file=sys.stderr)
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     history = list(system)
+    prompt = Prompt(llm)
     interactive = sys.stdin.isatty()
     while True:
         try:
@@ -59,7 +67,7 @@ def run(args) -> int:
             print(f"hotcold: {HELP}", file=sys.stderr)
             continue
         history.append({"role": "user", "content": line})
-        history, dropped = fit_history(llm, history, len(system), args.n_predict)
+        history, dropped = fit_history(prompt, history, len(system), args.n_predict)
         if dropped:
             print(
                 f"hotcold: the context is full: the oldest {dropped} message(s) are dropped", file=sys.stderr
@@ -70,18 +78,41 @@ def run(args) -> int:
                 file=sys.stderr,
             )
             continue
-        reply = _stream_reply(llm, history, args)
+        reply = _stream_reply(llm, prompt.ids(history), args)
         history.append({"role": "assistant", "content": reply})
     print(file=sys.stderr)
     return 0
 
 
-def fit_history(llm, history: list[dict], keep: int, n_predict: int | None) -> tuple[list[dict], int]:
+class Prompt:
+    """A conversation's prompt ids: the model's chat template, or, once it has failed (named in a warning),
+    plain text by the built-in template for the rest of the chat."""
+
+    def __init__(self, llm):
+        self.llm = llm
+        self.plain = False
+        self.ctx_size = llm.ctx_size
+
+    def ids(self, history: list[dict]) -> list[int]:
+        if not self.plain:
+            try:
+                return self.llm.chat_prompt_ids(history)
+            except ChatTemplateError as exc:
+                print(f"hotcold: warning: {exc}; the chat goes on in plain text", file=sys.stderr)
+                self.plain = True
+        return self.llm.tokenize(
+            "".join(PLAIN[m["role"]].format(m["content"]) for m in history) + "Assistant:"
+        )
+
+
+def fit_history(
+    prompt: Prompt, history: list[dict], keep: int, n_predict: int | None
+) -> tuple[list[dict], int]:
     """`history` without its oldest messages (after the first `keep`, the system prompt) until the prompt and
     room for a reply fit the context: (history, messages dropped)."""
-    room = min(n_predict or 64, llm.ctx_size // 4)  # a reply needs at least some room to start
+    room = min(n_predict or 64, prompt.ctx_size // 4)  # a reply needs at least some room to start
     dropped = 0
-    while len(history) > keep and len(llm.chat_prompt_ids(history)) + room > llm.ctx_size:
+    while len(history) > keep and len(prompt.ids(history)) + room > prompt.ctx_size:
         history = history[:keep] + history[keep + 1 :]
         dropped += 1
         # a conversation restarts at a user turn: an orphaned assistant reply goes with it
@@ -91,9 +122,8 @@ def fit_history(llm, history: list[dict], keep: int, n_predict: int | None) -> t
     return history, dropped
 
 
-def _stream_reply(llm, history: list[dict], args) -> str:
-    """Stream one reply to stdout; Ctrl-C ends it after the current token. The reply's text."""
-    ids = llm.chat_prompt_ids(history)
+def _stream_reply(llm, ids: list[int], args) -> str:
+    """Stream one reply to the prompt `ids` to stdout; Ctrl-C ends it after the current token. The reply's text."""
     max_tokens = args.n_predict if args.n_predict is not None else llm.ctx_size - len(ids)
     stop = threading.Event()
     main_thread = threading.current_thread() is threading.main_thread()
