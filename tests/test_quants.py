@@ -134,3 +134,40 @@ def test_quant_tensor_validation():
         QuantTensor(torch.zeros(4, 34), Q.Q8_0, (4, 32))
     with pytest.raises(ValueError, match="2-D"):
         QuantTensor(torch.zeros(4, 34, dtype=torch.uint8), Q.Q8_0, (4, 32, 1))
+
+
+def mxfp4_block(e: int, nibbles: list[int]) -> np.ndarray:
+    """One MXFP4 block: the E8M0 byte, then value j in the low nibble of byte j and value 16 + j in its high one."""
+    qs = [nibbles[j] | (nibbles[16 + j] << 4) for j in range(16)]
+    return np.array([e, *qs], dtype=np.uint8)
+
+
+def test_mxfp4_dequantizes_a_hand_computed_block():
+    """ggml type 39 (gpt-oss's experts): E2M1 values (ggml's kvalues_mxfp4 hold them doubled, the scale is
+    2^(e - 128) to match), one E8M0 scale per 32 values; written out by hand, not from a reference port. E2M1's
+    -0 (nibble 8) is +0.0 as ggml's int8 table has it."""
+    e2m1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
+    nibbles = [(7 * j + 3) % 16 for j in range(32)]
+    blocks = [(127, 1.0), (130, 8.0), (120, 2.0**-7), (1, 2.0**-126), (0, 2.0**-127)]  # (e, 2^(e - 127))
+    raw = np.stack([mxfp4_block(e, nibbles) for e, _ in blocks])
+    expected = torch.tensor([[scale * e2m1[n] for n in nibbles] for _, scale in blocks], dtype=torch.float32)
+    assert gguf.GGMLQuantizationType(39) == Q.MXFP4 and GGML_QUANT_SIZES[Q.MXFP4] == (32, 17)
+    got = quants.dequantize(raw, Q.MXFP4, (5, 32))  # gguf's numpy port on the CPU
+    assert torch.equal(got, expected)
+    assert torch.equal(
+        got.view(torch.int32), expected.view(torch.int32)
+    )  # nibble 8 (E2M1's -0) gives +0.0: ggml's table is int8
+    assert torch.equal(quants.dequantize_torch(torch.from_numpy(raw), Q.MXFP4), expected)  # the torch path
+    assert torch.equal(expected.to(torch.bfloat16).float(), expected)  # BF16 holds every MXFP4 value
+
+
+def test_mxfp4_random_blocks_bit_exact_and_not_a_quant_tensor():
+    rng = np.random.default_rng(39)
+    raw = rng.integers(0, 256, size=(512, 17), dtype=np.uint8)
+    raw[:, 0] = rng.integers(0, 250, size=512)  # keep the largest values finite (e 254: 12 * 2^126 overflows)
+    ref = gguf.quants.dequantize(raw, Q.MXFP4).reshape(16, -1)
+    got = quants.dequantize_torch(torch.from_numpy(raw.reshape(16, -1)), Q.MXFP4)
+    np.testing.assert_array_equal(got.numpy().view(np.uint32), ref.view(np.uint32))
+    assert Q.MXFP4 in quants.EXPAND_TYPES and Q.MXFP4 not in quants.SUPPORTED  # no C kernel reads it yet
+    with pytest.raises(ValueError, match="MXFP4 is not supported"):
+        QuantTensor(torch.from_numpy(raw[:2].copy()), Q.MXFP4, (1, 64))

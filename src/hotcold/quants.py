@@ -24,6 +24,10 @@ Block layouts (little endian, d is fp16):
   Q5_K 176 bytes: d, dmin, scales[12], qh[32] (bit 4), qs[128]
   Q6_K 210 bytes: ql[128], qh[64], int8 scales[16], d
   IQ4_XS 136 bytes: d, u16 scales_h, u8 scales_l[4], qs[128] (kvalues as IQ4_NL, 8 x 6-bit scales)
+  MXFP4 17 bytes / 32 values: u8 e (E8M0), u8 qs[16]           value = 2^(e-128) * MXFP4_VALUES[nibble]
+                                                               (E2M1 doubled); low nibbles 0..15, high 16..31
+                                                               (gpt-oss's experts; not in SUPPORTED: no C kernel
+                                                               yet, gguf_io expands it to BF16, exactly)
 The C kernels decode each of them 32 values at a time (kernels/_cpu_kernels.c, `load32`).
 """
 
@@ -41,6 +45,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 __all__ = [
     "QuantTensor",
     "SUPPORTED",
+    "EXPAND_TYPES",
     "QUANTIZE_TYPES",
     "dequantize",
     "dequantize_torch",
@@ -56,16 +61,18 @@ SUPPORTED = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
     | {Q.IQ4_NL, Q.IQ4_XS}
 )
+# dequantized only (no QuantTensor, no C kernel yet): gguf_io expands such a weight to BF16 when it reads it
+EXPAND_TYPES = frozenset({Q.MXFP4})
 QUANTIZE_TYPES = frozenset(  # writable: gguf's legacy quantizers, hotcold.kquants for the K-quants
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
 _TORCH_FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 
 
-def _qtype(qtype: GGMLQuantizationType | int) -> GGMLQuantizationType:
+def _qtype(qtype: GGMLQuantizationType | int, readable=SUPPORTED) -> GGMLQuantizationType:
     qtype = GGMLQuantizationType(qtype)
-    if qtype not in SUPPORTED:
-        names = ", ".join(sorted(t.name for t in SUPPORTED))
+    if qtype not in readable:
+        names = ", ".join(sorted(t.name for t in readable))
         raise ValueError(f"tensor type {qtype.name} is not supported (supported: {names})")
     return qtype
 
@@ -108,7 +115,7 @@ def dequantize(
 ) -> torch.Tensor:
     """Tensor bytes in ggml layout -> float32 tensor of `shape` (numpy order, last dim contiguous),
     bit-exact with ggml's dequantization (the C kernels' `cpu.dequantize_rows` gives the same bits, faster)."""
-    qtype = _qtype(qtype)
+    qtype = _qtype(qtype, SUPPORTED | EXPAND_TYPES)
     shape = tuple(int(s) for s in shape)
     cols = shape[-1] if shape else 1
     rows = math.prod(shape[:-1]) if shape else 1
@@ -127,7 +134,7 @@ def dequantize(
 
 def dequantize_torch(b: torch.Tensor, qtype: GGMLQuantizationType | int) -> torch.Tensor:
     """uint8 [R, row_bytes] on any device -> float32 [R, cols] with torch ops (exact as ggml)."""
-    qtype = _qtype(qtype)
+    qtype = _qtype(qtype, SUPPORTED | EXPAND_TYPES)
     rows = b.shape[0]
     if qtype in FLOAT_TYPES:
         return b.contiguous().view(_TORCH_FLOAT[qtype]).to(torch.float32)
@@ -180,7 +187,26 @@ def _deq_q6_k(b: torch.Tensor) -> torch.Tensor:  # [N, 210] -> [N, 256]
     return (d.unsqueeze(-1) * q.reshape(n, 16, 16).to(torch.float32)).reshape(n, 256)
 
 
-_DEQUANT = {Q.Q8_0: _deq_q8_0, Q.Q4_0: _deq_q4_0, Q.Q5_0: _deq_q5_0, Q.Q6_K: _deq_q6_k}
+# ggml's kvalues_mxfp4: the E2M1 values times two (the scale is halved to match: ggml_e8m0_to_fp32_half)
+MXFP4_VALUES = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+
+
+def e8m0_half(e: torch.Tensor) -> torch.Tensor:
+    """uint8 E8M0 exponents -> float32 2^(e - 128), as ggml_e8m0_to_fp32_half builds its bits (e < 2: the
+    denormals 2^-128 and 2^-127; 255 is not NaN there either)."""
+    e = e.to(torch.int32)
+    bits = torch.where(e < 2, torch.tensor(0x00200000, dtype=torch.int32) << e, (e - 1) << 23)
+    return bits.view(torch.float32)
+
+
+def _deq_mxfp4(b: torch.Tensor) -> torch.Tensor:  # [N, 17] -> [N, 32]
+    qs = b[:, 1:]
+    table = torch.tensor(MXFP4_VALUES, dtype=torch.float32, device=b.device)
+    q = table[torch.cat([qs & 0x0F, qs >> 4], dim=1).long()]
+    return q * e8m0_half(b[:, :1])
+
+
+_DEQUANT = {Q.Q8_0: _deq_q8_0, Q.Q4_0: _deq_q4_0, Q.Q5_0: _deq_q5_0, Q.Q6_K: _deq_q6_k, Q.MXFP4: _deq_mxfp4}
 
 
 def quantize(values: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType | int) -> np.ndarray:
