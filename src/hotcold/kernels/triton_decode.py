@@ -375,24 +375,27 @@ def axpy_splits(f: int, d: int, device: torch.device) -> tuple[int, int]:
 
 
 def down_axpy(down_t, a, residual, partial, out, *, qtype: str | None = None) -> torch.Tensor:
-    """out [D] = residual + sum_k a[k] down_t[k] (rows with a[k] == 0 unread); partial [S, D] scratch
-    with S from axpy_splits. Two launches; the splits are added in order. qtype as in gate_up."""
-    down_axpy_partial(down_t, a, partial, qtype=qtype)
-    return reduce_residual(partial, residual, out)
+    """out [D] = residual + sum_k a[k] down_t[k] (rows with a[k] == 0 unread); partial [>= S, D] scratch
+    with S from axpy_splits (a decode step's scratch is sized for its widest layer: only the first S rows
+    are this call's). Two launches; the splits are added in order. qtype as in gate_up."""
+    return reduce_residual(down_axpy_partial(down_t, a, partial, qtype=qtype), residual, out)
 
 
 def down_axpy_partial(down_t, a, partial, *, qtype: str | None = None) -> torch.Tensor:
-    """down_axpy's first launch: partial [S, D] = each row split's sum of a[k] down_t[k]."""
+    """down_axpy's first launch: partial[:S] = each row split's sum of a[k] down_t[k]; returns partial[:S],
+    the rows reduce_residual must add (rows past S hold another layer's sums)."""
     code, d = _width(down_t, qtype)
     f = down_t.shape[0]
     splits, rows_per_split = axpy_splits(f, d, down_t.device)
+    if partial.shape[0] < splits or partial.shape[1] != d:
+        raise ValueError(f"down_axpy: scratch {tuple(partial.shape)} holds fewer than {splits} splits of {d}")
     block_k, block_d = _axpy_blocks(down_t.device)
     launch(
         _down_axpy_kernel,
         (triton.cdiv(d, block_d), splits),
         down_t, a, partial, f, d, rows_per_split, down_t.stride(0), QTYPE=code, BLOCK_K=block_k, BLOCK_D=block_d,
     )  # fmt: skip
-    return partial
+    return partial[:splits]
 
 
 def reduce_residual(partial, residual, out) -> torch.Tensor:

@@ -236,7 +236,7 @@ class OneToken:
         td.gate_up(self.gate, self.up, h[0], mask, a, kind=w.kind, activation=w.activation, qtypes=self.qtypes,
                    mask_rows=self.hot_idx)  # fmt: skip
         partial = torch.empty(self.splits, self.width, dtype=torch.float32, device=dev)
-        td.down_axpy_partial(self.down, a, partial, qtype=self.down_qtype)
+        partial = td.down_axpy_partial(self.down, a, partial, qtype=self.down_qtype)
         host_wait(ready)  # the predictor and the copies; the hot kernels run on
         fired = copies[0].view(1, -1) != 0  # [1, F] bool
         if ffn.all_hot:
