@@ -15,6 +15,8 @@ numbers, and the `meta` device to count launches and waits (kernels/launches.py)
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hotcold.device import same_device
@@ -85,6 +87,8 @@ class HybridFFN(FFN):
         if one_token is None:
             one_token = self.device.type == "cuda"
         self.one_token = OneToken.build(self) if one_token else None
+        # benchmarks set a list here: each call then appends its LayerClock times (a sync at its end)
+        self.profile: list[dict] | None = None
 
     def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
         norm = self.norm
@@ -120,11 +124,15 @@ class HybridFFN(FFN):
         out = self._fused_token(h, p, ctx)
         if out is not None:
             return out
+        clock = LayerClock(self.device) if self.profile is not None else None
         mask = self.predictor(p)  # [T, F] bool, on the predictor's device
         # all hot: only the mask crosses (for the counts); else the FFN input too, for the cold rows
         copies, ready = to_host([mask] if self.all_hot else [mask, h], wait=False)
+        clock and clock.hot_start()
         hot_out = self._hot(h.to(self.device, non_blocking=True), mask.to(self.device)[:, self.hot_idx_fast])
+        clock and clock.hot_end()
         host_wait(ready)  # the predictor and the copies; the hot kernels run on
+        clock and clock.mark("waited")
         mask_cpu = copies[0]
         if self.all_hot:
             out = hot_out.to(out_device)
@@ -132,10 +140,12 @@ class HybridFFN(FFN):
             cold_out = sparse_step(
                 self.weights, copies[1], mask_cpu & self.cold, self.cold_plan, self.threads
             )
+            clock and clock.mark("cold")
             out = hot_out.to(out_device) + to_device(cold_out, out_device)
         ctx.count(self.layer, mask_cpu)
         if ctx.keep_masks and self.expert is None:
             ctx.keep(self.layer, p, mask_cpu)
+        clock and self.profile.append(clock.done())
         return self._add_down_bias(out)
 
     def _add_down_bias(self, out: torch.Tensor) -> torch.Tensor:
@@ -222,6 +232,7 @@ class OneToken:
         With `norm` (an RMS Norm), h is the layer's un-normed input: the predictor's first kernel writes
         norm(h) on the side, so the norm costs no launch of its own."""
         td, dev, w = self.td, self.device, ffn.hot_weights
+        clock = LayerClock(dev) if ffn.profile is not None else None
         r = torch.empty(self.fc1.shape[0], dtype=torch.float32, device=dev)
         if norm is not None:
             normed = torch.empty(self.width, dtype=torch.float32, device=dev)
@@ -233,22 +244,83 @@ class OneToken:
         td.gemv(self.fc2, r, out=r, threshold=self.threshold, mask_out=mask, count=self.count_sink)
         copies, ready = to_host([mask] if ffn.all_hot else [mask, h], wait=False)
         a = torch.empty(self.n_hot, dtype=torch.float32, device=dev)
+        clock and clock.hot_start()
         td.gate_up(self.gate, self.up, h[0], mask, a, kind=w.kind, activation=w.activation, qtypes=self.qtypes,
                    mask_rows=self.hot_idx)  # fmt: skip
         partial = torch.empty(self.splits, self.width, dtype=torch.float32, device=dev)
         partial = td.down_axpy_partial(self.down, a, partial, qtype=self.down_qtype)
+        clock and clock.hot_end()
         host_wait(ready)  # the predictor and the copies; the hot kernels run on
+        clock and clock.mark("waited")
         fired = copies[0].view(1, -1) != 0  # [1, F] bool
         if ffn.all_hot:
             cold = self.no_cold  # only read
         else:
             cold_out = sparse_step(ffn.weights, copies[1], fired & ffn.cold, ffn.cold_plan, ffn.threads)
+            clock and clock.mark("cold")
             cold = to_device(cold_out[0], dev)
         out = td.reduce_residual(partial, cold, torch.empty(self.width, dtype=torch.float32, device=dev))
         ctx.count(ffn.layer, fired)
         if ctx.keep_masks:
             ctx.keep(ffn.layer, p, fired)
+        clock and ffn.profile.append(clock.done())
         return out.view(1, -1)
+
+
+class LayerClock:
+    """One hybrid layer call's times, for benchmarks (HybridFFN.profile), in ms: `launch` host time up to
+    the host wait (the predictor, the copies, the hot kernels' launches), `wait` the host wait, `cpu_cold`
+    the CPU's cold rows, `tail` the rest of the host's work, `gpu_hot` the hot kernels on the device (CUDA
+    events; a CPU stand-in computes them on the host, inside `launch`), `sync` what the host then waits for
+    the device at the end (a sync this clock adds), and `overlap`: the hot kernels' time that ran while the
+    CPU computed (gpu_hot - sync, within [0, min(gpu_hot, cpu_cold)]; 0 on a CPU stand-in)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.t = {"start": time.perf_counter()}
+        self.events: list = []
+
+    def mark(self, name: str) -> None:
+        self.t[name] = time.perf_counter()
+
+    def hot_start(self) -> None:
+        self._hot_mark("hot_start")
+
+    def hot_end(self) -> None:
+        self._hot_mark("hot_end")
+
+    def _hot_mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(torch.cuda.current_stream(self.device))
+            self.events.append(event)
+        self.mark(name)
+
+    def done(self) -> dict:
+        self.mark("end")
+        if self.cuda:
+            torch.cuda.current_stream(self.device).synchronize()
+        t = self.t
+        synced = time.perf_counter()
+        launched = t.get("hot_end", t["start"])
+        waited = t.get("waited", launched)
+        cold = t.get("cold", waited)
+        ms = {
+            "launch": launched - t["start"],
+            "wait": waited - launched,
+            "cpu_cold": cold - waited,
+            "tail": t["end"] - cold,
+            "sync": synced - t["end"],
+        }
+        if self.cuda and len(self.events) == 2:
+            ms["gpu_hot"] = self.events[0].elapsed_time(self.events[1]) / 1e3
+        else:
+            ms["gpu_hot"] = t.get("hot_end", 0.0) - t.get("hot_start", 0.0)
+        out = {k: v * 1e3 for k, v in ms.items()}
+        hidden = min(out["gpu_hot"] - out["sync"], out["gpu_hot"], out["cpu_cold"])
+        out["overlap"] = max(0.0, hidden) if self.cuda else 0.0
+        return out
 
 
 def to_host(tensors: list[torch.Tensor], *, wait: bool = True):
