@@ -9,12 +9,16 @@ never loses the others; a part that cannot fit is skipped with the reason record
 2. synth: a 7B-wide synthetic ReLU-LLaMA with fewer layers (--layers, default 8; ~10% firing, hottest 20%
    take 80%), F16, as a PowerInfer file (activation/ beside it) and the same weights in the dense layout;
 3. hotcold, all on the GPU: dense file, then sparse file (tokens/s, effective GB/s, ms per token / layer);
-4. the original PowerInfer on the same two files (.anchors/powerinfer-gpu.sh: hybrid at the budget, sparse
-   all-GPU, CPU only, dense -ngl, dense all-GPU), with its own time limit;
+4. the original PowerInfer on the same two files (gpu_pi: its `main` from .anchors/powerinfer-cuda, every run
+   at -c --ctx; hybrid at hotcold's budget and at equal hot bytes, sparse all-GPU, dense -ngl, dense
+   all-GPU, CPU only), each run with its own limit inside the part's;
 5. hotcold at a VRAM budget holding about a third of the FFN (attention + KV at --ctx + predictors +
-   output + scratch + FFN / 3): hybrid vs dense -ngl at the same VRAM, and sparse CPU-only;
+   output + scratch + FFN / 3): hybrid vs dense -ngl at the same VRAM, and sparse CPU-only; the hybrid's
+   per-layer CPU / GPU times and overlap (sparse/hybrid.LayerClock, 8 more tokens after the timed ones);
+CPU runs and the cold side take cores - 1 threads, so the thread that launches the GPU work keeps a core.
 6. the Triton kernels (hot_gather_matvec, hot_axpy) on 7B FFN shapes at 10% / 100% rows, F16, against the
-   copy bandwidth; `benchmarks/gpu_fused.benchmark(device)` (the fused decode kernels);
+   copy bandwidth; `benchmarks/gpu_fused.benchmark(device)` (the fused decode kernels); every kernel timed
+   in a CUDA graph over copies of its operands 3x the L2 (gpu_timing);
 7. `pytest -m gpu` on the test files that hold GPU tests.
 
 On a GPU each hotcold run and the fused-kernel benchmark run in a child process (a hang or a CUDA error
@@ -32,7 +36,6 @@ import gc
 import importlib.util
 import json
 import os
-import re
 import shutil
 import signal
 import subprocess
@@ -58,50 +61,23 @@ REQUIRED = (
     "sparse_cpu_only_tps", "pi_hybrid_tps", "pi_dense_ngl_tps", "pi_sparse_cpu_only_tps", "vram_used_gib",
     "dense_all_gpu_share_of_copy", "sparse_over_dense_all_gpu", "hybrid_over_dense_ngl",
     "hybrid_over_pi_hybrid", "sparse_all_gpu_over_pi", "dense_all_gpu_over_pi", "dense_ngl_over_pi",
-    "sparse_cpu_only_over_pi", "pi_hybrid_over_pi_dense_ngl", "errors",
+    "sparse_cpu_only_over_pi", "pi_hybrid_over_pi_dense_ngl", "pi_hybrid_equal_bytes_tps",
+    "hybrid_over_pi_hybrid_equal_bytes", "pi_equal_bytes_budget_gib", "dense_bytes_per_token",
+    "sparse_bytes_per_token", "sparse_bytes_ceiling", "errors",
 )  # fmt: skip
 RATIOS = {  # name: (numerator, denominator)
     "dense_all_gpu_share_of_copy": ("dense_all_gpu_gb_s", "copy_gb_s"),
     "sparse_over_dense_all_gpu": ("sparse_all_gpu_tps", "dense_all_gpu_tps"),
     "hybrid_over_dense_ngl": ("hybrid_tps", "dense_ngl_tps"),
-    "hybrid_over_pi_hybrid": ("hybrid_tps", "pi_hybrid_tps"),
+    "hybrid_over_pi_hybrid": ("hybrid_tps", "pi_hybrid_tps"),  # the same flags (-c too)
+    "hybrid_over_pi_hybrid_equal_bytes": ("hybrid_tps", "pi_hybrid_equal_bytes_tps"),  # the same hot bytes
+    "sparse_bytes_ceiling": ("dense_bytes_per_token", "sparse_bytes_per_token"),  # sparse / dense by bytes
     "sparse_all_gpu_over_pi": ("sparse_all_gpu_tps", "pi_sparse_all_gpu_tps"),
     "dense_all_gpu_over_pi": ("dense_all_gpu_tps", "pi_dense_all_gpu_tps"),
     "dense_ngl_over_pi": ("dense_ngl_tps", "pi_dense_ngl_tps"),
     "sparse_cpu_only_over_pi": ("sparse_cpu_only_tps", "pi_sparse_cpu_only_tps"),
     "pi_hybrid_over_pi_dense_ngl": ("pi_hybrid_tps", "pi_dense_ngl_tps"),
 }
-# powerinfer-gpu.sh's table: printf '%-18s rc=%s tg=%s tok/s\n' name rc tokens/s ("?" when none)
-PI_FIELDS = {
-    "hybrid_budget": "pi_hybrid_tps",
-    "sparse_all_gpu": "pi_sparse_all_gpu_tps",
-    "sparse_cpu_only": "pi_sparse_cpu_only_tps",
-    "dense_ngl": "pi_dense_ngl_tps",
-    "dense_all_gpu": "pi_dense_all_gpu_tps",
-}
-PI_LINE = re.compile(r"^(?P<name>\S+)\s+rc=(?P<rc>\S*)\s+tg=(?P<tg>.*?)\s+tok/s\s*$")
-
-
-def parse_pi_line(line: str) -> tuple[str, int | None, float | None] | None:
-    """(name, return code, tokens/s) of one line of powerinfer-gpu.sh's table, None for any other line."""
-    m = PI_LINE.match(line.strip())
-    if m is None:
-        return None
-    rc = int(m["rc"]) if m["rc"].lstrip("-").isdigit() else None
-    try:
-        tps = float(m["tg"])
-    except ValueError:
-        tps = None
-    return m["name"], rc, tps
-
-
-def parse_pi_table(text: str) -> dict[str, dict]:
-    """{configuration: {"rc": ..., "tps": ...}} from pi-table.txt (or the script's stdout)."""
-    rows = {}
-    for line in text.splitlines():
-        if (row := parse_pi_line(line)) is not None:
-            rows[row[0]] = {"rc": row[1], "tps": row[2]}
-    return rows
 
 
 class PartTimeout(Exception):
@@ -335,6 +311,29 @@ def vram_budget_gib(sparse_path: Path, ctx: int) -> tuple[float, dict]:
     return sum(parts.values()) / GIB, {k: round(v / GIB, 3) for k, v in parts.items()}
 
 
+def equal_bytes(sparse_path: Path, budget_gib: float, ctx: int) -> dict:
+    """The original's budget holding as many hot FFN neurons as hotcold's plan at budget_gib (gpu_pi), what
+    the original spends before them, and how many it would hold at hotcold's own budget."""
+    from benchmarks.gpu_pi import equal_bytes_budget, hotcold_hot_neurons, pi_capacity, pi_spending
+    from hotcold.config import config_from_file
+    from hotcold.gguf_io import ModelFile
+    from hotcold.placement.budget import plan_budget
+
+    mf = ModelFile(sparse_path)
+    c = config_from_file(mf)
+    plan = plan_budget(mf, c, int(budget_gib * GIB), ctx_size=ctx, device_type="cuda")
+    hot = min(hotcold_hot_neurons(plan), c.n_layer * c.n_ff)
+    tensors = {name: (e.qtype.name, e.n_bytes) for name, e in mf.tensors.items()}
+    spending = pi_spending(tensors, n_layer=c.n_layer, n_ff=c.n_ff, n_embd_gqa=c.n_embd_kv, ctx=ctx)
+    return {
+        "pi_equal_bytes_budget_gib": equal_bytes_budget(spending, hot),
+        "hot_neurons_planned": hot,
+        "hot_share_planned": hot / (c.n_layer * c.n_ff),
+        "pi_hot_neurons_at_budget": min(pi_capacity(spending, budget_gib), c.n_layer * c.n_ff),
+        "pi_spending": spending,
+    }
+
+
 def ngl_for(dense_path: Path, budget_gib: float, ctx: int) -> int:
     """Layers of the dense file that fit the same budget (hotcold's -ngl walk; n_layer + 1: the head too)."""
     from hotcold.config import config_from_file
@@ -345,6 +344,48 @@ def ngl_for(dense_path: Path, budget_gib: float, ctx: int) -> int:
     config = config_from_file(mf)
     n = dense_layers_fitting(mf, config, int(budget_gib * GIB), ctx_size=ctx)
     return n + 1 if n == config.n_layer else n
+
+
+def hot_neurons(model) -> int | None:
+    """FFN neurons whose rows the load put on the fast device (hybrid layers), None without hybrid layers."""
+    from hotcold.sparse.hybrid import HybridFFN
+
+    ffns = [layer.ffn for layer in model.layers if isinstance(getattr(layer, "ffn", None), HybridFFN)]
+    return sum(len(f.hot_idx) for f in ffns) if ffns else None
+
+
+def hybrid_profile(llm, *, n_tokens: int) -> dict:
+    """Per hybrid layer, the mean ms a token of each part (sparse/hybrid.LayerClock: launch, host wait, CPU
+    cold rows, tail, hot kernels on the GPU, the sync the clock adds, overlap), over n_tokens more tokens,
+    and their sums over the layers. Measured apart from the timed tokens (the clock syncs each layer)."""
+    from hotcold.cli.bench import measure
+    from hotcold.sparse.hybrid import HybridFFN
+
+    ffns = {
+        i: layer.ffn for i, layer in enumerate(llm.loaded.model.layers) if isinstance(layer.ffn, HybridFFN)
+    }
+    for ffn in ffns.values():
+        ffn.profile = []
+    try:
+        measure(llm, "tg", n_tokens)
+    finally:
+        records = {i: ffn.profile for i, ffn in ffns.items()}
+        for ffn in ffns.values():
+            ffn.profile = None
+    layers = {}
+    for i, rows in records.items():
+        rows = rows[-n_tokens:]  # decode tokens (the prompt's call, if any, comes first)
+        if rows:
+            layers[i] = {k: round(sum(r[k] for r in rows) / len(rows), 4) for k in rows[0]}
+    total = {k: round(sum(v[k] for v in layers.values()), 4) for k in next(iter(layers.values()), {})}
+    return {"tokens": n_tokens, "per_layer_ms": layers, "per_token_ms": total}
+
+
+def cold_threads(cores: int | None) -> int:
+    """CPU threads for the cold side (and every CPU run): one core fewer than the machine has, so the
+    thread that launches the GPU kernels and waits on them keeps a core of its own while the C kernels'
+    threads compute (with all cores busy it waits for a time slice: the GPU idles behind it)."""
+    return max(1, (cores or 1) - 1)
 
 
 def decode_step_used(llm, decoder) -> str:
@@ -427,9 +468,13 @@ def decode_run(
             "ctx_size": ctx,
             "notes": llm.loaded.notes,
             "decode_step": decode_step_used(llm, decoder),
+            "hot_neurons": hot_neurons(llm.loaded.model),
+            "threads": threads,
         }
         if decoder is not None and decoder.failure is None:
             record["step_check"] = step_check(llm, decoder)
+        if record["hot_neurons"] is not None:  # after the timed tokens: the profile syncs every layer
+            record["layer_profile"] = hybrid_profile(llm, n_tokens=8)
         if cuda:  # the fused eager paths (a GPU layer's attention, a hybrid layer's token): on, or why not
             from hotcold.kernels.triton_decode import FusedPaths
 
@@ -447,42 +492,46 @@ def decode_run(
             torch.cuda.empty_cache()
 
 
-def kernel_bench(
-    copy_gb_s: float | None, *, device: str = "cuda", shape=(11008, 4096), iters: int = 60, n: int = 6
-) -> dict:
+def kernel_bench(copy_gb_s: float | None, *, device: str = "cuda", shape=(11008, 4096)) -> dict:
     """hot_gather_matvec / hot_axpy over 7B FFN rows (11008 x 4096, F16, one token), 10% and 100% of rows,
-    cycling over n matrices and masks (6: 540 MB, more than the L2 holds); GB/s of the rows read.
-    (device "cpu" under TRITON_INTERPRET=1 with a small shape: a check of this function, not a figure.)"""
+    each timed in a CUDA graph over copies of the weights and masks that together hold 3x the L2
+    (gpu_timing); GB/s of the rows read. (device "cpu" under TRITON_INTERPRET=1 with a small shape: a check
+    of this function, not a figure.)"""
     import hotcold.kernels.triton as kt
+    from benchmarks.gpu_timing import copies_for, graph_seconds, l2_bytes
 
     if not kt.available():
         raise RuntimeError("Triton is not available")
     F, D = shape
+    n = copies_for(F * D * 2, l2_bytes(device))
     gen = torch.Generator(device=device).manual_seed(0)
     ws = [torch.randn(F, D, device=device, dtype=torch.float16, generator=gen) for _ in range(n)]
     x = torch.randn(1, D, device=device, generator=gen)
     a = torch.randn(1, F, device=device, generator=gen)
     out_mv = torch.empty(1, F, device=device)
     out_ax = torch.empty(1, D, device=device)
+    dense_out = torch.empty(F, device=device, dtype=torch.float16)
     xh = x[0].half()  # torch's F16 GEMV over all rows: the dense reference
     rows = {}
     for density in (0.10, 1.00):
         masks = [torch.rand(1, F, device=device, generator=gen) < density for _ in range(n)]
         n_rows = sum(int(m.sum()) for m in masks) / n
         ops = {
-            "hot_gather_matvec": lambda i, m=masks: kt.hot_gather_matvec(ws[i % n], x, m[i % n], out=out_mv),
-            "hot_axpy": lambda i, m=masks: kt.hot_axpy(ws[i % n], a, m[i % n], out=out_ax),
+            "hot_gather_matvec": lambda i, m=masks: kt.hot_gather_matvec(ws[i], x, m[i], out=out_mv),
+            "hot_axpy": lambda i, m=masks: kt.hot_axpy(ws[i], a, m[i], out=out_ax),
         }
         if density == 1.0:
-            ops["torch_mv_dense"] = lambda i: torch.mv(ws[i % n], xh)
+            ops["torch_mv_dense"] = lambda i: torch.mv(ws[i], xh, out=dense_out)
         for op, fn in ops.items():
-            seconds = device_seconds(fn, iters, device)
+            seconds = graph_seconds(fn, n, device=device)
             gb_s = n_rows * D * 2 / seconds / 1e9
             rows[f"{op}@{density:.0%}"] = {
                 "us": seconds * 1e6,
                 "rows": n_rows,
                 "gb_s": gb_s,
                 "share_of_copy": gb_s / copy_gb_s if copy_gb_s else None,
+                "copies": n,
+                "timing": "cuda graph" if torch.device(device).type == "cuda" else "loop (not a figure)",
             }
     return rows
 
@@ -595,40 +644,63 @@ def one_run(spec_file: str) -> int:
 
 
 def powerinfer(b: Bench, args, sparse: Path, dense: Path, limit_s: float) -> None:
-    script = Path(args.anchors) / "powerinfer-gpu.sh"
-    if not script.exists():
-        b.note("skipped", "powerinfer", f"{script} missing (copy ../shared/anchors to .anchors and carry it)")
+    """The original's configurations (gpu_pi.pi_plan: every one at -c ctx; the hybrid at hotcold's budget
+    and at equal hot bytes), each its own `main` process with its own limit, each figure saved as it comes."""
+    from benchmarks.gpu_pi import parse_tps, pi_env, pi_plan
+
+    anchors = Path(args.anchors)
+    binary = anchors / "powerinfer-cuda" / "bin" / "main"
+    if not binary.exists():
+        b.note(
+            "skipped",
+            "powerinfer",
+            f"{binary} missing (bash benchmarks/gpu_run.sh --prepare, carry .anchors)",
+        )
         return
     if args.device != "cuda":
         b.note("skipped", "powerinfer", "no CUDA GPU (its binaries are CUDA builds)")
         return
+    start = time.monotonic()
     pi_out = Path(args.workdir) / "pi"
     pi_out.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OUT=str(pi_out), PY=sys.executable)
-    budget = f"{b.results['budget_gib']:.2f}"
-    cmd = ["bash", str(script), str(sparse), str(dense), budget, str(b.results["ngl"])]
-    cmd += [str(args.n_gen), str(args.threads)]
+    env, problem = pi_env(anchors, pi_out)
+    if problem:
+        b.note("errors", "powerinfer", problem)
+        return
+    r = b.results
+    runs = pi_plan(sparse, dense, budget_gib=r["budget_gib"], equal_bytes_gib=r.get("pi_equal_bytes_budget_gib"),
+                   ngl=r["ngl"], n_gen=args.n_gen, threads=args.threads, ctx=args.ctx)  # fmt: skip
     table: dict = {}
-
-    def on_line(line: str) -> None:
-        if (row := parse_pi_line(line)) is not None:
-            name, rc, tps = row
-            table[name] = {"rc": rc, "tps": tps}
-            fields = {"pi_table": dict(table)}
-            if name in PI_FIELDS:
-                fields[PI_FIELDS[name]] = tps
-            b.set(**fields)
-
-    rc, tail = b.run_proc(cmd, limit_s=limit_s, env=env, on_line=on_line)
-    logs = {p.stem: p.read_text(errors="replace")[-1500:] for p in sorted(pi_out.glob("pi-*.log"))}
-    b.set(powerinfer={"command": " ".join(cmd), "rc": rc, "tail": tail, "logs": logs})
-    if rc is None:
-        b.note("errors", "powerinfer", f"powerinfer-gpu.sh stopped at its time limit ({limit_s:.0f} s)")
-    elif not table:
-        b.note("errors", "powerinfer", f"powerinfer-gpu.sh exited {rc} with no table (see powerinfer.tail)")
-    for name, row in table.items():
-        if row["tps"] is None or row["rc"] != 0:
-            b.note("errors", f"powerinfer_{name}", f"rc={row['rc']}, no tokens/s (see powerinfer.logs)")
+    logs: dict = {}
+    try:
+        for run in runs:
+            left = limit_s - (time.monotonic() - start)
+            if left < 10:
+                b.note(
+                    "skipped",
+                    f"powerinfer_{run.name}",
+                    f"{left:.0f} s left of the original's {limit_s:.0f} s",
+                )
+                continue
+            if run.reset_index:  # a placement solved for another budget is reused silently (reference §3.1)
+                Path(run.reset_index + ".generated.gpuidx").unlink(missing_ok=True)
+            lines: list[str] = []
+            rc, _ = b.run_proc([str(binary), *run.argv], limit_s=min(args.pi_run_limit_s, left), env=env,
+                               on_line=lines.append, cwd=pi_out)  # fmt: skip
+            text = "".join(lines)
+            (pi_out / f"pi-{run.name}.log").write_text(text)
+            logs[run.name] = text[-1500:]
+            tps = parse_tps(text)
+            table[run.name] = {"rc": rc, "tps": tps, "argv": " ".join(run.argv)}
+            b.set(
+                pi_table=dict(table),
+                powerinfer={"binary": str(binary), "logs": dict(logs)},
+                **{run.field: tps},
+            )
+            if tps is None or rc != 0:
+                b.note("errors", f"powerinfer_{run.name}", f"rc={rc}, no tokens/s (see powerinfer.logs)")
+    finally:
+        Path(str(sparse) + ".generated.gpuidx").unlink(missing_ok=True)
 
 
 def gpu_tests(b: Bench, limit_s: float) -> None:
@@ -653,6 +725,11 @@ def gpu_tests(b: Bench, limit_s: float) -> None:
 def finish(b: Bench) -> None:
     with b.lock:
         r = b.results
+        for field, run in (
+            ("dense_bytes_per_token", "dense_all_gpu"),
+            ("sparse_bytes_per_token", "sparse_all_gpu"),
+        ):
+            r[field] = r["runs"].get(run, {}).get("bytes_per_token")
         for key, (num, den) in RATIOS.items():
             r[key] = r[num] / r[den] if r.get(num) and r.get(den) else None
         hybrid = r["runs"].get("hybrid", {})
@@ -669,7 +746,16 @@ def summary(r: dict) -> str:
     rows = [
         ("dense, all on the GPU", "dense_all_gpu", "pi_dense_all_gpu_tps"),
         ("sparse, all on the GPU", "sparse_all_gpu", "pi_sparse_all_gpu_tps"),
-        (f"hybrid, {f(r.get('budget_gib'), '.2f')} GiB", "hybrid", "pi_hybrid_tps"),
+        (
+            f"hybrid, {f(r.get('budget_gib'), '.2f')} GiB (the original: same flags, -c too)",
+            "hybrid",
+            "pi_hybrid_tps",
+        ),
+        (
+            f"hybrid (the original at equal hot bytes: {f(r.get('pi_equal_bytes_budget_gib'), '.2f')} GiB)",
+            "hybrid",
+            "pi_hybrid_equal_bytes_tps",
+        ),
         (f"dense -ngl {r.get('ngl')}, same VRAM", "dense_ngl", "pi_dense_ngl_tps"),
         ("sparse, CPU only", "sparse_cpu_only", "pi_sparse_cpu_only_tps"),
         ("dense, all on the GPU, eager step", "dense_all_gpu_eager", None),
@@ -699,6 +785,13 @@ def summary(r: dict) -> str:
         f"Dense all-GPU reads {f(r.get('dense_all_gpu_share_of_copy'), '.0%')} of copy bandwidth; sparse / dense all-GPU "
         f"{f(r.get('sparse_over_dense_all_gpu'), '.2f')}x; hybrid / dense -ngl {f(r.get('hybrid_over_dense_ngl'), '.2f')}x "
         f"(PowerInfer: {f(r.get('pi_hybrid_over_pi_dense_ngl'), '.2f')}x); hybrid VRAM used {f(r.get('vram_used_gib'), '.2f')} GiB.",
+        "",
+        f"Bytes a token: dense {f((r.get('dense_bytes_per_token') or 0) / 1e9, '.2f')} GB, sparse "
+        f"{f((r.get('sparse_bytes_per_token') or 0) / 1e9, '.2f')} GB: sparse / dense can reach at most "
+        f"{f(r.get('sparse_bytes_ceiling'), '.2f')}x by bytes. Hot neurons: hotcold planned "
+        f"{r.get('hot_neurons_planned')}, loaded {runs.get('hybrid', {}).get('hot_neurons')}; the original at hotcold's "
+        f"budget {r.get('pi_hot_neurons_at_budget')}.",
+        f"Hybrid layer profile, ms a token over all layers: {(runs.get('hybrid', {}).get('layer_profile') or {}).get('per_token_ms')}",
         "",
         *(f"- {run}: {rec.get('decode_step')}" for run, rec in runs.items() if rec.get("decode_step")),
         *(
@@ -751,12 +844,15 @@ def main(argv=None) -> int:
         "--warmup", type=int, default=None, help="tokens decoded before each measurement (16; 2 dry)"
     )
     ap.add_argument("--ctx", type=int, default=2048, help="context size the KV cache is charged for")
-    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument(
+        "--threads", type=int, default=cold_threads(os.cpu_count()), help="CPU threads (default: cores - 1)"
+    )
     ap.add_argument("--workdir", default=None, help="model files (default /dev/shm/hotcold-gpu or /tmp/...)")
     ap.add_argument("--anchors", default=str(REPO / ".anchors"), help="a copy of ../shared/anchors")
     ap.add_argument("--deadline-s", type=float, default=540.0, help="no part starts after this")
     ap.add_argument("--synth-limit-s", type=float, default=150.0)
-    ap.add_argument("--pi-limit-s", type=float, default=180.0)
+    ap.add_argument("--pi-limit-s", type=float, default=200.0, help="the original's runs together")
+    ap.add_argument("--pi-run-limit-s", type=float, default=60.0, help="each of the original's runs")
     ap.add_argument("--tests-limit-s", type=float, default=120.0)
     ap.add_argument("--run-limit-s", type=float, default=120.0, help="each hotcold load + decode")
     ap.add_argument("--fused-limit-s", type=float, default=120.0, help="gpu_fused.benchmark")
@@ -827,6 +923,7 @@ def run_all(b: Bench, args) -> int:
         gib, parts = vram_budget_gib(sparse, args.ctx)
         b.set(budget_gib=gib, budget_parts_gib=parts)
         b.set(ngl=ngl_for(dense, gib, args.ctx))
+        b.set(**equal_bytes(sparse, gib, args.ctx))
 
     b.part("budget", budget, need_s=1, limit_s=60)
     run = dict(need_s=15, limit_s=args.run_limit_s + 10)

@@ -6,7 +6,9 @@
 # 1. Here, before the call (the GPU machine gets only the checkout plus the carried folders):
 #        bash benchmarks/gpu_run.sh --prepare
 #    copies ../shared/anchors (the original PowerInfer's CUDA build, 22 MB) to .anchors/ (ignored by
-#    .gitignore) and the gguf package, which the GPU machine's image lacks, to .anchors/site/.
+#    .gitignore) and the gguf package, which the GPU machine's image lacks, to .anchors/site/. gpu.py runs
+#    the original's .anchors/powerinfer-cuda/bin/main itself (benchmarks/gpu_pi.py: -c equal to hotcold's
+#    context, and a second hybrid run at equal hot bytes), not .anchors/powerinfer-gpu.sh (it passes no -c).
 # 2. The call, through the device tool's `run`:
 #        command: bash benchmarks/gpu_run.sh      carry: [".anchors"]      timeout_s: 600
 #    Extra arguments go to gpu.py (e.g. --deadline-s 500 --layers 8 --n-gen 64). gpu.py stops starting
