@@ -40,6 +40,9 @@ class ModelConfig:
     rope_attn_factor: float = (
         1.0  # longrope: rotated q and k scaled by it (llama.cpp's rope.scaling.attn_factor)
     )
+    rope_yarn: bool = (
+        False  # YaRN (gpt-oss): rope_scale = 1 / factor, ramped over the dims (ops.yarn_corr_dims)
+    )
     n_expert: int = 0
     n_expert_used: int = 0
     name: str = ""
@@ -98,7 +101,9 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
     n_head = integer("attention.head_count", required=True)
     n_head_kv = integer("attention.head_count_kv", n_head)
     n_ff = integer("feed_forward_length", required=True)
-    if get("expert_count") and get("expert_feed_forward_length"):  # Qwen3-MoE: the FFN a token runs is an expert's
+    if get("expert_count") and get(
+        "expert_feed_forward_length"
+    ):  # Qwen3-MoE: the FFN a token runs is an expert's
         n_ff = integer("expert_feed_forward_length")
     n_layer = _check_layers(model_file, integer("block_count", required=True))
     if n_embd % n_head and f"{arch}.attention.key_length" not in meta:
@@ -110,10 +115,13 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
     rope_scale = 1.0
     scaling_type = get("rope.scaling.type")
     factor = get("rope.scaling.factor")
-    if scaling_type == "linear" and factor:
+    yarn = scaling_type == "yarn"
+    if scaling_type in ("linear", "yarn") and factor:
         rope_scale = 1.0 / float(factor)
-    elif scaling_type not in (None, "none", "linear"):
-        raise GGUFError(f"{path}: rope scaling type {scaling_type!r} is not supported (only linear)")
+    elif scaling_type not in (None, "none", "linear", "yarn"):
+        raise GGUFError(f"{path}: rope scaling type {scaling_type!r} is not supported (linear or yarn)")
+    if yarn and get("rope.scaling.yarn_log_multiplier"):  # DeepSeek's mscale_all_dim: not a family we run
+        raise GGUFError(f"{path}: metadata key {arch}.rope.scaling.yarn_log_multiplier is not supported")
     elif get("rope.scale_linear"):
         rope_scale = 1.0 / float(get("rope.scale_linear"))
 
@@ -152,6 +160,7 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
         rope_base_swa=None if get("rope.freq_base_swa") is None else float(get("rope.freq_base_swa")),
         rope_ctx_orig=get("rope.scaling.original_context_length") or None,
         rope_attn_factor=float(get("rope.scaling.attn_factor", 1.0)),
+        rope_yarn=yarn and rope_scale != 1.0,
         n_expert=integer("expert_count", 0, lo=0),
         n_expert_used=integer("expert_used_count", 0, lo=0),
         name=str(meta.get("general.name", "")),

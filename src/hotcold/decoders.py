@@ -57,6 +57,11 @@ def rows_own_bits(model) -> bool:
 
 def _fastest(model, ctx_size: int) -> tuple[str, str]:
     """(decoder, what it runs or why it is eager) for a model whose decoder is chosen automatically."""
+    for i, layer in enumerate(getattr(model, "layers", None) or []):  # what no fast decoder computes yet
+        spec = getattr(layer, "spec", None)
+        why = spec.beyond_fast_decoders() if spec is not None else None
+        if why is not None:
+            return "eager", f"layer {i}: {why}, which the fast decoders do not compute yet"
     head = getattr(model, "head", None)
     on_gpu = head is not None and head.device.type == "cuda"
     if on_gpu:

@@ -34,6 +34,7 @@ ATTN_POST_NORM = TENSOR_NAMES[MODEL_TENSOR.ATTN_POST_NORM]  # Gemma 3's sandwich
 FFN_POST_NORM = TENSOR_NAMES[MODEL_TENSOR.FFN_POST_NORM]  # and after the FFN, before each residual add
 ATTN_Q_NORM = TENSOR_NAMES[MODEL_TENSOR.ATTN_Q_NORM]  # Qwen3: an RMS norm over each head of q [Dh]
 ATTN_K_NORM = TENSOR_NAMES[MODEL_TENSOR.ATTN_K_NORM]
+ATTN_SINKS = TENSOR_NAMES[MODEL_TENSOR.ATTN_SINKS]  # gpt-oss: a learned softmax logit per head [H]
 FFN_NORM = TENSOR_NAMES[MODEL_TENSOR.FFN_NORM]
 FFN_UP = TENSOR_NAMES[MODEL_TENSOR.FFN_UP]
 FFN_GATE = TENSOR_NAMES[MODEL_TENSOR.FFN_GATE]
@@ -116,6 +117,8 @@ ROPE_SCALING_FACTOR = Keys.Rope.SCALING_FACTOR
 ROPE_SCALING_ORIG_CTX_LEN = Keys.Rope.SCALING_ORIG_CTX_LEN
 ROPE_SCALING_ATTN_FACTOR = Keys.Rope.SCALING_ATTN_FACTOR  # longrope / YaRN: cos and sin scaled by it
 ROPE_FREQ_BASE_SWA = Keys.Rope.FREQ_BASE_SWA  # the sliding-window layers' RoPE base (Gemma 3)
+ROPE_SCALING_YARN_BETA_FAST = Keys.Rope.SCALING_YARN_BETA_FAST  # written by upstream's converter (YaRN);
+ROPE_SCALING_YARN_BETA_SLOW = Keys.Rope.SCALING_YARN_BETA_SLOW  # llama.cpp runs gpt-oss with its own 32 / 1
 ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"  # older llama.cpp files
 # PowerInfer's and hotcold's own keys (other readers ignore them)
 SPARSE_THRESHOLD = "powerinfer.sparse_threshold"
@@ -165,7 +168,7 @@ def key(template: str, arch: str) -> str:
 
 # --- the FFN rules shared by the reader (config.py) and the writers (convert/) ----------------------
 ACTIVATIONS = ("relu", "silu", "gelu", "gelu_tanh")  # gelu_tanh: the tanh approximation (Gemma)
-FFN_KINDS = ("gated", "gated_both", "plain")
+FFN_KINDS = ("gated", "gated_both", "plain", "swiglu_oai")
 
 
 def default_activation(arch: str, *, sparse: bool) -> str:
@@ -182,9 +185,12 @@ def default_activation(arch: str, *, sparse: bool) -> str:
 
 def ffn_kind(arch: str, declared: str | None) -> str:
     """How a family combines its projections: gated act(gate)*up (llama, mistral, mixtral), gated_both
-    act(gate)*act(up) (bamboo, TurboSparse dReLU via `hotcold.ffn_kind`), plain act(up + b) (falcon, opt)."""
+    act(gate)*act(up) (bamboo, TurboSparse dReLU via `hotcold.ffn_kind`), plain act(up + b) (falcon, opt),
+    swiglu_oai (gpt-oss's clamped SwiGLU, llama.cpp's LLM_FFN_SWIGLU_OAI_MOE: sparse/ffn_weights.swiglu_oai)."""
     if arch in ("falcon", "opt"):
         return "plain"
+    if arch == "gpt-oss":
+        return "swiglu_oai"
     if arch == "bamboo" or declared == "gated_both":
         return "gated_both"
     return "gated"

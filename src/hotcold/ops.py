@@ -9,6 +9,7 @@ inputs are: the C kernels for CPU weights of the kernels' types, torch otherwise
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -166,16 +167,47 @@ def rope_tables(
     scale: float,
     freq_factors: torch.Tensor | None = None,
     mscale: float = 1.0,
+    yarn: tuple[float, float] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [S, rope_dim/2] for positions 0..n_ctx-1 (linear scaling multiplies positions by `scale`;
     freq_factors [rope_dim/2] divide each pair's frequency: Llama 3.1's scaling, the file's rope_freqs, or
     Phi-3's longrope factors; mscale multiplies both, so every kernel that rotates by the tables scales the
-    rotated q and k by it, as ggml's rope does with attn_factor)."""
+    rotated q and k by it, as ggml's rope does with attn_factor). yarn: YaRN's correction dims (low, high)
+    (yarn_corr_dims): pair i turns at scale * its frequency below the ramp (pairs past `high`), at its own
+    frequency above it (pairs before `low`), mixed linearly between, as ggml's rope_yarn."""
     inv_freq = base ** (-torch.arange(0, rope_dim, 2, dtype=torch.float64) / rope_dim)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.to(torch.float64)
+    if yarn is not None:
+        low, high = yarn
+        pair = torch.arange(rope_dim // 2, dtype=torch.float64)
+        extrapolate = 1 - ((pair - low) / max(0.001, high - low)).clamp(0, 1)  # ggml's rope_yarn_ramp
+        inv_freq = scale * inv_freq * (1 - extrapolate) + inv_freq * extrapolate
+        scale = 1.0
     angles = torch.arange(n_ctx, dtype=torch.float64)[:, None] * scale * inv_freq[None, :]
     return (angles.cos() * mscale).float(), (angles.sin() * mscale).float()
+
+
+def yarn_corr_dims(
+    rope_dim: int, n_ctx_orig: int, base: float, beta_fast: float = 32.0, beta_slow: float = 1.0
+) -> tuple[float, float]:
+    """YaRN's ramp over RoPE's pairs, as ggml_rope_yarn_corr_dims: the dims where a pair turns beta_fast and
+    beta_slow times over the original context, floored and ceiled (transformers' `truncate`, its default).
+    llama.cpp runs gpt-oss with its default betas, 32 and 1."""
+
+    def dim(rotations: float) -> float:
+        return rope_dim * math.log(n_ctx_orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    return max(0.0, math.floor(dim(beta_fast))), min(rope_dim - 1.0, math.ceil(dim(beta_slow)))
+
+
+def yarn_mscale(scale: float, attn_factor: float = 1.0) -> float:
+    """cos / sin scale of YaRN as llama.cpp sets it: its context's yarn_attn_factor (get_mscale(factor), cancelled
+    by 1 / (1 + 0.1 ln factor), times the file's rope.scaling.attn_factor), then rope_yarn's 1 + 0.1 ln factor."""
+    factor = 1.0 / scale
+    get_mscale = 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+    cancel = 1.0 / (1.0 + 0.1 * math.log(factor))
+    return get_mscale * cancel * attn_factor * (1.0 + 0.1 * math.log(factor))
 
 
 class RopeTables:
@@ -203,12 +235,19 @@ class RopeTables:
         self.base = config.rope_base if base is None else base
         self.scale = config.rope_scale if scale is None else scale
         self.mscale = getattr(config, "rope_attn_factor", 1.0)
+        self.yarn = None
+        if getattr(config, "rope_yarn", False):  # gpt-oss: YaRN over the original context
+            n_orig = config.rope_ctx_orig or config.n_ctx_train
+            self.yarn = yarn_corr_dims(self.rope_dim, n_orig, self.base)
+            self.mscale = yarn_mscale(self.scale, self.mscale)
         self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
         for device in set(devices):
             self._tables[device] = self._build(config.n_ctx_train, device)
 
     def _build(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        tables = rope_tables(n, self.rope_dim, self.base, self.scale, self.freq_factors, self.mscale)
+        tables = rope_tables(
+            n, self.rope_dim, self.base, self.scale, self.freq_factors, self.mscale, self.yarn
+        )
         return tuple(t.to(device) for t in tables)
 
     def _covering(self, end: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -246,11 +285,13 @@ def rope_attention(
     *,
     neox: bool,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """apply_rope on q and k, then attention(): one C call for a decode step on the CPU, and for a prompt chunk
-    whose rows x context `attends_in_rows` allows (each row as a decode token at its position)."""
+    whose rows x context `attends_in_rows` allows (each row as a decode token at its position). With attention
+    sinks (gpt-oss) torch's ops: the C attention has none yet."""
     t = q.shape[0]
-    if q.device.type == "cpu" and (t == 1 or attends_in_rows(t, pos, k_cache)):
+    if sinks is None and q.device.type == "cpu" and (t == 1 or attends_in_rows(t, pos, k_cache)):
         check_context(pos + t, k_cache.shape[0])
         return cpu.attention_decode_rows(
             q.contiguous(),
@@ -265,7 +306,7 @@ def rope_attention(
             sliding_window=sliding_window,
         )
     q, k = apply_rope(q, cos, sin, neox=neox), apply_rope(k, cos, sin, neox=neox)
-    return attention(q, k, v, k_cache, v_cache, pos, sliding_window=sliding_window)
+    return attention(q, k, v, k_cache, v_cache, pos, sliding_window=sliding_window, sinks=sinks)
 
 
 # Rows x context up to which a prompt chunk's attention runs as decode rows in C (each row reads its head's keys
@@ -329,9 +370,11 @@ def attention(
     pos: int,
     *,
     sliding_window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, H, Dh], k/v [T, Hkv, Dh] for positions pos..pos+T-1; writes k/v into the caches [S, Hkv, Dh]
-    and attends over positions 0..pos+T-1 causally. Returns [T, H*Dh]."""
+    and attends over positions 0..pos+T-1 causally. Returns [T, H*Dh]. sinks [H]: a learned logit per head
+    that joins each softmax's denominator and attends to nothing (gpt-oss; ggml_soft_max_add_sinks)."""
     T, H, Dh = q.shape
     end = pos + T
     check_context(end, k_cache.shape[0])
@@ -349,7 +392,24 @@ def attention(
         mask = k_pos <= q_pos
         if sliding_window:
             mask = mask & (k_pos > q_pos - sliding_window)
+    if sinks is not None:
+        out = _attention_with_sinks(q.to(dtype).transpose(0, 1)[None], keys, values, mask, sinks)
+        return out[0].transpose(0, 1).reshape(T, H * Dh).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q.to(dtype).transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != H
     )  # [1, H, T, Dh]
     return out[0].transpose(0, 1).reshape(T, H * Dh).to(q.dtype)
+
+
+def _attention_with_sinks(q, keys, values, mask, sinks: torch.Tensor) -> torch.Tensor:
+    """softmax([q.k / sqrt(Dh), sink]) without the sink's column, @ v: q [1, H, T, Dh], keys / values
+    [1, Hkv, S, Dh], mask [T, S] bool or None -> [1, H, T, Dh]."""
+    h, hkv = q.shape[1], keys.shape[1]
+    if h != hkv:  # each group of H / Hkv query heads reads one KV head
+        keys, values = keys.repeat_interleave(h // hkv, dim=1), values.repeat_interleave(h // hkv, dim=1)
+    scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [1, H, T, S]
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(1, h, scores.shape[2], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return probs @ values

@@ -22,6 +22,7 @@ ARCHITECTURES = {
     "opt": "opt",
     "mixtral": "mixtral",
     "qwen3moe": "mixtral",  # Qwen3-MoE: Qwen3's attention, softmax top-k experts renormalised (Mixtral's router)
+    "gpt-oss": "gpt_oss",  # gpt-oss: sinks, sliding/global layers, YaRN, biases, clamped-SwiGLU experts (MXFP4)
 }
 
 

@@ -30,6 +30,7 @@ FAMILIES = {
     "qwen2": "qwen",
     "qwen3": "qwen",
     "qwen3_moe": "qwen3moe",
+    "gpt_oss": "gpt_oss",
     "phi3": "phi3",
     "gemma3_text": "gemma3",
     "falcon": "falcon",

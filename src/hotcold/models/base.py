@@ -54,6 +54,8 @@ class LayerSpec:
     )
     local_rope: bool = False  # RoPE with the local base (Gemma 3's sliding-window layers)
     attn_scale: float = 0.0  # softmax scale of q.k (0: 1 / sqrt(head_dim))
+    sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
+    oai_experts: bool = False  # gpt-oss's experts: router and expert biases, the clamped SwiGLU
 
     def beyond_llama(self) -> str | None:
         """The first thing this layer computes that a plain llama layer (RMS norms, sequential residual, RoPE on
@@ -75,6 +77,15 @@ class LayerSpec:
             return "q/k norms"
         if self.post_norms or self.local_rope or self.attn_scale:
             return "sandwich norms, a local RoPE base or a scale of its own"
+        return self.beyond_fast_decoders()
+
+    def beyond_fast_decoders(self) -> str | None:
+        """What no fast decoder (the CPU one-call step, the GPU fixed-shape step) computes yet, or None: such
+        layers decode eagerly, layer by layer (decoders.choose_decoder)."""
+        if self.sinks:
+            return "attention sinks"
+        if self.oai_experts:
+            return "gpt-oss's experts (router and expert biases, the clamped SwiGLU)"
         return None
 
 
@@ -116,12 +127,14 @@ def rope_attention_segments(
     *,
     neox: bool,
     sliding_window=None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """RoPE attention of every segment over its own sequence's layer cache (q [T, H, Dh], k/v [T, Hkv, Dh])
     -> [T, H*Dh]. A batch on the CPU whose segments are decode tokens, or prompt chunks that rope_attention
-    runs as decode rows (`attends_in_rows`), is one call for all rows: each row as its segment alone."""
+    runs as decode rows (`attends_in_rows`), is one call for all rows: each row as its segment alone. With
+    sinks [H] (gpt-oss) each segment on its own, in torch (the C attention has no sinks)."""
     rows = None
-    if len(ctx.seqs) > 1 and device.type == "cpu":
+    if len(ctx.seqs) > 1 and device.type == "cpu" and sinks is None:
         if ctx.rows == len(ctx.seqs):  # a decode step: one token a sequence
             rows = ctx.starts, [s.kv.k[layer] for s in ctx.seqs], [s.kv.v[layer] for s in ctx.seqs]
         elif all(
@@ -154,6 +167,7 @@ def rope_attention_segments(
             sin,
             neox=neox,
             sliding_window=sliding_window,
+            sinks=sinks,
         )
 
     return per_sequence(ctx, attend)

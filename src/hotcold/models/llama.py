@@ -34,7 +34,7 @@ from hotcold.weights import TensorSource
 
 # architectures whose RoPE rotates the two halves of a head (llama.cpp's LLAMA_ROPE_TYPE_NEOX): their converters
 # keep q/k as stored; llama's permutes them into adjacent pairs
-NEOX_ROPE = {"qwen2", "qwen3", "qwen3moe", "phi3", "gemma3"}
+NEOX_ROPE = {"qwen2", "qwen3", "qwen3moe", "phi3", "gemma3", "gpt-oss"}
 GEMMA3_SWA_PATTERN = (
     6  # Gemma 3: layer i attends globally iff (i + 1) % 6 == 0, else in its window (as upstream)
 )
@@ -59,6 +59,8 @@ class LlamaLayer:
     k_norm: Norm | None = None
     post_attn_norm: Norm | None = None  # Gemma 3's sandwich norms, on attention's and the FFN's output
     post_ffn_norm: Norm | None = None
+    o_bias: torch.Tensor | None = None  # [D]: gpt-oss's bias on attention's output projection
+    sinks: torch.Tensor | None = None  # [H] float32: gpt-oss's attention sinks (spec.sinks)
 
 
 class Llama:
@@ -115,7 +117,7 @@ class Llama:
             attn, neox, window = None, spec.rope_neox, spec.sliding_window or None
             rope = self.rope_local if spec.local_rope else self.rope
             # q, k, v as the one C call makes them (no biases, head norms or scale): it runs a CPU decode token
-            plain = not (spec.attn_bias or spec.qk_norm or spec.attn_scale)
+            plain = not (spec.attn_bias or spec.qk_norm or spec.attn_scale or spec.sinks)
             if inputs is None and plain:
                 attn = decode_attention(
                     ctx, i, layer.qkv, layer.attn_norm, x, rope, layer.device, heads=heads, neox=neox,
@@ -136,7 +138,7 @@ class Llama:
                 q = q.view(T, c.n_head, c.head_dim)
                 k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
                 attn = rope_attention_segments(
-                    ctx, i, q, k, v, rope, layer.device, neox=neox, sliding_window=window
+                    ctx, i, q, k, v, rope, layer.device, neox=neox, sliding_window=window, sinks=layer.sinks
                 )
             if watch is not None:
                 watch(i, 1, attn)
@@ -149,11 +151,12 @@ class Llama:
                 x = x + layer.post_ffn_norm(layer.ffn(x, ctx))
                 continue
             fused = getattr(layer.ffn, "decode_tail", None)  # MoE layers have none
-            tail = fused(attn, x, layer.wo, ctx) if fused is not None else None  # one C call, CPU decode
-            if tail is not None:
-                x = tail
-                continue
-            x = x + linear(attn, layer.wo)
+            if layer.o_bias is None and fused is not None:
+                tail = fused(attn, x, layer.wo, ctx)  # one C call, CPU decode
+                if tail is not None:
+                    x = tail
+                    continue
+            x = x + linear(attn, layer.wo, layer.o_bias)
             x = x + layer.ffn(x, ctx)
         return self.head(x, ctx, last_only=last_only)
 
@@ -183,11 +186,15 @@ def attention_block(src: TensorSource, i: int) -> dict:
         assets, sparsity, threads = src.sparse_inputs
         inputs = sparse_inputs(src, i, assets, sparsity, threads)
     biases = {}
-    if src.has(names.ATTN_Q, i, "bias"):  # Qwen2: q/k/v biases (o has none)
+    if src.has(names.ATTN_Q, i, "bias"):  # Qwen2: q/k/v biases (o has none); gpt-oss: o's too
         biases = {
             f"{n}_bias": src.attention(t, i, (rows,), "bias")
             for n, t, rows in (("q", names.ATTN_Q, qd), ("k", names.ATTN_K, kvd), ("v", names.ATTN_V, kvd))
         }
+    if src.has(names.ATTN_OUT, i, "bias"):
+        biases["o_bias"] = src.attention(names.ATTN_OUT, i, (D,), "bias")
+    if src.has(names.ATTN_SINKS, i):  # gpt-oss: one logit per head
+        biases["sinks"] = src.attention(names.ATTN_SINKS, i, (c.n_head,)).float()
     norms = {}
     if src.has(names.ATTN_Q_NORM, i):  # Qwen3: per-head q/k RMS norms
         norms = {
@@ -200,13 +207,16 @@ def attention_block(src: TensorSource, i: int) -> dict:
         window = window if local else 0
         # upstream's rule: the 27B (62 layers) scales q.k by 1 / sqrt(width / heads), the others by 1 / sqrt(Dh)
         scale = 1 / math.sqrt(c.n_embd / c.n_head) if c.n_layer == 62 else 0.0
-    if src.has(names.ATTN_POST_NORM, i):  # Gemma 3's sandwich norms
+    if c.arch == "gpt-oss":  # even layers in the window, odd ones global (upstream's swa pattern 2)
+        window = window if i % 2 == 0 else 0
+    # Gemma 3's sandwich norms (gpt-oss's post_attention_norm is its FFN norm: gpt_oss.py reads it)
+    if src.has(names.ATTN_POST_NORM, i) and c.arch != "gpt-oss":
         norms["post_attn_norm"] = src.norm(names.ATTN_POST_NORM, i, rms=True)
         norms["post_ffn_norm"] = src.norm(names.FFN_POST_NORM, i, rms=True)
     spec = LayerSpec(
-        rope_neox=c.arch in NEOX_ROPE, attn_bias=bool(biases), sliding_window=window,
+        rope_neox=c.arch in NEOX_ROPE, attn_bias="q_bias" in biases, sliding_window=window,
         input_sparse=inputs is not None, qk_norm="q_norm" in norms, post_norms="post_attn_norm" in norms,
-        local_rope=local, attn_scale=scale,
+        local_rope=local, attn_scale=scale, sinks="sinks" in biases,
     )  # fmt: skip
     return dict(
         **biases,

@@ -171,6 +171,8 @@ class FFN:
         w = self.weights
         if norm is None or not self._c_tail_weights_ok(wo) or w.activation not in ffn_calls.C_ACTIVATIONS:
             return None
+        if w.kind not in ffn_calls.FFN_KINDS or w.gate_bias is not None:  # gpt-oss's experts: not in C yet
+            return None
         down, down_is_t = self._dense_down()
         structs = [hc_weight(m) for m in (w.up, w.gate, down)]
         d, f = wo.shape[0], w.n_ff

@@ -28,6 +28,17 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return F.gelu(x, approximate=approximate) if out is None else out
 
 
+SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT = 1.702, 7.0  # gpt-oss's, constants in llama.cpp (build_moe_ffn)
+
+
+def swiglu_oai(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's clamped SwiGLU, as ggml_swiglu_oai: g = min(gate, limit), u = clamp(up, -limit, limit),
+    g / (1 + exp(-alpha g)) * (u + 1) (transformers' GptOssExperts: (up + 1) * gate * sigmoid(alpha * gate))."""
+    g = gate.clamp(max=SWIGLU_OAI_LIMIT)
+    u = up.clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return g / (1 + torch.exp(-SWIGLU_OAI_ALPHA * g)) * (u + 1)
+
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": torch.relu,
     "silu": silu,
@@ -41,7 +52,8 @@ class FFNWeights:
     """How a family combines its projections (`kind`):
     gated       act(gate) * up            (llama, ProSparse, mistral)
     gated_both  act(gate) * act(up)       (bamboo, TurboSparse dReLU)
-    plain       act(up + b_up)            (falcon, opt)"""
+    plain       act(up + b_up)            (falcon, opt)
+    swiglu_oai  swiglu_oai(gate + b_gate, up + b_up)   (gpt-oss's experts; `activation` unused)"""
 
     up: Weight  # [F, D]
     gate: Weight | None  # [F, D]
@@ -54,6 +66,7 @@ class FFNWeights:
     # row i of up, gate and down_t (and up_bias[i]) is the file's neuron order[i] (TensorSource puts the
     # hottest neurons first); None: the file's order
     order: torch.Tensor | None = None
+    gate_bias: torch.Tensor | None = None  # [F]: gpt-oss's experts (kind swiglu_oai)
 
     def __post_init__(self):
         if self.kind not in FFN_KINDS:
@@ -77,6 +90,9 @@ class FFNWeights:
         return file_order
 
     def combine(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+        if self.kind == "swiglu_oai":  # torch's ops: no C kernel has it yet
+            up = up if self.up_bias is None else up + self.up_bias
+            return swiglu_oai(gate if self.gate_bias is None else gate + self.gate_bias, up)
         # CPU float32 tensors: one C call (relu: torch's bits; silu: the one CPU SiLU, see `silu`)
         fused = ffn_calls.ffn_combine(self.kind, self.activation, up, gate, self.up_bias)
         if fused is not None:

@@ -1,6 +1,7 @@
-"""Mixture-of-experts FFN (Mixtral, TurboSparse-Mixtral): a router picks each token's top-k experts, each an
-ordinary FFN (dense, sparse or hybrid, chosen by the loader), and their outputs are summed, weighted by the
-softmax over the selected router logits (= transformers' softmax, top-k, renormalise)."""
+"""Mixture-of-experts FFN (Mixtral, TurboSparse-Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's top-k
+experts, each an ordinary FFN (dense, sparse or hybrid, chosen by the loader), and their outputs are summed,
+weighted by the softmax over the selected router logits (= transformers' softmax, top-k, renormalise; gpt-oss's
+top-k then softmax is the same). gpt-oss's router has a bias, added to its logits."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ _WEIGHTS = ctypes.POINTER(HCWeight)
 
 
 class MoEFFN:
-    def __init__(self, router: Weight, experts: list[FFN], n_used: int, *, layer: int, norm: Norm):
+    def __init__(self, router: Weight, experts: list[FFN], n_used: int, *, layer: int, norm: Norm,
+                 router_bias: torch.Tensor | None = None):  # fmt: skip
         self.router = router  # [E, D]
+        self.router_bias = router_bias  # [E] float32 on the router's device, or None
         self.experts = experts  # FFNs called with apply(h, p, ctx) on their tokens
         self.n_used = n_used
         self.layer = layer
@@ -35,8 +38,11 @@ class MoEFFN:
         the CPU, for a few tokens, the router's product and the routing in the C kernels (any router type: the
         one-call decode's, so a token's experts never depend on its path)."""
         if h.device.type == "cpu" and cpu.backend() == "c" and h.shape[0] < cpu.GEMM_MIN_TOKENS:
-            return cpu.moe_route(cpu.matmul(self.router, h), self.n_used)
-        logits = linear(h, self.router)  # [T, E]
+            logits = cpu.matmul(self.router, h)
+            return cpu.moe_route(
+                logits if self.router_bias is None else logits + self.router_bias, self.n_used
+            )
+        logits = linear(h, self.router, self.router_bias)  # [T, E]
         top, ids = torch.topk(logits, self.n_used, dim=-1)
         return ids, torch.softmax(top, dim=-1)
 
@@ -57,6 +63,8 @@ class MoEFFN:
         has no C tail, the experts differ in kind, or the norm is not RMS."""
         router_data = self.router if isinstance(self.router, torch.Tensor) else self.router.data
         if not self.norm.rms or router_data.device.type != "cpu":  # route multiplies a CPU router in C
+            return None
+        if self.router_bias is not None:  # gpt-oss: not in the C decode layer yet
             return None
         tails = [e.c_tail(wo, dense=dense, norm=self.norm) for e in self.experts]  # the layer norms once
         if any(t is None for t in tails):

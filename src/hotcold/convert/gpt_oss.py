@@ -1,0 +1,149 @@
+"""gpt-oss checkpoints (GptOssForCausalLM) -> GGUF, as upstream llama.cpp's converter (GptOssModel) writes them
+from float weights: arch `gpt-oss`; q/k as stored (NeoX RoPE) with q/k/v/o biases and `attn_sinks.weight` [H]; the
+FFN norm as `post_attention_norm`; the router `ffn_gate_inp` with its bias; the experts' interleaved gate_up
+[E, D, 2F] split into `ffn_gate_exps` (even columns) and `ffn_up_exps` (odd), transposed to [E, F, D], their biases
+[E, F]; `ffn_down_exps` [E, D, F] with its bias [E, D]. Keys: the llama ones without rope.dimension_count, the
+head size always, YaRN's (type, factor, original context, betas), the sliding window and the experts'.
+
+Not yet: checkpoints whose experts are stored in MXFP4 (`*_blocks` / `*_scales`, as OpenAI publishes gpt-oss;
+upstream repacks them into ggml's MXFP4 blocks): refused, named. Convert their dequantized (bf16) form, or use
+upstream's converter (hotcold reads its MXFP4 files)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gguf import GGUFValueType as V
+
+from hotcold import names
+from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling_params, rope_theta
+
+MODEL_TYPES = ("gpt_oss",)
+
+
+def architecture(config: dict[str, Any]) -> str:
+    return "gpt-oss"
+
+
+def activation(config: dict[str, Any]) -> str:
+    """The experts' clamped SwiGLU is the architecture's (names.ffn_kind); the file declares nothing."""
+    alpha, limit = config.get("swiglu_alpha", 1.702), config.get("swiglu_limit", 7.0)
+    if (alpha, limit) != (1.702, 7.0):  # constants in llama.cpp and in hotcold
+        raise ConvertError(f"config.json swiglu_alpha {alpha} / swiglu_limit {limit}: only 1.702 / 7.0 run")
+    return "silu"
+
+
+def dims(config: dict[str, Any]) -> tuple[int, int, int]:
+    return config["num_hidden_layers"], config["hidden_size"], config["intermediate_size"]
+
+
+def _layer_types(config: dict[str, Any]) -> None:
+    """Upstream runs even layers in the window and odd ones globally: a checkpoint that says otherwise is refused."""
+    n = config["num_hidden_layers"]
+    expected = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
+    if config.get("layer_types") not in (None, expected):
+        raise ConvertError(
+            "config.json layer_types: only sliding windows on even layers and global attention on odd ones run"
+        )
+
+
+def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
+    _layer_types(config)
+    n_head = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // n_head
+    n_expert, n_used = config.get("num_local_experts"), config.get("num_experts_per_tok")
+    if not n_expert or not n_used or not 1 <= n_used <= n_expert:
+        raise ConvertError(
+            f"config.json num_local_experts {n_expert} / num_experts_per_tok {n_used}: need 1 <= per_tok <= experts"
+        )
+
+    def key(template: str) -> str:
+        return names.key(template, arch)
+
+    items = [
+        (key(names.CONTEXT_LENGTH), int(config.get("max_position_embeddings", 131072)), V.UINT32),
+        (key(names.EMBEDDING_LENGTH), config["hidden_size"], V.UINT32),
+        (key(names.BLOCK_COUNT), config["num_hidden_layers"], V.UINT32),
+        (key(names.FEED_FORWARD_LENGTH), config["intermediate_size"], V.UINT32),
+        (key(names.HEAD_COUNT), n_head, V.UINT32),
+        (key(names.HEAD_COUNT_KV), config.get("num_key_value_heads") or n_head, V.UINT32),
+    ]
+    kind, params = rope_scaling_params(config)
+    if kind == "yarn":
+        items += [
+            (key(names.ROPE_SCALING_TYPE), "yarn", V.STRING),
+            (key(names.ROPE_SCALING_FACTOR), float(params["factor"]), V.FLOAT32),
+            (key(names.ROPE_SCALING_ORIG_CTX_LEN), int(params["original_max_position_embeddings"]), V.UINT32),
+        ]
+        for template, name in ((names.ROPE_SCALING_YARN_BETA_FAST, "beta_fast"),
+                               (names.ROPE_SCALING_YARN_BETA_SLOW, "beta_slow")):  # fmt: skip
+            if params.get(name) is not None:
+                items.append((key(template), float(params[name]), V.FLOAT32))
+    elif kind not in (None, "default"):
+        raise ConvertError(f"config.json: gpt-oss with rope scaling {kind!r} (only yarn)")
+    theta = rope_theta(config)
+    if theta is not None:
+        items.append((key(names.ROPE_FREQ_BASE), theta, V.FLOAT32))
+    items += [
+        (key(names.LAYERNORM_RMS_EPS), float(config.get("rms_norm_eps", 1e-5)), V.FLOAT32),
+        (key(names.EXPERT_COUNT), int(n_expert), V.UINT32),
+        (key(names.EXPERT_USED_COUNT), int(n_used), V.UINT32),
+        (key(names.KEY_LENGTH), head_dim, V.UINT32),
+        (key(names.VALUE_LENGTH), head_dim, V.UINT32),
+        (key(names.SLIDING_WINDOW), int(config["sliding_window"]), V.UINT32),
+        (key(names.EXPERT_FEED_FORWARD_LENGTH), config["intermediate_size"], V.UINT32),
+    ]
+    return items
+
+
+def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) -> list[tuple[str, Any]]:
+    if sparse_layout:
+        raise ConvertError(
+            "gpt-oss: predictors need ReLU experts (gpt-oss's are a clamped SwiGLU); convert it dense"
+        )
+    if any(n.endswith(("_blocks", "_scales")) for n in ckpt.names()):
+        raise ConvertError(
+            f"{ckpt.dir}: experts stored in MXFP4 (*_blocks / *_scales) are not converted by hotcold yet; "
+            "convert the dequantized checkpoint, or use upstream's convert_hf_to_gguf.py (hotcold reads its files)"
+        )
+    plan: list[tuple[str, Any]] = [
+        (names.tensor(names.TOKEN_EMBD), lambda: ckpt.get("model.embed_tokens.weight"))
+    ]
+    for i in range(config["num_hidden_layers"]):
+        plan += _layer(ckpt, i)
+    plan.append((names.tensor(names.OUTPUT_NORM), lambda: ckpt.get("model.norm.weight")))
+    if "lm_head.weight" in ckpt and not config.get("tie_word_embeddings", False):
+        plan.append((names.tensor(names.OUTPUT), lambda: ckpt.get("lm_head.weight")))
+    return plan
+
+
+def _layer(ckpt: Checkpoint, i: int) -> list[tuple[str, Any]]:
+    hf = f"model.layers.{i}."
+    attn, experts = hf + "self_attn.", hf + "mlp.experts."
+
+    def get(name: str):
+        return lambda: ckpt.get(name)
+
+    def gate_up(parity: int, bias: bool):  # the interleaved columns: gate even, up odd
+        if bias:
+            return lambda: ckpt.get(experts + "gate_up_proj_bias")[..., parity::2]
+        return lambda: ckpt.get(experts + "gate_up_proj").transpose(-1, -2)[:, parity::2, :]
+
+    plan = [(names.tensor(names.ATTN_NORM, i), get(hf + "input_layernorm.weight"))]
+    for template, proj in ((names.ATTN_Q, "q_proj"), (names.ATTN_K, "k_proj"), (names.ATTN_V, "v_proj"),
+                           (names.ATTN_OUT, "o_proj")):  # fmt: skip
+        plan.append((names.tensor(template, i), get(f"{attn}{proj}.weight")))
+        if f"{attn}{proj}.bias" in ckpt:
+            plan.append((names.tensor(template, i, "bias"), get(f"{attn}{proj}.bias")))
+    return plan + [
+        (names.tensor(names.ATTN_SINKS, i), get(attn + "sinks")),
+        (names.tensor(names.ATTN_POST_NORM, i), get(hf + "post_attention_layernorm.weight")),
+        (names.tensor(names.FFN_ROUTER, i), get(hf + "mlp.router.weight")),
+        (names.tensor(names.FFN_ROUTER, i, "bias"), get(hf + "mlp.router.bias")),
+        (names.tensor(names.FFN_GATE_EXPS, i), gate_up(0, False)),
+        (names.tensor(names.FFN_GATE_EXPS, i, "bias"), gate_up(0, True)),
+        (names.tensor(names.FFN_UP_EXPS, i), gate_up(1, False)),
+        (names.tensor(names.FFN_UP_EXPS, i, "bias"), gate_up(1, True)),
+        (names.tensor(names.FFN_DOWN_EXPS, i), lambda: ckpt.get(experts + "down_proj").transpose(-1, -2)),
+        (names.tensor(names.FFN_DOWN_EXPS, i, "bias"), get(experts + "down_proj_bias")),
+    ]

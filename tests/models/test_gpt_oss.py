@@ -1,0 +1,230 @@
+"""gpt-oss against Hugging Face transformers' GptOssForCausalLM: a tiny random model (attention sinks, a sliding
+window of 8 on even layers, YaRN RoPE, q/k/v/o biases, a router with a bias, clamped-SwiGLU experts with biases,
+interleaved gate/up in the checkpoint), converted by `hotcold convert` as upstream llama.cpp's converter writes arch
+`gpt-oss`, and by upstream's converter itself (skips without the llama.cpp source); its experts also in MXFP4 (ggml
+type 39), as upstream's converter writes OpenAI's checkpoints.
+
+transformers' gpt-oss config says YaRN `truncate: false`; llama.cpp always floors / ceils YaRN's correction dims
+(transformers' truncate: true), so the reference model here is built with truncate true: the math hotcold and
+llama.cpp run. (On the published checkpoints the two differ slightly in a few RoPE pairs.)"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+import hotcold
+from hotcold.convert import convert
+from hotcold.convert.checkpoint import ConvertError
+from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+from tests.fixtures import (
+    TOKENIZER_VOCAB,
+    hf_logits,
+    random_ids,
+    run_family_checks,
+    save_checkpoint,
+    scale_matrices,
+)
+from tests.models.test_upstream_files import CONVERTER, upstream_convert
+from tests.models.test_upstream_qwen import VOCAB, qwen_tokenizer  # noqa: F401 (a fixture: Qwen's BPE tokenizer)
+
+N_EXPERT, WINDOW = 4, 8
+
+
+def make_gpt_oss(hf_dir: Path, tokenizer, *, seed: int = 0, mxfp4_values: bool = False, **overrides):
+    """tokenizer: the test SPM model (a Path to its file), or a folder of tokenizer files to copy (upstream's
+    converter reads a BPE tokenizer.json). mxfp4_values: expert matrices rounded to MXFP4 values (exact in MXFP4)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    settings = dict(
+        vocab_size=TOKENIZER_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, num_local_experts=N_EXPERT, num_experts_per_tok=2, sliding_window=WINDOW,
+        max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2,
+        rope_parameters=dict(rope_type="yarn", rope_theta=150000.0, factor=32.0, beta_fast=32.0, beta_slow=1.0,
+                             truncate=True, original_max_position_embeddings=64),
+    )  # fmt: skip
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    hf = GptOssForCausalLM(GptOssConfig(**settings)).eval()
+    scale_matrices(hf)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("bias", "sinks")):  # biases and sinks that matter, not drowning the embeddings
+                p.copy_(torch.randn_like(p) * (0.02 if "self_attn" in name and "bias" in name else 0.5))
+            if name.endswith("mlp.router.weight"):  # a router that spreads tokens over every expert
+                p.copy_(torch.randn_like(p))
+            if "experts" in name and not name.endswith("bias"):
+                p.mul_(16.0)  # gate / up past the clamp's limit (7) for some tokens
+                if mxfp4_values:
+                    p.copy_(mxfp4_round(p.transpose(-1, -2)).transpose(-1, -2))
+    if isinstance(tokenizer, Path) and tokenizer.is_file():
+        save_checkpoint(hf, hf_dir, tokenizer)
+    else:
+        hf.save_pretrained(hf_dir, safe_serialization=True)
+        for f in Path(tokenizer).iterdir():
+            shutil.copy(f, hf_dir / f.name)
+    return hf
+
+
+def mxfp4_round(x: torch.Tensor) -> torch.Tensor:
+    """x [..., cols] rounded to MXFP4 values along its rows (blocks of 32 columns), as gguf-py quantizes them."""
+    q = gguf.quants.quantize(x.detach().float().numpy(), gguf.GGMLQuantizationType.MXFP4)
+    return torch.from_numpy(gguf.quants.dequantize(q, gguf.GGMLQuantizationType.MXFP4)).reshape(x.shape)
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory, spm_model_file):
+    folder = tmp_path_factory.mktemp("gpt_oss")
+    hf = make_gpt_oss(folder / "hf", spm_model_file)
+    return hf, convert(folder / "hf", None, folder / "model.gguf", outtype="f32")
+
+
+def test_file_layout_follows_upstream(converted):
+    hf, path = converted
+    mf = ModelFile(path)
+    meta = mf.metadata
+    assert mf.architecture == "gpt-oss"
+    assert meta["gpt-oss.expert_count"] == N_EXPERT and meta["gpt-oss.expert_feed_forward_length"] == 96
+    assert meta["gpt-oss.attention.sliding_window"] == WINDOW and meta["gpt-oss.attention.key_length"] == 32
+    assert (
+        meta["gpt-oss.rope.scaling.type"] == "yarn"
+        and meta["gpt-oss.rope.scaling.original_context_length"] == 64
+    )
+    assert "gpt-oss.rope.dimension_count" not in meta  # as upstream: the head size rotates whole
+    assert tuple(mf.tensors["blk.0.ffn_gate_exps.weight"].shape) == (N_EXPERT, 96, 64)
+    assert tuple(mf.tensors["blk.0.ffn_down_exps.weight"].shape) == (N_EXPERT, 64, 96)
+    assert tuple(mf.tensors["blk.0.ffn_up_exps.bias"].shape) == (N_EXPERT, 96)
+    assert tuple(mf.tensors["blk.0.attn_sinks.weight"].shape) == (4,)
+    assert {"blk.1.post_attention_norm.weight", "blk.1.attn_output.bias", "blk.1.ffn_gate_inp.bias"} <= set(
+        mf.tensors
+    )
+    experts = hf.model.layers[1].mlp.experts  # gate_up [E, D, 2F]: gate the even columns, up the odd
+    assert torch.equal(
+        mf.tensor("blk.1.ffn_gate_exps.weight")[2], experts.gate_up_proj[2][:, 0::2].T.detach()
+    )
+    assert torch.equal(mf.tensor("blk.1.ffn_up_exps.weight")[2], experts.gate_up_proj[2][:, 1::2].T.detach())
+    assert torch.equal(mf.tensor("blk.1.ffn_up_exps.bias")[2], experts.gate_up_proj_bias[2][1::2].detach())
+
+
+def test_logits_match_transformers(converted):
+    """40 tokens: past the window of 8 (layer 0 attends in it, layer 1 globally), sinks nonzero, every expert routed,
+    logits within 1e-4 of the logit scale; the load notes say why decode is eager."""
+    hf, path = converted
+    llm = hotcold.load(path, device="cpu")
+    model = llm.loaded.model
+    assert [layer.spec.sliding_window for layer in model.layers] == [WINDOW, 0]
+    assert all(layer.spec.sinks and layer.sinks.abs().min() > 0 for layer in model.layers)
+    assert llm.decoder == "eager" and any("attention sinks" in n for n in llm.loaded.notes), llm.loaded.notes
+    ids = random_ids(40)
+    ours, ref = llm.logits(ids), hf_logits(hf, ids)
+    scale = ref.abs().max()
+    assert scale > 1.0, "test model too tame to be a meaningful comparison"
+    assert (ours - ref).abs().max() <= 1e-4 * scale, float((ours - ref).abs().max() / scale)
+    for i in range(len(hf.model.layers)):  # every expert gets tokens: the test exercises them all
+        assert len(torch.unique(llm.engine.seq.routing[i])) == N_EXPERT
+
+
+def test_window_sinks_and_clamp_each_matter(converted):
+    """The reference exercises what it claims: without the window, the sinks or the clamp the logits move."""
+    from hotcold.sparse import ffn_weights
+
+    hf, path = converted
+    ids = random_ids(40)
+    ref = hotcold.load(path, device="cpu").logits(ids)
+    scale = ref.abs().max()
+    llm = hotcold.load(path, device="cpu")
+    layer0 = llm.loaded.model.layers[0]
+    object.__setattr__(layer0, "spec", type(layer0.spec)(**{**layer0.spec.__dict__, "sliding_window": 0}))
+    assert (llm.logits(ids) - ref).abs().max() > 1e-2 * scale
+    llm = hotcold.load(path, device="cpu")
+    for layer in llm.loaded.model.layers:
+        object.__setattr__(layer, "sinks", torch.full_like(layer.sinks, -1e4))
+    assert (llm.logits(ids) - ref).abs().max() > 1e-2 * scale
+    limit = ffn_weights.SWIGLU_OAI_LIMIT
+    try:
+        ffn_weights.SWIGLU_OAI_LIMIT = 1e9
+        assert (hotcold.load(path, device="cpu").logits(ids) - ref).abs().max() > 1e-3 * scale
+    finally:
+        ffn_weights.SWIGLU_OAI_LIMIT = limit
+
+
+def test_family_runner(converted):
+    """Cached decode == full forward (past the window), split generation == one go, batch == alone; every
+    decoder eager (sinks and the clamped SwiGLU are in no fast decoder yet)."""
+    hf, path = converted
+    run_family_checks(path, hf, greedy=False, decoder="eager")
+
+
+def test_mxfp4_experts_match_transformers(tmp_path, spm_model_file):
+    """The experts in MXFP4 (ggml type 39) as upstream's converter writes OpenAI's checkpoints: the reference's
+    expert weights are MXFP4 values, so the file holds them exactly and hotcold (which expands them to BF16 at
+    load) matches transformers within 1e-4."""
+    hf = make_gpt_oss(tmp_path / "hf", spm_model_file, seed=3, mxfp4_values=True)
+    f32 = ModelFile(convert(tmp_path / "hf", None, tmp_path / "f32.gguf", outtype="f32"))
+    mx = gguf.GGMLQuantizationType.MXFP4
+    specs = []
+    for name, entry in f32.tensors.items():
+        values = f32.tensor(name).float().numpy()
+        if name.endswith("_exps.weight"):
+            raw = gguf.quants.quantize(values, mx)
+            assert np.array_equal(gguf.quants.dequantize(raw, mx).reshape(values.shape), values)
+            specs.append(TensorSpec(name, tuple(entry.shape), mx, lambda raw=raw: raw))
+        else:
+            specs.append(TensorSpec(name, tuple(entry.shape), entry.qtype, lambda v=values: v))
+    path = write_model_file(tmp_path / "mxfp4.gguf", "gpt-oss", metadata_items(f32), specs)
+    assert ModelFile(path).tensors["blk.0.ffn_down_exps.weight"].qtype == mx
+    llm = hotcold.load(path, device="cpu")
+    ids = random_ids(40, seed=4)
+    ours, ref = llm.logits(ids), hf_logits(hf, ids)
+    assert ref.abs().max() > 1.0
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"layer_types": ["full_attention", "sliding_attention"]}, "layer_types"),
+        ({"num_experts_per_tok": 9}, "need 1 <= per_tok <= experts"),
+        ({"swiglu_limit": 5.0}, "swiglu_limit"),
+    ],
+)
+def test_unsupported_checkpoints_are_refused_by_name(converted, tmp_path, change, message):
+    _, path = converted
+    shutil.copytree(Path(path).parent / "hf", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, **change}))
+    with pytest.raises(ConvertError, match=message):
+        convert(tmp_path / "hf", None, tmp_path / "m.gguf", outtype="f32")
+
+
+@pytest.mark.skipif(
+    not CONVERTER.is_file() or not VOCAB.is_file(),
+    reason=f"no llama.cpp source with {VOCAB.name} at {CONVERTER.parent} (HOTCOLD_LLAMA_CPP)",
+)
+def test_upstream_converter_file(tmp_path, qwen_tokenizer):  # noqa: F811
+    """The same kind of checkpoint (with Qwen's BPE vocabulary, which upstream's converter recognises) converted by
+    upstream's convert_hf_to_gguf.py: hotcold reads that file and matches transformers' logits, and `hotcold
+    convert` writes the same tensors (bit for bit) and the same gpt-oss.* and tokenizer keys."""
+    hf = make_gpt_oss(tmp_path / "hf", qwen_tokenizer, seed=5, vocab_size=151936, bos_token_id=151643,
+                      eos_token_id=151643)  # fmt: skip
+    theirs = ModelFile(upstream_convert(tmp_path / "hf", tmp_path / "upstream.gguf"))
+    assert theirs.architecture == "gpt-oss"
+    llm = hotcold.load(theirs.path, device="cpu")
+    ids = random_ids(40, seed=6)
+    ours, ref = llm.logits(ids), hf_logits(hf, ids)
+    assert ref.abs().max() > 1.0
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+    mine = ModelFile(convert(tmp_path / "hf", None, tmp_path / "ours.gguf", outtype="f32"))
+    assert sorted(mine.tensors) == sorted(theirs.tensors)
+    for name in mine.tensors:
+        a, b = mine.tensor(name).float(), theirs.tensor(name).float()
+        assert a.shape == b.shape and bool((a == b).all()), name
+    keys = {k for k in theirs.metadata if k.startswith(("gpt-oss.", "tokenizer.ggml."))}
+    assert {k: mine.metadata.get(k) for k in sorted(keys)} == {k: theirs.metadata[k] for k in sorted(keys)}
