@@ -55,7 +55,7 @@ from hotcold.convert.sparsify_inputs import (
     transpose_type,
     transposed,
 )
-from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf_io import ModelFile, TensorEntry, TensorSpec, metadata_items, write_model_file
 from hotcold.kernels import cpu
 from hotcold.ops import linear
 from hotcold.sparse.thresholded import METHODS
@@ -100,14 +100,53 @@ def check_swiglu(mf: ModelFile, config: ModelConfig) -> None:
     if config.n_expert:
         raise ValueError(f"{path}: mixture-of-experts files are not supported by sparsify")
     if names.tensor(names.FFN_GATE, 0) not in mf.tensors:
-        raise ValueError(
-            f"{path}: sparsify reads ffn_gate, which this {config.arch} file fuses into ffn_up (not supported yet)"
-        )
+        raise ValueError(f"{path}: sparsify reads ffn_gate, and this {config.arch} file has none")
     if config.ffn_kind != "gated" or config.ffn_activation != "silu":
         raise ValueError(
             f"{path}: sparsify needs a SwiGLU model (silu(gate) * up); this {config.arch} file's FFN is "
             f"{config.ffn_kind} with {config.ffn_activation}"
         )
+
+
+def unfuse(mf: ModelFile, config: ModelConfig) -> None:
+    """Phi-3's fused tensors as the separate ones sparsify reads and writes: `ffn_up` [gate; up] (2F x D) as
+    `ffn_gate` and `ffn_up` [F, D], `attn_qkv` as `attn_q`, `attn_k`, `attn_v`. Zero-copy row views of the file
+    (rows are whole in every type), put in the fused tensor's place in `mf.tensors`: the output holds the
+    separate tensors, which hotcold loads as any llama-layout layer (upstream's phi3 reads the fused ones only;
+    it does not read sparsify's output anyway)."""
+    D, F = config.n_embd, config.n_ff
+    qd, kvd = config.n_head * config.head_dim, config.n_head_kv * config.head_dim
+    splits = {names.FFN_UP: [(names.FFN_GATE, F), (names.FFN_UP, F)]}
+    splits[names.ATTN_QKV] = [(names.ATTN_Q, qd), (names.ATTN_K, kvd), (names.ATTN_V, kvd)]
+    out: dict[str, TensorEntry] = {}
+    for name, entry in mf.tensors.items():
+        parts = next((p for t, p in splits.items() if _is_layer_tensor(name, t)), None)
+        if parts is None or (
+            parts[0][0] == names.FFN_GATE and names.tensor(names.FFN_GATE, _layer(name)) in mf.tensors
+        ):
+            out[name] = entry
+            continue
+        rows = sum(n for _, n in parts)
+        if entry.shape != (rows, D):
+            raise ValueError(
+                f"{mf.path}: tensor {name} has shape {entry.shape}, expected {(rows, D)} (fused)"
+            )
+        data, start = entry.data.reshape(rows, -1), 0
+        for template, n in parts:
+            part = names.tensor(template, _layer(name))
+            out[part] = TensorEntry(
+                part, (n, D), entry.qtype, data[start : start + n], entry.n_bytes * n // rows
+            )
+            start += n
+    mf.tensors = out
+
+
+def _is_layer_tensor(name: str, template: str) -> bool:
+    return name.startswith("blk.") and name == names.tensor(template, _layer(name))
+
+
+def _layer(name: str) -> int:
+    return int(name.split(".")[1])
 
 
 def config_key(mf: ModelFile, key: str):
@@ -335,9 +374,13 @@ def sparsify_file(
     check_output(dst, [src, corpus], what="sparsify: output")
     mf = ModelFile(src)
     require(mf.architecture, str(src))
+    unfuse(mf, config_from_file(mf))
     check_swiglu(mf, config_from_file(mf))
     text = read_corpus(corpus)
     llm = hotcold.load(src, dense=True, threads=threads, ctx_size=ctx, device="cpu")
+    unfuse(
+        llm.loaded.file, llm.config
+    )  # the calibration reads the file's matrices too (built model unchanged)
     ids = corpus_tokens(llm.tokenizer, text, max_tokens=max_tokens, spread=True, source=str(corpus))
     c = config_from_file(mf)
     if probe == "auto":
