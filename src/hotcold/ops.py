@@ -403,7 +403,10 @@ def attention(
 
 def _attention_with_sinks(q, keys, values, mask, sinks: torch.Tensor) -> torch.Tensor:
     """softmax([q.k / sqrt(Dh), sink]) without the sink's column, @ v: q [1, H, T, Dh], keys / values
-    [1, Hkv, S, Dh], mask [T, S] bool or None -> [1, H, T, Dh]."""
+    [1, Hkv, S, Dh], mask [T, S] bool or None -> [1, H, T, Dh] in q's dtype, computed in float32 (a GPU's fp16
+    cache too: torch ops, no fused kernel with sinks yet)."""
+    dtype = q.dtype
+    q, keys, values = q.float(), keys.float(), values.float()
     h, hkv = q.shape[1], keys.shape[1]
     if h != hkv:  # each group of H / Hkv query heads reads one KV head
         keys, values = keys.repeat_interleave(h // hkv, dim=1), values.repeat_interleave(h // hkv, dim=1)
@@ -412,4 +415,4 @@ def _attention_with_sinks(q, keys, values, mask, sinks: torch.Tensor) -> torch.T
         scores = scores.masked_fill(~mask, float("-inf"))
     sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(1, h, scores.shape[2], 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return probs @ values
+    return (probs @ values).to(dtype)

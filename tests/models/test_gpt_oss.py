@@ -31,15 +31,17 @@ from tests.fixtures import (
     save_checkpoint,
     scale_matrices,
 )
-from tests.models.test_upstream_files import CONVERTER, upstream_convert
+from tests.models.test_upstream_files import BIN, CONVERTER, upstream_convert
 from tests.models.test_upstream_qwen import VOCAB, qwen_tokenizer  # noqa: F401 (a fixture: Qwen's BPE tokenizer)
 
 N_EXPERT, WINDOW = 4, 8
 
 
-def make_gpt_oss(hf_dir: Path, tokenizer, *, seed: int = 0, mxfp4_values: bool = False, **overrides):
+def make_gpt_oss(hf_dir: Path, tokenizer, *, seed: int = 0, mxfp4_values: bool = False, head_scale: float = 1.0,
+                 **overrides):  # fmt: skip
     """tokenizer: the test SPM model (a Path to its file), or a folder of tokenizer files to copy (upstream's
-    converter reads a BPE tokenizer.json). mxfp4_values: expert matrices rounded to MXFP4 values (exact in MXFP4)."""
+    converter reads a BPE tokenizer.json). mxfp4_values: expert matrices rounded to MXFP4 values (exact in MXFP4).
+    head_scale: the output head times it (logits far from uniform over a large vocabulary)."""
     from transformers import GptOssConfig, GptOssForCausalLM
 
     settings = dict(
@@ -63,6 +65,7 @@ def make_gpt_oss(hf_dir: Path, tokenizer, *, seed: int = 0, mxfp4_values: bool =
                 p.mul_(16.0)  # gate / up past the clamp's limit (7) for some tokens
                 if mxfp4_values:
                     p.copy_(mxfp4_round(p.transpose(-1, -2)).transpose(-1, -2))
+        hf.lm_head.weight.mul_(head_scale)
     if isinstance(tokenizer, Path) and tokenizer.is_file():
         save_checkpoint(hf, hf_dir, tokenizer)
     else:
@@ -161,6 +164,55 @@ def test_family_runner(converted):
     run_family_checks(path, hf, greedy=False, decoder="eager")
 
 
+def to_openai_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [E, R, C] of MXFP4 values (along C) in OpenAI's checkpoint form, written out here from ggml's blocks:
+    blocks [E, R, C / 32, 16] uint8 (byte k: elements 2k low, 2k + 1 high), scales [E, R, C / 32] uint8 (E8M0)."""
+    raw = gguf.quants.quantize(w.detach().float().numpy(), gguf.GGMLQuantizationType.MXFP4)
+    raw = raw.reshape(*w.shape[:2], -1, 17)
+    qs = raw[..., 1:]
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)  # ggml: byte j holds elements j and j + 16
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return torch.from_numpy(np.ascontiguousarray(blocks)), torch.from_numpy(np.ascontiguousarray(raw[..., 0]))
+
+
+def openai_checkpoint(hf, hf_dir: Path) -> None:
+    """Rewrite a saved checkpoint (experts of MXFP4 values) as OpenAI publishes gpt-oss: experts.*_proj_blocks /
+    _scales and a quantization_config; transformers' own MXFP4 decoder gives the float experts back."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    state = load_file(hf_dir / "model.safetensors")
+    for i in range(len(hf.model.layers)):
+        stem = f"model.layers.{i}.mlp.experts."
+        for proj in ("gate_up_proj", "down_proj"):
+            w = state.pop(stem + proj)  # transformers' [E, in, out]; OpenAI's rows are the outputs
+            blocks, scales = to_openai_mxfp4(w.transpose(1, 2))
+            assert torch.equal(convert_moe_packed_tensors(blocks, scales, dtype=torch.float32), w)
+            state[stem + proj + "_blocks"], state[stem + proj + "_scales"] = blocks, scales
+    save_file(state, hf_dir / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn",
+                                     "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (hf_dir / "config.json").write_text(json.dumps(config))
+
+
+def test_openai_mxfp4_checkpoint_converts_to_mxfp4(tmp_path, spm_model_file):
+    """`hotcold convert` of a checkpoint as OpenAI publishes it: the experts stay MXFP4 (ggml type 39) whatever
+    --outtype says, their values those of the float model's experts, and the logits match transformers'."""
+    hf = make_gpt_oss(tmp_path / "hf", spm_model_file, seed=7, mxfp4_values=True)
+    float_file = ModelFile(convert(tmp_path / "hf", None, tmp_path / "float.gguf", outtype="f32"))
+    openai_checkpoint(hf, tmp_path / "hf")
+    mf = ModelFile(convert(tmp_path / "hf", None, tmp_path / "mxfp4.gguf", outtype="f32"))
+    for name in ("blk.0.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight", "blk.1.ffn_down_exps.weight"):
+        assert mf.tensors[name].qtype == gguf.GGMLQuantizationType.MXFP4
+        assert torch.equal(mf.tensor(name).float(), float_file.tensor(name))  # expanded to BF16 when read
+    assert sorted(mf.tensors) == sorted(float_file.tensors)
+    ids = random_ids(40, seed=8)
+    ours, ref = hotcold.load(mf.path, device="cpu").logits(ids), hf_logits(hf, ids)
+    assert ref.abs().max() > 1.0
+    assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
+
+
 def test_mxfp4_experts_match_transformers(tmp_path, spm_model_file):
     """The experts in MXFP4 (ggml type 39) as upstream's converter writes OpenAI's checkpoints: the reference's
     expert weights are MXFP4 values, so the file holds them exactly and hotcold (which expands them to BF16 at
@@ -207,12 +259,16 @@ def test_unsupported_checkpoints_are_refused_by_name(converted, tmp_path, change
     not CONVERTER.is_file() or not VOCAB.is_file(),
     reason=f"no llama.cpp source with {VOCAB.name} at {CONVERTER.parent} (HOTCOLD_LLAMA_CPP)",
 )
-def test_upstream_converter_file(tmp_path, qwen_tokenizer):  # noqa: F811
-    """The same kind of checkpoint (with Qwen's BPE vocabulary, which upstream's converter recognises) converted by
-    upstream's convert_hf_to_gguf.py: hotcold reads that file and matches transformers' logits, and `hotcold
-    convert` writes the same tensors (bit for bit) and the same gpt-oss.* and tokenizer keys."""
+@pytest.mark.parametrize("openai_mxfp4", [False, True])
+def test_upstream_converter_file(tmp_path, qwen_tokenizer, openai_mxfp4):  # noqa: F811
+    """The same kind of checkpoint (with Qwen's BPE vocabulary, which upstream's converter recognises), float or with
+    its experts in OpenAI's MXFP4, converted by upstream's convert_hf_to_gguf.py: hotcold reads that file and matches
+    transformers' logits, and `hotcold convert` writes the same tensors (bit for bit: the MXFP4 blocks byte for
+    byte) and the same gpt-oss.* and tokenizer keys."""
     hf = make_gpt_oss(tmp_path / "hf", qwen_tokenizer, seed=5, vocab_size=151936, bos_token_id=151643,
-                      eos_token_id=151643)  # fmt: skip
+                      eos_token_id=151643, mxfp4_values=openai_mxfp4)  # fmt: skip
+    if openai_mxfp4:
+        openai_checkpoint(hf, tmp_path / "hf")
     theirs = ModelFile(upstream_convert(tmp_path / "hf", tmp_path / "upstream.gguf"))
     assert theirs.architecture == "gpt-oss"
     llm = hotcold.load(theirs.path, device="cpu")
@@ -226,5 +282,57 @@ def test_upstream_converter_file(tmp_path, qwen_tokenizer):  # noqa: F811
     for name in mine.tensors:
         a, b = mine.tensor(name).float(), theirs.tensor(name).float()
         assert a.shape == b.shape and bool((a == b).all()), name
+        assert mine.tensors[name].qtype == theirs.tensors[name].qtype, name
+        if openai_mxfp4 and name.endswith("_exps.weight"):
+            assert mine.tensors[name].qtype == gguf.GGMLQuantizationType.MXFP4
+            assert np.array_equal(mine.tensors[name].data, theirs.tensors[name].data), name
     keys = {k for k in theirs.metadata if k.startswith(("gpt-oss.", "tokenizer.ggml."))}
     assert {k: mine.metadata.get(k) for k in sorted(keys)} == {k: theirs.metadata[k] for k in sorted(keys)}
+
+
+@pytest.mark.skipif(
+    not CONVERTER.is_file() or not VOCAB.is_file() or not (BIN / "llama-quantize").is_file()
+    or not (BIN / "llama-perplexity").is_file(),
+    reason=f"no llama.cpp source and build (llama-quantize, llama-perplexity) at {CONVERTER.parent}",
+)  # fmt: skip
+def test_llama_quantize_mxfp4_moe_perplexity_matches_llama_perplexity(tmp_path, qwen_tokenizer):  # noqa: F811
+    """Upstream's converter, then `llama-quantize ... MXFP4_MOE` (experts MXFP4 by ggml's own quantizer, attention
+    and output Q8_0): hotcold's perplexity on that file within 0.5% of `llama-perplexity`'s, context 128 (past
+    the window of 8), 4 chunks."""
+    import re
+    import subprocess
+    import sys
+
+    from tests.fixtures import training_text
+
+    make_gpt_oss(tmp_path / "hf", qwen_tokenizer, seed=9, vocab_size=151936, bos_token_id=151643,
+                 eos_token_id=151643, head_scale=5.0)  # fmt: skip
+    f32 = upstream_convert(tmp_path / "hf", tmp_path / "f32.gguf")
+    mxfp4 = tmp_path / "mxfp4.gguf"
+    res = subprocess.run([str(BIN / "llama-quantize"), str(f32), str(mxfp4), "MXFP4_MOE"], capture_output=True,
+                         text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    types = {e.qtype.name for e in ModelFile(mxfp4).tensors.values()}
+    assert {"MXFP4", "Q8_0"} <= types, types
+    text = tmp_path / "text.txt"
+    text.write_text(training_text())
+    ctx, chunks = 128, 4
+    res = subprocess.run(
+        [str(BIN / "llama-perplexity"), "-m", str(mxfp4), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks),
+         "-t", "2", "-b", str(ctx)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    found = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
+    assert found, (res.stdout + res.stderr)[-2000:]
+    ours = subprocess.run(
+        [sys.executable, "-m", "hotcold", "perplexity", "-m", str(mxfp4), "-f", str(text), "-c", str(ctx),
+         "--max-tokens", str(ctx * chunks), "-t", "2", "--json"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    result = json.loads(ours.stdout)
+    assert result["chunks"] == chunks
+    theirs = float(found[1])
+    print(f"gpt-oss MXFP4_MOE: hotcold {result['perplexity']:.4f}, llama-perplexity {theirs:.4f}")
+    assert abs(result["perplexity"] / theirs - 1) <= 0.005, (result["perplexity"], theirs)

@@ -13,7 +13,7 @@ from tqdm import tqdm
 
 from hotcold import names
 from hotcold.atomic import check_output
-from hotcold.convert.checkpoint import Checkpoint, ConvertError, read_config, read_predictors
+from hotcold.convert.checkpoint import Checkpoint, ConvertError, Encoded, read_config, read_predictors
 from hotcold.gguf_io import TensorSpec, write_model_file
 
 OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
@@ -113,7 +113,11 @@ def convert(
 
     specs = []
     for name, load in plan:
-        shape = tuple(_shape_of(ckpt, name, load))
+        probe = load()
+        if isinstance(probe, Encoded):  # already in its GGUF bytes (gpt-oss's MXFP4 experts)
+            specs.append(TensorSpec(name, probe.shape, probe.qtype, probe.produce))
+            continue
+        shape = tuple(probe.shape)  # cheap: safetensors are mapped, predictors in memory
         qtype = tensor_type(name, shape, outtype)
         specs.append(TensorSpec(name, shape, qtype, lambda load=load, qtype=qtype: encode(load(), qtype)))
 
@@ -163,8 +167,3 @@ def input_files(hf_dir: Path, predictor_dir: str | Path | None) -> list[Path]:
         if folder.is_dir():
             files += [p for p in folder.iterdir() if p.is_file() and p.suffix not in (".gguf", ".gpuidx")]
     return files
-
-
-def _shape_of(ckpt: Checkpoint, name: str, load) -> tuple[int, ...]:
-    # loading a tensor to learn its shape is cheap for safetensors (mmap'd) and predictors (in memory)
-    return tuple(load().shape)

@@ -6,11 +6,13 @@ import json
 import math
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType
 
 
 class ConvertError(ValueError):
@@ -82,6 +84,17 @@ def llama3_rope_factors(config: dict[str, Any], head_dim: int) -> torch.Tensor |
     blended = 1 / ((1 - smooth) / factor + smooth)
     one, full = torch.ones_like(freqs), torch.full_like(freqs, factor)
     return torch.where(wavelen < old_ctx / high, one, torch.where(wavelen > old_ctx / low, full, blended))
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A tensor a converter hands over in its GGUF bytes (a `load` of a family's plan may return one): written as
+    it is, whatever --outtype says (gpt-oss's MXFP4 experts, repacked from the checkpoint's blocks). The bytes are
+    made when the writer gets to the tensor, once."""
+
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # in values, numpy order
+    produce: Callable[[], np.ndarray]  # -> uint8, the tensor's bytes
 
 
 class Checkpoint:

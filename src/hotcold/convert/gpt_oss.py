@@ -5,18 +5,22 @@ FFN norm as `post_attention_norm`; the router `ffn_gate_inp` with its bias; the 
 [E, F]; `ffn_down_exps` [E, D, F] with its bias [E, D]. Keys: the llama ones without rope.dimension_count, the
 head size always, YaRN's (type, factor, original context, betas), the sliding window and the experts'.
 
-Not yet: checkpoints whose experts are stored in MXFP4 (`*_blocks` / `*_scales`, as OpenAI publishes gpt-oss;
-upstream repacks them into ggml's MXFP4 blocks): refused, named. Convert their dequantized (bf16) form, or use
-upstream's converter (hotcold reads its MXFP4 files)."""
+Checkpoints as OpenAI publishes gpt-oss, the experts in MXFP4 (`mlp.experts.{gate_up,down}_proj_blocks` [E, rows,
+cols / 32, 16] and `_scales` [E, rows, cols / 32]), keep them in MXFP4 (ggml type 39) whatever --outtype says, as
+upstream's converter does: each block's E8M0 scale byte, then its 32 E2M1 codes re-paired from adjacent elements
+(OpenAI's bytes) to elements j and j + 16 (ggml's), the gate_up rows split even / odd."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType
 from gguf import GGUFValueType as V
 
 from hotcold import names
-from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling_params, rope_theta
+from hotcold.convert.checkpoint import Checkpoint, ConvertError, Encoded, rope_scaling_params, rope_theta
 
 MODEL_TYPES = ("gpt_oss",)
 
@@ -101,11 +105,6 @@ def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) ->
         raise ConvertError(
             "gpt-oss: predictors need ReLU experts (gpt-oss's are a clamped SwiGLU); convert it dense"
         )
-    if any(n.endswith(("_blocks", "_scales")) for n in ckpt.names()):
-        raise ConvertError(
-            f"{ckpt.dir}: experts stored in MXFP4 (*_blocks / *_scales) are not converted by hotcold yet; "
-            "convert the dequantized checkpoint, or use upstream's convert_hf_to_gguf.py (hotcold reads its files)"
-        )
     plan: list[tuple[str, Any]] = [
         (names.tensor(names.TOKEN_EMBD), lambda: ckpt.get("model.embed_tokens.weight"))
     ]
@@ -124,10 +123,19 @@ def _layer(ckpt: Checkpoint, i: int) -> list[tuple[str, Any]]:
     def get(name: str):
         return lambda: ckpt.get(name)
 
+    mxfp4 = experts + "gate_up_proj_blocks" in ckpt
+
     def gate_up(parity: int, bias: bool):  # the interleaved columns: gate even, up odd
         if bias:
             return lambda: ckpt.get(experts + "gate_up_proj_bias")[..., parity::2]
+        if mxfp4:
+            return lambda: mxfp4_tensor(ckpt, experts + "gate_up_proj", rows=slice(parity, None, 2))
         return lambda: ckpt.get(experts + "gate_up_proj").transpose(-1, -2)[:, parity::2, :]
+
+    def down():
+        if mxfp4:
+            return mxfp4_tensor(ckpt, experts + "down_proj")
+        return ckpt.get(experts + "down_proj").transpose(-1, -2)
 
     plan = [(names.tensor(names.ATTN_NORM, i), get(hf + "input_layernorm.weight"))]
     for template, proj in ((names.ATTN_Q, "q_proj"), (names.ATTN_K, "k_proj"), (names.ATTN_V, "v_proj"),
@@ -144,6 +152,33 @@ def _layer(ckpt: Checkpoint, i: int) -> list[tuple[str, Any]]:
         (names.tensor(names.FFN_GATE_EXPS, i, "bias"), gate_up(0, True)),
         (names.tensor(names.FFN_UP_EXPS, i), gate_up(1, False)),
         (names.tensor(names.FFN_UP_EXPS, i, "bias"), gate_up(1, True)),
-        (names.tensor(names.FFN_DOWN_EXPS, i), lambda: ckpt.get(experts + "down_proj").transpose(-1, -2)),
+        (names.tensor(names.FFN_DOWN_EXPS, i), down),
         (names.tensor(names.FFN_DOWN_EXPS, i, "bias"), get(experts + "down_proj_bias")),
     ]
+
+
+def mxfp4_tensor(ckpt: Checkpoint, stem: str, rows: slice = slice(None)) -> Encoded:
+    """OpenAI's MXFP4 `{stem}_blocks` [E, R, G, 16] / `{stem}_scales` [E, R, G] (its `rows`) as a ggml MXFP4 tensor
+    [E, R, G * 32]. Block shapes are checked here, before anything is written."""
+    blocks, scales = ckpt.get(stem + "_blocks"), ckpt.get(stem + "_scales")
+    if blocks.dim() != 4 or blocks.shape[-1] != 16 or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+        raise ConvertError(
+            f"{ckpt.dir}: {stem}_blocks {tuple(blocks.shape)} / _scales {tuple(scales.shape)}: expected "
+            "[E, rows, groups, 16] blocks and [E, rows, groups] scales"
+        )
+    e, r, g = blocks[:, rows].shape[:3]
+    return Encoded(
+        GGMLQuantizationType.MXFP4,
+        (e, r, g * 32),
+        lambda: repack_mxfp4(blocks[:, rows], scales[:, rows]).reshape(e, r, g * 17),
+    )
+
+
+def repack_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> np.ndarray:
+    """OpenAI's MXFP4 (byte k holds elements 2k (low nibble) and 2k + 1, the scale a separate E8M0 byte) -> ggml's
+    block_mxfp4 bytes [..., 17]: the same E8M0 byte, then byte j holding elements j (low) and j + 16 (high). The
+    4-bit E2M1 codes are the same in both (ggml's kvalues_mxfp4 are their values doubled, its scale halved)."""
+    b = blocks.to(torch.uint8).numpy()
+    codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(*b.shape[:-1], 32)  # element order
+    qs = codes[..., :16] | (codes[..., 16:] << 4)
+    return np.concatenate([scales.to(torch.uint8).numpy()[..., None], qs], axis=-1)
