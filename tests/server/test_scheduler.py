@@ -436,3 +436,39 @@ def test_a_request_with_several_choices_takes_one_queue_place(llm):
 
     results = run_then_close(sched, main)
     assert [len(tokens) for _, tokens in results] == [1, 1, 2, 2, 2]
+
+
+def test_a_request_failing_mid_stream_reports_its_own_status():
+    """Headers are sent when a streamed request fails on its own: the error event carries its 400 and field (as
+    llama-server's in-stream errors do), not a server_error."""
+    import json
+
+    from hotcold.server.streaming import events
+
+    class Failing:
+        def __aiter__(self):
+            return self
+
+        async def __anext__(self):
+            raise RequestFailed("grammar: no token is allowed", status=400, param="grammar")
+
+        def cancel(self):
+            pass
+
+    class Plain:
+        id, done = "cmpl-1", "[DONE]"
+
+        def start(self, n):
+            return []
+
+        def tail(self, stats):
+            return []
+
+    async def main():
+        return [line async for line in events([Failing()], Plain())]
+
+    lines = asyncio.run(main())
+    error = json.loads(lines[0].removeprefix("data: "))["error"]
+    assert error == {"message": "grammar: no token is allowed", "type": "invalid_request_error",
+                     "param": "grammar", "code": 400}  # fmt: skip
+    assert lines[-1] == "data: [DONE]\n\n"

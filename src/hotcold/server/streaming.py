@@ -15,6 +15,7 @@ from fastapi.responses import StreamingResponse
 
 from hotcold.engine import Chunk, GenerationStats
 from hotcold.server.protocol import Format, error_body
+from hotcold.server.scheduler import RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,12 @@ async def events(jobs, fmt: Format) -> AsyncIterator[str]:
                         yield sse(obj)
         for obj in fmt.tail(stats):
             yield sse(obj)
+    except (
+        RequestFailed
+    ) as exc:  # this request alone failed: its status as llama-server reports one mid-stream
+        log.warning("%s: stream failed: %s", fmt.id, exc)
+        kind = "invalid_request_error" if exc.status < 500 else "server_error"
+        yield sse(error_body(str(exc), type=kind, param=exc.param, code=exc.status))
     except Exception as exc:  # headers are sent: report in the stream (the OpenAI client raises on it)
         log.warning("%s: stream failed: %s", fmt.id, exc)  # the id ends with the request id
         yield sse(error_body(f"generation failed: {exc}", type="server_error"))
