@@ -238,6 +238,51 @@ def test_mxfp4_experts_match_transformers(tmp_path, spm_model_file):
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max()
 
 
+def rewrite(src: ModelFile, out: Path, *, drop: str | None = None, meta: dict | None = None) -> Path:
+    """src's tensors and keys written to out, without tensor `drop`, with the keys in `meta` changed (None: left
+    out)."""
+    meta = meta or {}
+    items = [
+        (k, meta.get(k, v), *rest)
+        for k, v, *rest in metadata_items(src)
+        if k not in meta or meta[k] is not None
+    ]
+    specs = [
+        TensorSpec(name, tuple(e.shape), e.qtype, lambda e=e: np.asarray(e.data))
+        for name, e in src.tensors.items()
+        if name != drop
+    ]
+    return write_model_file(out, src.architecture, items, specs)
+
+
+@pytest.mark.parametrize(
+    "drop, meta, message",
+    [
+        ("blk.1.ffn_gate_exps.bias", None, "missing tensor blk.1.ffn_gate_exps.bias"),
+        ("blk.0.attn_output.bias", None, "missing tensor blk.0.attn_output.bias"),  # required, as upstream
+        ("blk.1.attn_sinks.weight", None, "missing tensor blk.1.attn_sinks.weight"),
+        (
+            None,
+            {"gpt-oss.expert_count": 5},
+            r"blk.0.ffn_up_exps.bias has shape \(4, 96\), expected \(5, 96\)",
+        ),
+        (None, {"gpt-oss.expert_used_count": 0}, "expert_used_count 0: need 1 <= used <= count"),
+        (
+            None,
+            {"gpt-oss.attention.sliding_window": None},
+            "missing metadata key gpt-oss.attention.sliding_window",
+        ),
+    ],
+)
+def test_bad_files_are_refused_by_name(converted, tmp_path, drop, meta, message):
+    from hotcold.gguf_io import GGUFError
+
+    _, path = converted
+    bad = rewrite(ModelFile(path), tmp_path / "bad.gguf", drop=drop, meta=meta)
+    with pytest.raises((GGUFError, ValueError), match=message):
+        hotcold.load(bad, device="cpu")
+
+
 @pytest.mark.parametrize(
     "change, message",
     [

@@ -62,12 +62,19 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> GptOss:
         raise GGUFError(
             f"{src.path}: expert_count {E} / expert_used_count {c.n_expert_used}: need 1 <= used <= count"
         )
+    if not c.sliding_window:  # upstream requires it: its even layers attend in the window
+        raise GGUFError(f"{src.path}: missing metadata key {c.arch}.attention.sliding_window")
     if c.sparse:
         raise GGUFError(
             f"{src.path}: gpt-oss files with predictors are not supported (its experts are SwiGLU)"
         )
+    qd, kvd = c.n_head * c.head_dim, c.n_head_kv * c.head_dim
+    required = [(names.ATTN_Q, qd, "bias"), (names.ATTN_K, kvd, "bias"), (names.ATTN_V, kvd, "bias"),
+                (names.ATTN_OUT, D, "bias"), (names.ATTN_SINKS, c.n_head, "weight")]  # fmt: skip
     layers = []
     for i in range(c.n_layer):
+        for template, rows, suffix in required:  # optional in llama's block, required by upstream here: named
+            src.raw(template, i, (rows,), suffix)
         attention = attention_block(src, i)
         experts = [make_ffn(i, w, None, None, expert=e) for e, w in enumerate(oai_experts(src, i))]
         norm = src.norm(names.ATTN_POST_NORM, i, rms=True)  # the FFN's norm
