@@ -171,3 +171,21 @@ def test_mxfp4_random_blocks_bit_exact_and_not_a_quant_tensor():
     assert Q.MXFP4 in quants.EXPAND_TYPES and Q.MXFP4 not in quants.SUPPORTED  # no C kernel reads it yet
     with pytest.raises(ValueError, match="MXFP4 is not supported"):
         QuantTensor(torch.from_numpy(raw[:2].copy()), Q.MXFP4, (1, 64))
+
+
+def test_mxfp4_quantize_matches_gguf_and_roundtrips():
+    """MXFP4 quantization (hotcold quantize mxfp4_moe's experts): gguf-py's port of ggml's quantize_row_mxfp4_ref
+    (tests/models/test_gpt_oss.py compares a whole file with llama-quantize's bytes); MXFP4 values come back as
+    they were, others within 4 x their block's scale d = 2^(floor(log2 amax) - 3) (half the widest gap, 8d to
+    12d, or the clip of values above 12d = 1.5 x 2^floor(log2 amax))."""
+    rng = np.random.default_rng(5)
+    x = (rng.standard_normal((8, 128)) * rng.standard_normal((8, 1)) * 3).astype(np.float32)
+    x[0] = 0.0
+    got = quants.quantize(torch.from_numpy(x), Q.MXFP4)
+    ref = gguf.quants.quantize(x, Q.MXFP4)
+    np.testing.assert_array_equal(got, np.ascontiguousarray(ref).view(np.uint8).reshape(got.shape))
+    back = quants.dequantize(got, Q.MXFP4, x.shape)
+    assert torch.equal(quants.dequantize(quants.quantize(back, Q.MXFP4), Q.MXFP4, x.shape), back)
+    amax = np.abs(x).reshape(-1, 32).max(1, keepdims=True)
+    bound = 4 * 2.0 ** (np.floor(np.log2(np.where(amax > 0, amax, 1))) - 3)
+    assert (np.abs(back.numpy() - x).reshape(-1, 32) <= bound).all()

@@ -63,8 +63,10 @@ SUPPORTED = frozenset(
 )
 # dequantized only (no QuantTensor, no C kernel yet): gguf_io expands such a weight to BF16 when it reads it
 EXPAND_TYPES = frozenset({Q.MXFP4})
-QUANTIZE_TYPES = frozenset(  # writable: gguf's legacy quantizers, hotcold.kquants for the K-quants
+# writable: gguf's legacy quantizers (and MXFP4's, ggml's quantize_row_mxfp4_ref), hotcold.kquants for K-quants
+QUANTIZE_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
+    | {Q.MXFP4}
 )
 _TORCH_FLOAT = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
 

@@ -381,3 +381,32 @@ def test_llama_quantize_mxfp4_moe_perplexity_matches_llama_perplexity(tmp_path, 
     theirs = float(found[1])
     print(f"gpt-oss MXFP4_MOE: hotcold {result['perplexity']:.4f}, llama-perplexity {theirs:.4f}")
     assert abs(result["perplexity"] / theirs - 1) <= 0.005, (result["perplexity"], theirs)
+
+
+def test_quantize_mxfp4_moe_writes_what_llama_quantize_writes(converted, tmp_path):
+    """`hotcold quantize IN OUT mxfp4_moe`: the stacked experts MXFP4, every other matrix Q8_0 (router, norms,
+    biases and sinks as they are), general.file_type 38; with llama-quantize at hand, its MXFP4_MOE file byte for
+    byte. The result loads (its logits: test_llama_quantize_mxfp4_moe_perplexity_matches_llama_perplexity)."""
+    import subprocess
+
+    from hotcold.convert.quantize import quantize_file
+
+    _, path = converted
+    ours = ModelFile(quantize_file(path, tmp_path / "ours.gguf", "mxfp4_moe"))
+    types = {name: e.qtype.name for name, e in ours.tensors.items()}
+    assert types["blk.0.ffn_gate_exps.weight"] == types["blk.1.ffn_down_exps.weight"] == "MXFP4"
+    assert types["blk.0.attn_q.weight"] == types["output.weight"] == types["token_embd.weight"] == "Q8_0"
+    assert types["blk.0.ffn_gate_inp.weight"] == types["blk.0.ffn_up_exps.bias"] == "F32"
+    assert ours.metadata["general.file_type"] == 38
+    assert torch.isfinite(hotcold.load(ours.path, device="cpu").logits(random_ids(24, seed=11))).all()
+    if not (BIN / "llama-quantize").is_file():
+        pytest.skip(f"no llama-quantize in {BIN} to compare bytes with")
+    theirs = tmp_path / "theirs.gguf"
+    res = subprocess.run([str(BIN / "llama-quantize"), str(path), str(theirs), "MXFP4_MOE"], capture_output=True,
+                         text=True)  # fmt: skip
+    assert res.returncode == 0, res.stderr[-2000:]
+    theirs = ModelFile(theirs)
+    assert sorted(theirs.tensors) == sorted(ours.tensors)
+    for name, entry in ours.tensors.items():
+        assert entry.qtype == theirs.tensors[name].qtype, name
+        assert np.array_equal(np.asarray(entry.data), np.asarray(theirs.tensors[name].data)), name

@@ -57,6 +57,7 @@ FTYPES: dict[str, tuple[LlamaFileType, Q]] = {
     "q5_k_s": (F.MOSTLY_Q5_K_S, Q.Q5_K),
     "q5_k_m": (F.MOSTLY_Q5_K_M, Q.Q5_K),
     "q6_k": (F.MOSTLY_Q6_K, Q.Q6_K),
+    "mxfp4_moe": (F.MOSTLY_MXFP4_MOE, Q.MXFP4),  # stacked experts MXFP4, every other matrix Q8_0 (gpt-oss)
 }
 ALIASES = {"q3_k": "q3_k_m", "q4_k": "q4_k_m", "q5_k": "q5_k_m"}  # as llama-quantize reads them
 # types a PowerInfer file's predictors may be given (one type each, no mixture), and "keep"
@@ -243,6 +244,12 @@ def tensor_types(mf: ModelFile, outtype: str, predictor_type: str | None = None)
             continue
         if not quants.is_quantized(default):
             out[e.name] = default
+            continue
+        if (
+            ftype == "mxfp4_moe"
+        ):  # llama.cpp: tensors of more than one expert MXFP4, the rest (output too) Q8_0
+            qtype = Q.MXFP4 if len(e.shape) == 3 and e.shape[0] > 1 else Q.Q8_0
+            out[e.name] = _fallback(qtype, e.shape[-1])
             continue
         cat = _category(e.name)
         if tied and cat == "token_embd":
