@@ -28,6 +28,11 @@ class HubStandIn:
     requests: list[tuple[str, str, dict]] = field(default_factory=list)  # (method, path, headers)
     cut_after: dict[str, int] = field(default_factory=dict)  # file path -> bytes sent before the line drops
     broken: bool = False  # every request answers 500 (the Hub is down)
+    lfs: set[str] = field(
+        default_factory=set
+    )  # file paths served as the Hub serves LFS files: a 302 to a CDN
+    etags: dict[str, str] = field(default_factory=dict)  # file path -> the ETag to announce (default: sha256)
+    commit: str = COMMIT
 
     def start(self) -> str:
         hub = self
@@ -61,6 +66,16 @@ class HubStandIn:
         self.requests.append((h.command, path, dict(h.headers)))
         if self.broken:
             return _send(h, 500, b"down", body=body)
+        cdn = re.match(r"^/cdn/([^/]+/[^/]+)/(.+)$", path)  # the "CDN": another host name for this server
+        if cdn:
+            repo = self.repos.get(cdn[1])
+            data = repo.files.get(cdn[2]) if repo else None
+            if data is None:
+                return _send(h, 404, b"no such object", body=body)
+            ranged = re.match(r"bytes=(\d+)-", h.headers.get("Range", ""))
+            start = int(ranged[1]) if ranged else 0
+            extra = {"Content-Range": f"bytes {start}-{len(data) - 1}/{len(data)}"} if ranged else {}
+            return _send(h, 206 if ranged else 200, data[start:], extra, body=body)
         tree = re.match(r"^/api/models/([^/]+/[^/]+)/tree/([^/]+)(/.*)?$", path)
         resolve = re.match(r"^/([^/]+/[^/]+)/resolve/([^/]+)/(.+)$", path)
         repo_id = (tree or resolve)[1] if (tree or resolve) else None
@@ -81,7 +96,13 @@ class HubStandIn:
         data = repo.files.get(name)
         if data is None:
             return _send(h, 404, b"Entry not found", {"X-Error-Code": "EntryNotFound"}, body=body)
-        headers = {"X-Repo-Commit": COMMIT, "ETag": f'"{hashlib.sha256(data).hexdigest()}"'}
+        etag = self.etags.get(name, hashlib.sha256(data).hexdigest())
+        headers = {"X-Repo-Commit": self.commit, "ETag": f'"{etag}"'}
+        if name in self.lfs:  # as the Hub: a redirect to the storage host, the file's etag and size alongside
+            port = h.server.server_address[1]
+            location = f"http://localhost:{port}/cdn/{repo_id}/{name}"
+            links = {"Location": location, "X-Linked-Etag": f'"{etag}"', "X-Linked-Size": str(len(data))}
+            return _send(h, 302, b"", {"X-Repo-Commit": self.commit, **links}, body=body)
         start = 0
         ranged = re.match(r"bytes=(\d+)-", h.headers.get("Range", ""))
         if ranged:

@@ -66,3 +66,17 @@ def test_a_missing_part_is_named(split_parts, tmp_path):
         (tmp_path / p.name).write_bytes(p.read_bytes())
     with pytest.raises(GGUFError, match=f"part {len(split_parts)} of {len(split_parts)} is missing"):
         ModelFile(tmp_path / split_parts[0].name)
+
+
+def test_a_rewrite_of_a_split_model_is_one_loadable_file(split_parts, tiny_dense_gguf, tmp_path):
+    """quantize (and reorder, sparsify: every rewrite goes through metadata_items) of a split model writes one
+    file holding every tensor, without the split.* keys that would make it look like a first part."""
+    from hotcold.cli import main
+
+    out = tmp_path / "q8.gguf"
+    assert main(["quantize", str(split_parts[0]), str(out), "q8_0"]) == 0
+    assert not any(k.startswith("split.") for k in ModelFile(out).metadata)
+    ids = [1, 5, 9, 13]
+    expected = hotcold.load(tiny_dense_gguf).logits(ids)
+    got = hotcold.load(out).logits(ids)
+    assert (got - expected).abs().max() <= 0.05 * expected.abs().max()  # Q8_0 of the same weights

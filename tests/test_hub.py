@@ -384,3 +384,76 @@ def test_run_goes_on_in_plain_text_when_the_template_fails(monkeypatch, capsys, 
     err = capsys.readouterr().err
     assert err.count("the chat goes on in plain text") == 1 and "chat template" in err
     assert err.count("tokens/s") == 2
+
+
+def test_the_token_stays_with_the_hub_on_a_redirect(hub_site, monkeypatch):
+    """LFS files redirect to a storage host: the download follows without the Authorization header (as
+    huggingface_hub does), and still resumes and lands whole."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    hub_site.lfs.add("tiny-Q4_K_M.gguf")
+    assert hub.pull("org/tiny-GGUF").read_bytes() == hub_site.dense
+    lower = [(p, {k.lower(): v for k, v in h.items()}) for _, p, h in hub_site.requests]
+    to_hub = [h for p, h in lower if p.startswith("/org/")]
+    to_cdn = [h for p, h in lower if p.startswith("/cdn/")]
+    assert to_cdn and to_hub
+    assert all(h.get("authorization") == "Bearer hf_secret" for h in to_hub)
+    assert not any("authorization" in h for h in to_cdn)
+
+
+def test_an_etag_that_is_not_a_hash_never_becomes_a_path(hub_site, tmp_path):
+    hub_site.etags["tiny-Q4_K_M.gguf"] = "../../../../escaped"
+    with pytest.raises(hub.HubError, match="ETag '../../../../escaped' is not a content hash"):
+        hub.pull("org/tiny-GGUF")
+    assert not list(tmp_path.rglob("escaped*"))  # huggingface_hub's own download would write there
+    assert not (tmp_path / "escaped").exists()
+
+
+def test_a_commit_pushed_during_a_pull_leaves_every_part_in_one_snapshot(hub_site, tmp_path, tiny_dense_gguf):
+    from tests.test_gguf_split import split_with_upstream_writer
+
+    made = tmp_path / "made"
+    made.mkdir()
+    parts = split_with_upstream_writer(Path(tiny_dense_gguf), made, max_tensors=6)
+    files = {p.name.replace("model-", "Tiny-Q6_K-"): p.read_bytes() for p in parts}
+    hub_site.repos["org/split-GGUF"] = Repo(files)
+    first = sorted(files)[0]
+    original = hub_site._answer
+
+    def moving(h, *, body):  # the repository gets a new commit once the first part is served
+        if h.command == "GET" and h.path.endswith(first):
+            hub_site.commit = "b" * 40
+        return original(h, body=body)
+
+    hub_site._answer = moving
+    path = hub.pull("org/split-GGUF:Q6_K")
+    assert {p.name for p in path.parent.iterdir()} >= set(files)
+    assert path.parent.name == "b" * 40  # the newest snapshot holds every part
+    assert hub.pull("org/split-GGUF:Q6_K", offline=True) == path
+
+
+def test_rm_of_a_tag_after_an_interrupted_split_pull(hub_site, tmp_path, tiny_dense_gguf):
+    from tests.test_gguf_split import split_with_upstream_writer
+
+    made = tmp_path / "made"
+    made.mkdir()
+    parts = split_with_upstream_writer(Path(tiny_dense_gguf), made, max_tensors=6)
+    files = {p.name.replace("model-", "Tiny-Q6_K-"): p.read_bytes() for p in parts}
+    hub_site.repos["org/split-GGUF"] = Repo(files | {"Tiny-Q8_0.gguf": hub_site.dense})
+    hub.pull("org/split-GGUF:Q8_0")
+    last = sorted(files)[-1]
+    hub_site.cut_after[last] = 100  # the line drops in the last part: the pull stops partway
+    with pytest.raises(hub.HubError):
+        hub.pull("org/split-GGUF:Q6_K")
+    removed = hub.remove("org/split-GGUF:Q6_K")
+    assert removed and all("Q6_K" in p.name for p in removed)
+    assert [m.tag for m in hub.list_models()] == ["Q8_0"]
+
+
+def test_run_keeps_the_conversation_when_a_message_alone_does_not_fit(monkeypatch, capsys, tiny_dense_gguf):
+    huge = "word " * 300
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"hi\n{huge}\nagain\n"))
+    assert main(["run", str(tiny_dense_gguf), "-c", "64", "-n", "4", "--temp", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "that message alone does not fit the context" in err
+    assert "are dropped" not in err  # the first exchange was kept (before: dropped with the long message)
+    assert err.count("tokens/s") == 2

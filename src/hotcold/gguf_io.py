@@ -414,5 +414,7 @@ def _info_shape(spec: TensorSpec) -> tuple[int, ...]:
 
 
 def metadata_items(model_file: ModelFile) -> list[tuple[str, Any, GGUFValueType, GGUFValueType | None]]:
-    """A file's metadata with its exact value types, ready for write_model_file (for rewriting a file)."""
-    return [(k, v, *model_file.metadata_types[k]) for k, v in model_file.metadata.items()]
+    """A file's metadata with its exact value types, ready for write_model_file (for rewriting a file). A split
+    model's split.* keys stay behind: a rewrite is one file holding every tensor."""
+    split = (SPLIT_NO, SPLIT_COUNT, SPLIT_TENSORS)
+    return [(k, v, *model_file.metadata_types[k]) for k, v in model_file.metadata.items() if k not in split]

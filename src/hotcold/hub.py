@@ -17,10 +17,12 @@ cached model resolves without any network call; online, a cached model is still 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlparse
 
 from hotcold.hub_names import (  # noqa: F401  (the names are hotcold.hub's API too)
     ACTIVATION_DIR,
@@ -118,7 +120,9 @@ def pull(name: ModelName | str, *, offline: bool | None = None, quiet: bool = Fa
         ) from None
     except hf_errors.RepositoryNotFoundError:
         token_hint = "" if _has_token() else " (if it is private, set HF_TOKEN)"
-        raise HubError(f"no model repository {name.repo} on {endpoint()}{token_hint}") from None
+        raise HubError(
+            f"no model repository {name.repo} on {endpoint()}{token_hint}, and no local file {str(name)!r}"
+        ) from None
     except hf_errors.HfHubHTTPError as exc:
         raise HubError(f"{name.repo}: the Hub answered {_status(exc)} listing its files") from None
     except (OSError, *_network_errors()) as exc:  # no route, DNS, refused, timed out
@@ -145,36 +149,51 @@ def _probe(repo: str) -> None:
 
 
 def _download(name: ModelName, plan: Plan, *, quiet: bool) -> Path:
-    from huggingface_hub import errors as hf_errors
-    from huggingface_hub import hf_hub_download
     from huggingface_hub.utils import disable_progress_bars, enable_progress_bars
 
-    local = {}
+    local: dict[str, Path] = {}
     if quiet:
         disable_progress_bars()
     try:
-        for path in plan.files:
-            try:
-                _fetch_blob(name.repo, path)
-                # the blob is in place: the library links it into the snapshot and records the commit
-                local[path] = Path(
-                    hf_hub_download(name.repo, path, cache_dir=cache_dir(), endpoint=endpoint())
-                )
-            except hf_errors.GatedRepoError:
-                raise HubError(f"{name.repo} is gated: accept its terms and set HF_TOKEN") from None
-            except hf_errors.HfHubHTTPError as exc:
-                raise HubError(
-                    f"{name.repo}: downloading {path} failed: the Hub answered {_status(exc)}"
-                ) from None
-            except (OSError, *_network_errors()) as exc:
-                raise HubError(
-                    f"{name.repo}: downloading {path} failed ({type(exc).__name__}: {exc}); "
-                    "run the same command again to resume"
-                ) from None
+        # a commit pushed during a long pull links the later files into a newer snapshot: link the earlier
+        # ones there too (their blobs are cached: no download when unchanged), so every part lies side by side
+        for _ in range(3):
+            newest = cached_snapshot(name.repo)
+            todo = [p for p in plan.files if p not in local or newest is None or not (newest / p).exists()]
+            if not todo:
+                break
+            for path in todo:
+                local[path] = _download_one(name, path)
     finally:
         if quiet:
             enable_progress_bars()
+    newest = cached_snapshot(name.repo)
+    if newest is not None and all((newest / p).exists() for p in plan.files):
+        return newest / plan.primary
     return local[plan.primary]
+
+
+def _download_one(name: ModelName, path: str) -> Path:
+    """One file into the cache (resumable: _fetch_blob), linked into the snapshot of the commit it came from."""
+    from huggingface_hub import errors as hf_errors
+    from huggingface_hub import hf_hub_download
+
+    try:
+        _fetch_blob(name.repo, path)
+        # the blob is in place: the library links it into the snapshot and records the commit
+        return Path(hf_hub_download(name.repo, path, cache_dir=cache_dir(), endpoint=endpoint()))
+    except hf_errors.GatedRepoError:
+        raise HubError(f"{name.repo} is gated: accept its terms and set HF_TOKEN") from None
+    except hf_errors.HfHubHTTPError as exc:
+        raise HubError(f"{name.repo}: downloading {path} failed: the Hub answered {_status(exc)}") from None
+    except (OSError, *_network_errors()) as exc:
+        raise HubError(
+            f"{name.repo}: downloading {path} failed ({type(exc).__name__}: {exc}); "
+            "run the same command again to resume"
+        ) from None
+
+
+_BLOB_NAME = re.compile(r"^([0-9a-f]{40}|[0-9a-f]{64})$")  # a git blob id or an LFS sha256: never a path
 
 
 def _fetch_blob(repo: str, path: str) -> None:
@@ -190,8 +209,13 @@ def _fetch_blob(repo: str, path: str) -> None:
     from huggingface_hub.utils import WeakFileLock, build_hf_headers
 
     meta = get_hf_file_metadata(hf_hub_url(repo, path, endpoint=endpoint()), endpoint=endpoint())
-    if meta.etag is None or meta.size is None:
-        return  # the library's own download handles a file without a blob name or size
+    if meta.etag is None or not _BLOB_NAME.match(meta.etag):
+        # the cache names the blob by it (huggingface_hub too, unchecked): anything but a hash could be a path
+        raise HubError(
+            f"{repo}: {path}: the server's ETag {meta.etag!r} is not a content hash; not caching it"
+        )
+    if meta.size is None:
+        return  # the library's own download handles a file of unknown size
     folder = repo_folder_name(repo_id=repo, repo_type="model")
     blob = cache_dir() / folder / "blobs" / meta.etag
     if blob.exists():
@@ -210,6 +234,9 @@ def _fetch_blob(repo: str, path: str) -> None:
                 done = 0
             headers = build_hf_headers()
             headers["Accept-Encoding"] = "identity"
+            if urlparse(meta.location).netloc != urlparse(endpoint()).netloc:
+                # a redirect to a CDN or storage host: the Hub's token stays with the Hub (as huggingface_hub does)
+                headers = {k: v for k, v in headers.items() if k.lower() != "authorization"}
             http_get(
                 meta.location,
                 f,
@@ -323,15 +350,27 @@ def remove(name: ModelName | str) -> list[Path]:
         return [folder]
     snapshot = cached_snapshot(name.repo)
     paths = _files_under(snapshot) if snapshot else []
-    plan = choose_files(paths, name.tag, name.repo)  # raises naming the tags that are cached
+    tagged = re.compile(re.escape(name.tag) + r"[.-]", re.IGNORECASE)
+    files = [
+        p for p in paths if is_model_file(p) and tagged.search(p)
+    ]  # every part present, even of a half pull
+    if not files:
+        raise HubError(
+            f"{name.repo} has no cached file tagged {name.tag!r}; cached: {', '.join(available_tags(paths))}"
+        )
     removed = []
-    for p in plan.model_files:
+    for p in files:
         link = snapshot / p
         blob = link.resolve() if link.is_symlink() else None
         link.unlink()
         removed.append(link)
-        if blob is not None and blob.exists() and not _still_linked(folder, blob):
-            blob.unlink()
+        # only the cache's own blob, and only when no other file or revision links it
+        if (
+            blob is not None
+            and blob.parent == (folder / "blobs").resolve()
+            and not _still_linked(folder, blob)
+        ):
+            blob.unlink(missing_ok=True)
     if not any(is_model_file(p) for p in _files_under(snapshot)):
         shutil.rmtree(folder)
         return [folder]

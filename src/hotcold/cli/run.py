@@ -2,7 +2,8 @@
 
 The model's own chat template renders the whole history each turn (the engine's prefix cache reuses what
 it has already computed, so a turn costs only its new tokens); replies stream as they are generated.
-Ctrl-C stops a reply (after the token being computed, so the context stays whole) and the chat goes on;
+Ctrl-C stops a reply (after the token being computed, so the context stays whole) and the chat goes on; a
+second Ctrl-C before that token comes (a long prompt being read) ends the chat;
 Ctrl-C at the prompt, Ctrl-D or /bye ends it. When the history no longer fits the context, the oldest turns
 are dropped (the system prompt stays), and the chat says so. A chat template that fails (it raises, or runs
 past its bounds) is named in a warning and the chat goes on in plain text ("User: ... Assistant:")."""
@@ -66,18 +67,19 @@ def run(args) -> int:
         if text.startswith("/"):
             print(f"hotcold: {HELP}", file=sys.stderr)
             continue
-        history.append({"role": "user", "content": line})
-        history, dropped = fit_history(prompt, history, len(system), args.n_predict)
-        if dropped:
-            print(
-                f"hotcold: the context is full: the oldest {dropped} message(s) are dropped", file=sys.stderr
-            )
-        if len(history) == len(system):
+        message = {"role": "user", "content": line}
+        alone, _ = fit_history(prompt, [*system, message], len(system), args.n_predict)
+        if len(alone) == len(system):  # refused before the history is touched: the conversation stays
             print(
                 "hotcold: that message alone does not fit the context; say less or use a larger -c",
                 file=sys.stderr,
             )
             continue
+        history, dropped = fit_history(prompt, [*history, message], len(system), args.n_predict)
+        if dropped:
+            print(
+                f"hotcold: the context is full: the oldest {dropped} message(s) are dropped", file=sys.stderr
+            )
         reply = _stream_reply(llm, prompt.ids(history), args)
         history.append({"role": "assistant", "content": reply})
     print(file=sys.stderr)
@@ -127,7 +129,14 @@ def _stream_reply(llm, ids: list[int], args) -> str:
     max_tokens = args.n_predict if args.n_predict is not None else llm.ctx_size - len(ids)
     stop = threading.Event()
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, lambda *_: stop.set()) if main_thread else None
+
+    def interrupt(*_):
+        if stop.is_set():  # a second Ctrl-C (a long prompt still being read): end the chat now, as llama.cpp
+            raise KeyboardInterrupt
+        stop.set()
+        print("\nhotcold: stopping after this token (Ctrl-C again ends the chat)", file=sys.stderr)
+
+    previous = signal.signal(signal.SIGINT, interrupt) if main_thread else None
     parts: list[str] = []
     stats = None
     start = time.perf_counter()
