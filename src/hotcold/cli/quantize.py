@@ -6,7 +6,8 @@ import sys
 
 TYPE_HELP = (
     "target type, llama.cpp's names (case-insensitive): q4_k_m, q4_k_s, q5_k_m, q5_k_s, q6_k, q3_k_m, "
-    "q3_k_s, q3_k_l, q2_k, q8_0, q4_0, q4_1, q5_0, q5_1, f16, bf16, f32 (q3_k, q4_k, q5_k: the _m mixes)"
+    "q3_k_s, q3_k_l, q2_k, q8_0, q4_0, q4_1, q5_0, q5_1, f16, bf16, f32 (q3_k, q4_k, q5_k: the _m mixes), "
+    "mxfp4_moe (mixture-of-experts files: experts MXFP4, every other matrix Q8_0, as llama-quantize)"
 )
 
 
