@@ -410,3 +410,29 @@ def test_quantize_mxfp4_moe_writes_what_llama_quantize_writes(converted, tmp_pat
     for name, entry in ours.tensors.items():
         assert entry.qtype == theirs.tensors[name].qtype, name
         assert np.array_equal(np.asarray(entry.data), np.asarray(theirs.tensors[name].data)), name
+
+
+def test_o200k_pre_tokenizer_is_written_as_gpt_4o(tmp_path):
+    """gpt-oss's o200k split (tokenizer.json: Split with its regex, then ByteLevel) is `tokenizer.ggml.pre`
+    "gpt-4o", as upstream's converter names it (which hotcold's own tokenizer does not split by yet)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    from hotcold.convert.vocab import GPT4O_REGEX
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["ab"] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    tk.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(GPT4O_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tk.decoder = decoders.ByteLevel()
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    tk.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    make_gpt_oss(tmp_path / "hf", folder, vocab_size=len(vocab), bos_token_id=1, eos_token_id=2)
+    mf = ModelFile(convert(tmp_path / "hf", None, tmp_path / "m.gguf", outtype="f32"))
+    assert mf.metadata["tokenizer.ggml.pre"] == "gpt-4o"

@@ -19,6 +19,14 @@ import gguf
 
 from hotcold.tokenizer import CONTROL, GPT2_REGEX, LLAMA3_REGEX, NORMAL, QWEN2_REGEX, UNUSED, USER_DEFINED
 
+# o200k's split (gpt-oss, GPT-4o), as its tokenizer.json writes it (llama.cpp quotes it for LLAMA_VOCAB_PRE_TYPE_GPT4O);
+# upstream's converter names it "gpt-4o". hotcold's own tokenizer has no "gpt-4o" entry yet (tokenizer_bpe.py)
+GPT4O_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
 logger = logging.getLogger(__name__)
 
 _PAD_SCORE = -1000.0
@@ -261,7 +269,7 @@ def _pre_name(pre: dict | None, path: Path) -> str:
     ):
         return "falcon"
     if kinds == ["Split", "ByteLevel"] and not steps[1].get("use_regex", True):
-        known = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2", GPT2_REGEX: "gpt-2"}
+        known = {LLAMA3_REGEX: "llama-bpe", QWEN2_REGEX: "qwen2", GPT2_REGEX: "gpt-2", GPT4O_REGEX: "gpt-4o"}
         if regex(steps[0]) in known:
             return known[regex(steps[0])]
     logger.warning(
