@@ -393,8 +393,14 @@ def attention(
         if sliding_window:
             mask = mask & (k_pos > q_pos - sliding_window)
     if sinks is not None:
-        out = _attention_with_sinks(q.to(dtype).transpose(0, 1)[None], keys, values, mask, sinks)
-        return out[0].transpose(0, 1).reshape(T, H * Dh).to(q.dtype)
+        # a window reads only its keys: those from the first query's window start on
+        start = max(0, pos - sliding_window + 1) if sliding_window else 0
+        if mask is not None:
+            mask = mask[:, start:]
+        out = _attention_with_sinks(
+            q.to(dtype).transpose(0, 1), keys[0, :, start:], values[0, :, start:], mask, sinks
+        )
+        return out.transpose(0, 1).reshape(T, H * Dh).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q.to(dtype).transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != H
     )  # [1, H, T, Dh]
@@ -402,17 +408,18 @@ def attention(
 
 
 def _attention_with_sinks(q, keys, values, mask, sinks: torch.Tensor) -> torch.Tensor:
-    """softmax([q.k / sqrt(Dh), sink]) without the sink's column, @ v: q [1, H, T, Dh], keys / values
-    [1, Hkv, S, Dh], mask [T, S] bool or None -> [1, H, T, Dh] in q's dtype, computed in float32 (a GPU's fp16
-    cache too: torch ops, no fused kernel with sinks yet)."""
+    """softmax([q.k / sqrt(Dh), sink]) without the sink's column, @ v: q [H, T, Dh], keys / values [Hkv, S, Dh],
+    mask [T, S] bool or None -> [H, T, Dh] in q's dtype, computed in float32 (a GPU's fp16 cache too: torch ops,
+    no fused kernel with sinks yet). Query head h reads KV head h // (H / Hkv), without copying the cache."""
     dtype = q.dtype
     q, keys, values = q.float(), keys.float(), values.float()
-    h, hkv = q.shape[1], keys.shape[1]
-    if h != hkv:  # each group of H / Hkv query heads reads one KV head
-        keys, values = keys.repeat_interleave(h // hkv, dim=1), values.repeat_interleave(h // hkv, dim=1)
-    scores = (q @ keys.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [1, H, T, S]
+    (h, t, dh), hkv = q.shape, keys.shape[0]
+    grouped = q.reshape(
+        hkv, (h // hkv) * t, dh
+    )  # [Hkv, group * T, Dh]: a KV head's query heads, one after another
+    scores = (grouped @ keys.transpose(-1, -2)).view(h, t, -1) * dh**-0.5  # [H, T, S]
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(1, h, 1, 1).expand(1, h, scores.shape[2], 1)
+    sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
     probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return (probs @ values).to(dtype)
+    return (probs.reshape(hkv, -1, probs.shape[-1]) @ values).view(h, t, dh).to(dtype)

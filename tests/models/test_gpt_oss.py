@@ -436,3 +436,33 @@ def test_o200k_pre_tokenizer_is_written_as_gpt_4o(tmp_path):
     make_gpt_oss(tmp_path / "hf", folder, vocab_size=len(vocab), bos_token_id=1, eos_token_id=2)
     mf = ModelFile(convert(tmp_path / "hf", None, tmp_path / "m.gguf", outtype="f32"))
     assert mf.metadata["tokenizer.ggml.pre"] == "gpt-4o"
+
+
+@pytest.mark.parametrize("pos, t, window", [(0, 7, 0), (5, 4, 3), (9, 1, 4), (9, 1, 0)])
+def test_attention_with_sinks_against_a_direct_reference(pos, t, window):
+    """ops.attention with sinks (grouped query heads, a window reading only its keys, a chunk at any position)
+    against the formula written out in float64: softmax over [q.k / sqrt(Dh) for visible keys, sink], no sink column."""
+    from hotcold.ops import attention
+
+    g = torch.Generator().manual_seed(pos * 10 + t)
+    h, hkv, dh, n = 4, 2, 8, 16
+    q, k, v = (
+        torch.randn(t, h, dh, generator=g),
+        torch.randn(t, hkv, dh, generator=g),
+        torch.randn(t, hkv, dh, generator=g),
+    )
+    k_cache, v_cache = torch.randn(n, hkv, dh, generator=g), torch.randn(n, hkv, dh, generator=g)
+    sinks = torch.randn(h, generator=g) * 2
+    expected = torch.empty(t, h, dh, dtype=torch.float64)
+    keys, values = k_cache.clone().double(), v_cache.clone().double()
+    keys[pos : pos + t], values[pos : pos + t] = k.double(), v.double()
+    for i in range(t):
+        p = pos + i
+        visible = [j for j in range(p + 1) if not window or p - j < window]
+        for head in range(h):
+            kv = head // (h // hkv)
+            logits = torch.stack([q[i, head].double() @ keys[j, kv] / dh**0.5 for j in visible])
+            weights = torch.softmax(torch.cat([logits, sinks[head : head + 1].double()]), 0)[:-1]
+            expected[i, head] = (weights[:, None] * values[visible, kv]).sum(0)
+    got = attention(q, k, v, k_cache, v_cache, pos, sliding_window=window or None, sinks=sinks)
+    assert torch.allclose(got.double(), expected.reshape(t, h * dh), atol=1e-5)
