@@ -15,7 +15,14 @@ logger = logging.getLogger(__name__)
 GPT2_REGEX = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
 LLAMA3_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 QWEN2_REGEX = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+# OpenAI's o200k (gpt-oss, Llama 4): the tokenizer.json regex llama.cpp quotes for LLAMA_VOCAB_PRE_TYPE_GPT4O
+GPT4O_REGEX = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 PRE_TOKENIZERS: dict[str, list[tuple[str, str]]] = {
+    "gpt-4o": [("split", GPT4O_REGEX), ("bytelevel", "")],
     "gpt-2": [("bytelevel_regex", "")],
     "falcon": [("punctuation", ""), ("bytelevel_regex", ""), ("digits", ""), ("split", "[0-9][0-9][0-9]")],
     "llama-bpe": [("split", LLAMA3_REGEX), ("bytelevel", "")],
@@ -38,6 +45,9 @@ PRE_ALIASES = {
     "jina-v2-de": "gpt-2",
     "jina-v2-code": "gpt-2",
     "roberta-bpe": "gpt-2",
+    "llama4": "gpt-4o",  # llama.cpp reads these with GPT4O's split too
+    "kanana2": "gpt-4o",
+    "minimax-m2": "gpt-4o",
     "llama3": "llama-bpe",
     "smaug-bpe": "llama-bpe",
 }

@@ -414,14 +414,17 @@ def test_quantize_mxfp4_moe_writes_what_llama_quantize_writes(converted, tmp_pat
 
 def test_o200k_pre_tokenizer_is_written_as_gpt_4o(tmp_path):
     """gpt-oss's o200k split (tokenizer.json: Split with its regex, then ByteLevel) is `tokenizer.ggml.pre`
-    "gpt-4o", as upstream's converter names it (which hotcold's own tokenizer does not split by yet)."""
+    "gpt-4o", as upstream's converter names it, and hotcold's tokenizer splits such a file as tokenizers does
+    (the merge b+A crosses the gpt-4o split of "abAB" into "ab" and "AB", not the default split's one word)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    from hotcold.convert.vocab import GPT4O_REGEX
+    from hotcold.tokenizer import Tokenizer as HotcoldTokenizer
+    from hotcold.tokenizer_bpe import GPT4O_REGEX
 
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["bA"] = len(vocab)
     vocab["ab"] = len(vocab)
-    tk = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[("b", "A"), ("a", "b")]))
     tk.pre_tokenizer = pre_tokenizers.Sequence(
         [
             pre_tokenizers.Split(Regex(GPT4O_REGEX), behavior="isolated", invert=False),
@@ -436,6 +439,12 @@ def test_o200k_pre_tokenizer_is_written_as_gpt_4o(tmp_path):
     make_gpt_oss(tmp_path / "hf", folder, vocab_size=len(vocab), bos_token_id=1, eos_token_id=2)
     mf = ModelFile(convert(tmp_path / "hf", None, tmp_path / "m.gguf", outtype="f32"))
     assert mf.metadata["tokenizer.ggml.pre"] == "gpt-4o"
+    text = "abAB abAB, can't 12345"
+    ours = HotcoldTokenizer.from_metadata(mf.metadata, source="m.gguf").encode(
+        text, add_bos=False, add_eos=False
+    )
+    assert ours == tk.encode(text).ids
+    assert vocab["ab"] in ours and vocab["bA"] not in ours
 
 
 @pytest.mark.parametrize("pos, t, window", [(0, 7, 0), (5, 4, 3), (9, 1, 4), (9, 1, 0)])

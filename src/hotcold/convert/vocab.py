@@ -18,14 +18,7 @@ from typing import Any
 import gguf
 
 from hotcold.tokenizer import CONTROL, GPT2_REGEX, LLAMA3_REGEX, NORMAL, QWEN2_REGEX, UNUSED, USER_DEFINED
-
-# o200k's split (gpt-oss, GPT-4o), as its tokenizer.json writes it (llama.cpp quotes it for LLAMA_VOCAB_PRE_TYPE_GPT4O);
-# upstream's converter names it "gpt-4o". hotcold's own tokenizer has no "gpt-4o" entry yet (tokenizer_bpe.py)
-GPT4O_REGEX = (
-    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
-    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
+from hotcold.tokenizer_bpe import GPT4O_REGEX  # o200k (gpt-oss): upstream's converter names it "gpt-4o"
 
 logger = logging.getLogger(__name__)
 
