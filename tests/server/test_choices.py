@@ -215,7 +215,9 @@ def test_n_choices_are_queued_all_or_none(llm):
 
     async def main():
         with pytest.raises(QueueFull):
-            sched.submit_all([req] * 3)  # 2 slots, no queue place: 3 choices cannot all start, so none is queued
+            sched.submit_all(
+                [req] * 3
+            )  # 2 slots, no queue place: 3 choices cannot all start, so none is queued
         assert sched.queue_depth == 0
         jobs = sched.submit_all([req] * 2)
         results = []

@@ -41,7 +41,9 @@ def _expert_width(config: dict[str, Any]) -> int:
 
 
 def _experts(config: dict[str, Any]) -> tuple[int, int]:
-    n_expert = config.get("num_experts") or config.get("num_local_experts")  # transformers 5 names it the latter
+    n_expert = config.get("num_experts") or config.get(
+        "num_local_experts"
+    )  # transformers 5 names it the latter
     n_used = config.get("num_experts_per_tok")
     if not n_expert or not n_used or not 1 <= n_used <= n_expert:
         raise ConvertError(
