@@ -164,16 +164,20 @@ def render_chat(
     add_generation_prompt: bool = True,
     tools: Sequence[dict] | None = None,
     template_name: str | None = None,
+    builtin: bool = False,
 ) -> str:
     """The prompt of a conversation. `template_name` names the template in errors (default: "the model's
-    chat template (tokenizer.chat_template)", or "the built-in chat template" when the model has none)."""
+    chat template (tokenizer.chat_template)", or "the built-in chat template" when the model has none).
+    builtin: the built-in plain-text template even where the model has its own (a fallback once it failed)."""
     validate_messages(messages)
     if tools:
         validate_tools(tools)
-    template = tokenizer.chat_template or FALLBACK_TEMPLATE
+    own = tokenizer.chat_template if not builtin else None
+    template = own or FALLBACK_TEMPLATE
     if template_name is None:
-        own = "the model's chat template (tokenizer.chat_template)"
-        template_name = own if tokenizer.chat_template else "the built-in chat template"
+        template_name = (
+            "the model's chat template (tokenizer.chat_template)" if own else "the built-in chat template"
+        )
     native = "tools" in template and "tool_calls" in template  # the template renders tools itself
     extra: dict = {}
     if native:

@@ -205,9 +205,9 @@ def yarn_mscale(scale: float, attn_factor: float = 1.0) -> float:
     """cos / sin scale of YaRN as llama.cpp sets it: its context's yarn_attn_factor (get_mscale(factor), cancelled
     by 1 / (1 + 0.1 ln factor), times the file's rope.scaling.attn_factor), then rope_yarn's 1 + 0.1 ln factor."""
     factor = 1.0 / scale
-    get_mscale = 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
-    cancel = 1.0 / (1.0 + 0.1 * math.log(factor))
-    return get_mscale * cancel * attn_factor * (1.0 + 0.1 * math.log(factor))
+    # get_mscale(factor) and its cancelling 1 / (1 + 0.1 ln factor) leave 1 past factor 1; at or below it the
+    # cancelling term and rope_yarn's own factor leave 1: what remains is attn_factor, times 1 + 0.1 ln factor past 1
+    return attn_factor * (1.0 + 0.1 * math.log(factor)) if factor > 1.0 else attn_factor
 
 
 class RopeTables:

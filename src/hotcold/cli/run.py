@@ -15,15 +15,10 @@ import sys
 import threading
 import time
 
-from hotcold.chat import ChatTemplateError
+from hotcold.chat import ChatTemplateError, render_chat
 from hotcold.cli import add_model_args, load_from_args
 from hotcold.cli.generate import add_sampling_args, sampling_kwargs
 
-PLAIN = {
-    "system": "{}\n\n",
-    "user": "User: {}\n",
-    "assistant": "Assistant: {}\n",
-}  # chat.FALLBACK_TEMPLATE's text
 HELP = "/bye: end the chat   /clear: forget the conversation   /help: this list   Ctrl-C: stop a reply"
 
 
@@ -93,7 +88,6 @@ class Prompt:
     def __init__(self, llm):
         self.llm = llm
         self.plain = False
-        self.ctx_size = llm.ctx_size
 
     def ids(self, history: list[dict]) -> list[int]:
         if not self.plain:
@@ -102,9 +96,7 @@ class Prompt:
             except ChatTemplateError as exc:
                 print(f"hotcold: warning: {exc}; the chat goes on in plain text", file=sys.stderr)
                 self.plain = True
-        return self.llm.tokenize(
-            "".join(PLAIN[m["role"]].format(m["content"]) for m in history) + "Assistant:"
-        )
+        return self.llm.tokenize(render_chat(self.llm.tokenizer, history, builtin=True))
 
 
 def fit_history(
@@ -112,9 +104,9 @@ def fit_history(
 ) -> tuple[list[dict], int]:
     """`history` without its oldest messages (after the first `keep`, the system prompt) until the prompt and
     room for a reply fit the context: (history, messages dropped)."""
-    room = min(n_predict or 64, prompt.ctx_size // 4)  # a reply needs at least some room to start
+    room = min(n_predict or 64, prompt.llm.ctx_size // 4)  # a reply needs at least some room to start
     dropped = 0
-    while len(history) > keep and len(prompt.ids(history)) + room > prompt.ctx_size:
+    while len(history) > keep and len(prompt.ids(history)) + room > prompt.llm.ctx_size:
         history = history[:keep] + history[keep + 1 :]
         dropped += 1
         # a conversation restarts at a user turn: an orphaned assistant reply goes with it

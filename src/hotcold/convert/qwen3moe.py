@@ -86,8 +86,7 @@ def tensors(config: dict[str, Any], ckpt: Checkpoint, *, sparse_layout: bool) ->
             continue  # the experts and the router take the dense FFN's place, right after ffn_norm
         plan.append((name, load))
         if name.endswith(".ffn_norm.weight"):
-            i = int(name.split(".")[1])
-            plan += _expert_tensors(ckpt, i, n_expert, width)
+            plan += _expert_tensors(ckpt, names.block_of(name), n_expert, width)
     return plan
 
 

@@ -122,7 +122,7 @@ def unfuse(mf: ModelFile, config: ModelConfig) -> None:
     for name, entry in mf.tensors.items():
         parts = next((p for t, p in splits.items() if _is_layer_tensor(name, t)), None)
         if parts is None or (
-            parts[0][0] == names.FFN_GATE and names.tensor(names.FFN_GATE, _layer(name)) in mf.tensors
+            parts[0][0] == names.FFN_GATE and names.tensor(names.FFN_GATE, names.block_of(name)) in mf.tensors
         ):
             out[name] = entry
             continue
@@ -133,7 +133,7 @@ def unfuse(mf: ModelFile, config: ModelConfig) -> None:
             )
         data, start = entry.data.reshape(rows, -1), 0
         for template, n in parts:
-            part = names.tensor(template, _layer(name))
+            part = names.tensor(template, names.block_of(name))
             out[part] = TensorEntry(
                 part, (n, D), entry.qtype, data[start : start + n], entry.n_bytes * n // rows
             )
@@ -142,11 +142,8 @@ def unfuse(mf: ModelFile, config: ModelConfig) -> None:
 
 
 def _is_layer_tensor(name: str, template: str) -> bool:
-    return name.startswith("blk.") and name == names.tensor(template, _layer(name))
-
-
-def _layer(name: str) -> int:
-    return int(name.split(".")[1])
+    block = names.block_of(name)
+    return block is not None and name == names.tensor(template, block)
 
 
 def config_key(mf: ModelFile, key: str):
