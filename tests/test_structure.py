@@ -161,7 +161,7 @@ def test_readme_links_resolve_and_its_figures_are_the_results_page_figures():
     row of benchmarks/RESULTS.md (the page a user reads): the README never quotes a number the page lacks."""
     import re
 
-    root = SRC.parent.parent
+    root = Path(__file__).resolve().parent.parent
     readme = (root / "README.md").read_text()
     if not (root / "benchmarks" / "RESULTS.md").exists():
         return  # an installed package without the checkout: nothing to compare
