@@ -43,6 +43,8 @@ class ModelConfig:
     rope_yarn: bool = (
         False  # YaRN (gpt-oss): rope_scale = 1 / factor, ramped over the dims (ops.yarn_corr_dims)
     )
+    attn_softcap: float = 0.0  # Gemma 2: attention scores s -> c * tanh(s / c) before the softmax (0: none)
+    final_softcap: float = 0.0  # and the output logits likewise
     n_expert: int = 0
     n_expert_used: int = 0
     name: str = ""
@@ -96,6 +98,12 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
             rule = f">= {lo}" if hi is None else f"in {lo}..{hi}"
             raise GGUFError(f"{path}: metadata key {arch}.{key} is {value!r}, expected an integer {rule}")
         return value
+
+    def softcap(key: str) -> float:
+        value = get(key) or 0.0
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+            raise GGUFError(f"{path}: metadata key {arch}.{key} is {value!r}, expected a finite number >= 0")
+        return float(value)
 
     n_embd = integer("embedding_length", required=True)
     n_head = integer("attention.head_count", required=True)
@@ -161,6 +169,8 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
         rope_ctx_orig=get("rope.scaling.original_context_length") or None,
         rope_attn_factor=float(get("rope.scaling.attn_factor", 1.0)),
         rope_yarn=yarn and rope_scale != 1.0,
+        attn_softcap=softcap("attn_logit_softcapping"),
+        final_softcap=softcap("final_logit_softcapping"),
         n_expert=integer("expert_count", 0, lo=0),
         n_expert_used=integer("expert_used_count", 0, lo=0),
         name=str(meta.get("general.name", "")),

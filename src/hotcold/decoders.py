@@ -67,6 +67,8 @@ def _fastest(model, ctx_size: int) -> tuple[str, str]:
     if on_gpu:
         if os.environ.get("HOTCOLD_STATIC_STEP", "1") == "0":
             return "eager", "HOTCOLD_STATIC_STEP=0"
+    if getattr(head, "softcap", 0.0) and head.device.type == "cuda":  # the CPU decoder runs the family's Head
+        return "eager", "soft-capped output logits, which the GPU step does not compute yet"
         from hotcold import decode_step
 
         step, why = decode_step.from_model(model, ctx_size=ctx_size)

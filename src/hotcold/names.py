@@ -117,6 +117,8 @@ ROPE_SCALING_FACTOR = Keys.Rope.SCALING_FACTOR
 ROPE_SCALING_ORIG_CTX_LEN = Keys.Rope.SCALING_ORIG_CTX_LEN
 ROPE_SCALING_ATTN_FACTOR = Keys.Rope.SCALING_ATTN_FACTOR  # longrope / YaRN: cos and sin scaled by it
 ROPE_FREQ_BASE_SWA = Keys.Rope.FREQ_BASE_SWA  # the sliding-window layers' RoPE base (Gemma 3)
+ATTN_LOGIT_SOFTCAPPING = Keys.LLM.ATTN_LOGIT_SOFTCAPPING  # Gemma 2: q.k scores capped by c * tanh(s / c)
+FINAL_LOGIT_SOFTCAPPING = Keys.LLM.FINAL_LOGIT_SOFTCAPPING  # and the output logits likewise
 ROPE_SCALING_YARN_BETA_FAST = Keys.Rope.SCALING_YARN_BETA_FAST  # written by upstream's converter (YaRN);
 ROPE_SCALING_YARN_BETA_SLOW = Keys.Rope.SCALING_YARN_BETA_SLOW  # llama.cpp runs gpt-oss with its own 32 / 1
 ROPE_SCALE_LINEAR = "{arch}.rope.scale_linear"  # older llama.cpp files
@@ -178,7 +180,7 @@ def default_activation(arch: str, *, sparse: bool) -> str:
         return "relu"
     if arch == "falcon":
         return "gelu"
-    if arch == "gemma3":
+    if arch in ("gemma2", "gemma3"):
         return "gelu_tanh"
     return "silu"
 

@@ -286,12 +286,14 @@ def rope_attention(
     neox: bool,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """apply_rope on q and k, then attention(): one C call for a decode step on the CPU, and for a prompt chunk
     whose rows x context `attends_in_rows` allows (each row as a decode token at its position). With attention
-    sinks (gpt-oss) torch's ops: the C attention has none yet."""
+    sinks (gpt-oss) or soft-capped scores (Gemma 2) torch's ops: the C attention has neither yet."""
     t = q.shape[0]
-    if sinks is None and q.device.type == "cpu" and (t == 1 or attends_in_rows(t, pos, k_cache)):
+    plain = sinks is None and not softcap
+    if plain and q.device.type == "cpu" and (t == 1 or attends_in_rows(t, pos, k_cache)):
         check_context(pos + t, k_cache.shape[0])
         return cpu.attention_decode_rows(
             q.contiguous(),
@@ -306,7 +308,9 @@ def rope_attention(
             sliding_window=sliding_window,
         )
     q, k = apply_rope(q, cos, sin, neox=neox), apply_rope(k, cos, sin, neox=neox)
-    return attention(q, k, v, k_cache, v_cache, pos, sliding_window=sliding_window, sinks=sinks)
+    return attention(
+        q, k, v, k_cache, v_cache, pos, sliding_window=sliding_window, sinks=sinks, softcap=softcap
+    )
 
 
 # Rows x context up to which a prompt chunk's attention runs as decode rows in C (each row reads its head's keys
@@ -371,10 +375,12 @@ def attention(
     *,
     sliding_window: int | None = None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """q [T, H, Dh], k/v [T, Hkv, Dh] for positions pos..pos+T-1; writes k/v into the caches [S, Hkv, Dh]
     and attends over positions 0..pos+T-1 causally. Returns [T, H*Dh]. sinks [H]: a learned logit per head
-    that joins each softmax's denominator and attends to nothing (gpt-oss; ggml_soft_max_add_sinks)."""
+    that joins each softmax's denominator and attends to nothing (gpt-oss; ggml_soft_max_add_sinks).
+    softcap: each score s becomes softcap * tanh(s / softcap) before the mask (Gemma 2; 0: none)."""
     T, H, Dh = q.shape
     end = pos + T
     check_context(end, k_cache.shape[0])
@@ -392,13 +398,13 @@ def attention(
         mask = k_pos <= q_pos
         if sliding_window:
             mask = mask & (k_pos > q_pos - sliding_window)
-    if sinks is not None:
+    if sinks is not None or softcap:
         # a window reads only its keys: those from the first query's window start on
         start = max(0, pos - sliding_window + 1) if sliding_window else 0
         if mask is not None:
             mask = mask[:, start:]
-        out = _attention_with_sinks(
-            q.to(dtype).transpose(0, 1), keys[0, :, start:], values[0, :, start:], mask, sinks
+        out = _attention_explicit(
+            q.to(dtype).transpose(0, 1), keys[0, :, start:], values[0, :, start:], mask, sinks, softcap
         )
         return out.transpose(0, 1).reshape(T, H * Dh).to(q.dtype)
     out = F.scaled_dot_product_attention(
@@ -407,10 +413,11 @@ def attention(
     return out[0].transpose(0, 1).reshape(T, H * Dh).to(q.dtype)
 
 
-def _attention_with_sinks(q, keys, values, mask, sinks: torch.Tensor) -> torch.Tensor:
-    """softmax([q.k / sqrt(Dh), sink]) without the sink's column, @ v: q [H, T, Dh], keys / values [Hkv, S, Dh],
-    mask [T, S] bool or None -> [H, T, Dh] in q's dtype, computed in float32 (a GPU's fp16 cache too: torch ops,
-    no fused kernel with sinks yet). Query head h reads KV head h // (H / Hkv), without copying the cache."""
+def _attention_explicit(q, keys, values, mask, sinks: torch.Tensor | None, softcap: float) -> torch.Tensor:
+    """softmax([cap(q.k / sqrt(Dh)), sink]) without the sink's column, @ v: q [H, T, Dh], keys / values
+    [Hkv, S, Dh], mask [T, S] bool or None -> [H, T, Dh] in q's dtype, computed in float32 (a GPU's fp16 cache
+    too: torch ops, no fused kernel with sinks or caps yet). cap(s) = softcap * tanh(s / softcap) where softcap
+    is set; no sink column where sinks is None. Query head h reads KV head h // (H / Hkv), without copying."""
     dtype = q.dtype
     q, keys, values = q.float(), keys.float(), values.float()
     (h, t, dh), hkv = q.shape, keys.shape[0]
@@ -418,8 +425,13 @@ def _attention_with_sinks(q, keys, values, mask, sinks: torch.Tensor) -> torch.T
         hkv, (h // hkv) * t, dh
     )  # [Hkv, group * T, Dh]: a KV head's query heads, one after another
     scores = (grouped @ keys.transpose(-1, -2)).view(h, t, -1) * dh**-0.5  # [H, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
-    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return (probs.reshape(hkv, -1, probs.shape[-1]) @ values).view(h, t, dh).to(dtype)

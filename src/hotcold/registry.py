@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "mistral": "llama",
     "qwen2": "llama",  # Qwen2 / Qwen2.5: q/k/v biases, NeoX RoPE (the layer description says so)
     "qwen3": "llama",  # Qwen3: per-head q/k RMS norms, NeoX RoPE, a head size of its own
+    "gemma2": "llama",  # Gemma 2: sandwich norms, GELU-tanh, alternating local / global layers, soft-capping
     "gemma3": "llama",  # Gemma 3 (text): sandwich norms, GELU-tanh, q/k norms, local and global layers
     "phi3": "llama",  # Phi-3 / Phi-4-mini: fused attn_qkv and ffn_up (split at load), NeoX RoPE, partial rotary
     "falcon": "falcon",

@@ -57,13 +57,17 @@ def make_model(kind: str, hf_dir: Path, spm_model: Path, **wide):
         settings = json.loads(config.read_text()) if config.exists() else {}
         config.write_text(json.dumps({**settings, "tokenizer_class": "LlamaTokenizer"}))
         return hf
+    gemma_wide = dict(wide, head_dim=64, query_pre_attn_scalar=64) if wide else {}
+    if kind == "gemma2":
+        from tests.models.test_gemma2 import CASES, make_gemma2
+
+        return make_gemma2(hf_dir, spm_model, **{**CASES["gqa-window8"], **gemma_wide})
     from tests.models.test_gemma3 import CASES, make_gemma3
 
-    gemma_wide = dict(wide, head_dim=64, query_pre_attn_scalar=64) if wide else {}
     return make_gemma3(hf_dir, spm_model, **{**CASES["gqa-window8"], **gemma_wide})
 
 
-@pytest.mark.parametrize("kind", ["llama3", "phi3", "phi3-longrope", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama3", "phi3", "phi3-longrope", "gemma2", "gemma3"])
 def test_upstream_files_match_transformers(tmp_path, spm_model_file, kind):
     hf = make_model(kind, tmp_path / "hf", spm_model_file)
     path = upstream_convert(tmp_path / "hf", tmp_path / "upstream.gguf")
@@ -74,7 +78,7 @@ def test_upstream_files_match_transformers(tmp_path, spm_model_file, kind):
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), (kind, float((ours - ref).abs().max()))
 
 
-@pytest.mark.parametrize("kind", ["llama3", "phi3", "phi3-longrope", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama3", "phi3", "phi3-longrope", "gemma2", "gemma3"])
 def test_hotcold_convert_writes_what_upstream_writes(tmp_path, spm_model_file, kind):
     """The same checkpoint through `hotcold convert` and upstream's converter: the same tensors (names, shapes and
     F32 values) and the same model keys ({arch}.*)."""
@@ -101,7 +105,7 @@ WIDE = dict(hidden_size=256, intermediate_size=512)  # rows of 256 values: K-qua
     not (BIN / "llama-perplexity").is_file() or not (BIN / "llama-quantize").is_file(),
     reason=f"no llama-quantize / llama-perplexity in {BIN} (../shared/anchors/build-llama-cpp.sh builds them)",
 )
-@pytest.mark.parametrize("kind", ["llama3", "phi3", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama3", "phi3", "gemma2", "gemma3"])
 def test_llama_quantize_files_perplexity_matches_llama_perplexity(tmp_path, spm_model_file, kind):
     """Upstream's converter, then `llama-quantize` Q4_K_M (K-quants, Q6_K where its mixture says): hotcold's
     perplexity on that file within 0.5% of `llama-perplexity`'s on the same text, context and chunks."""

@@ -32,6 +32,7 @@ FAMILIES = {
     "qwen3_moe": "qwen3moe",
     "gpt_oss": "gpt_oss",
     "phi3": "phi3",
+    "gemma2": "gemma3",  # Gemma 2: Gemma 3's converter, its own pattern and soft-caps
     "gemma3_text": "gemma3",
     "falcon": "falcon",
     "RefinedWeb": "falcon",  # Falcon checkpoints from before transformers had the class

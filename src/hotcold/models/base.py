@@ -55,6 +55,7 @@ class LayerSpec:
     local_rope: bool = False  # RoPE with the local base (Gemma 3's sliding-window layers)
     attn_scale: float = 0.0  # softmax scale of q.k (0: 1 / sqrt(head_dim))
     sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
+    attn_softcap: float = 0.0  # scores s -> c * tanh(s / c) before the softmax (Gemma 2; 0: none)
     oai_experts: bool = False  # gpt-oss's experts: router and expert biases, the clamped SwiGLU
 
     def beyond_llama(self) -> str | None:
@@ -86,6 +87,8 @@ class LayerSpec:
             return "attention sinks"
         if self.oai_experts:
             return "gpt-oss's experts (router and expert biases, the clamped SwiGLU)"
+        if self.attn_softcap:
+            return "soft-capped attention scores"
         return None
 
 
@@ -110,10 +113,14 @@ class Head:
         return self.norm.weight.device
 
     def __call__(self, x: torch.Tensor, ctx: Batch, *, last_only: bool) -> torch.Tensor:
+    softcap: float = 0.0  # logits l -> c * tanh(l / c) (Gemma 2's final_logit_softcapping; 0: none)
         if last_only:  # each segment's last row
             x = x[-1:] if len(ctx.seqs) == 1 else x[ctx.last_rows()]
         x = x.to(self.device)
-        return linear(self.norm(x), self.weight).float().cpu()
+        logits = linear(self.norm(x), self.weight).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.cpu()
 
 
 def rope_attention_segments(
@@ -132,9 +139,10 @@ def rope_attention_segments(
     """RoPE attention of every segment over its own sequence's layer cache (q [T, H, Dh], k/v [T, Hkv, Dh])
     -> [T, H*Dh]. A batch on the CPU whose segments are decode tokens, or prompt chunks that rope_attention
     runs as decode rows (`attends_in_rows`), is one call for all rows: each row as its segment alone. With
-    sinks [H] (gpt-oss) each segment on its own, in torch (the C attention has no sinks)."""
+    sinks [H] (gpt-oss) or a softcap (Gemma 2) each segment on its own, in torch (the C attention has neither)."""
     rows = None
-    if len(ctx.seqs) > 1 and device.type == "cpu" and sinks is None:
+    softcap: float = 0.0,
+    if len(ctx.seqs) > 1 and device.type == "cpu" and sinks is None and not softcap:
         if ctx.rows == len(ctx.seqs):  # a decode step: one token a sequence
             rows = ctx.starts, [s.kv.k[layer] for s in ctx.seqs], [s.kv.v[layer] for s in ctx.seqs]
         elif all(
@@ -174,6 +182,7 @@ def rope_attention_segments(
 
 
 def decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm, x: torch.Tensor, rope: RopeTables,
+            softcap=softcap,
                      device: torch.device, *, heads: tuple[int, int, int], neox: bool,
                      sliding_window=None) -> torch.Tensor | None:  # fmt: skip
     """q, k, v of norm(x) and RoPE attention for one decode token of one sequence: on the CPU one C call

@@ -1,6 +1,7 @@
 """LLaMA family: ReluLLaMA, ProSparse (llama layout), Bamboo (relu on gate and up), Mistral, TurboSparse dReLU,
 Llama 3.x (rope_freqs), Qwen2 / Qwen2.5 (q/k/v biases, NeoX RoPE), Qwen3 (per-head q/k norms, NeoX RoPE), Phi-3 /
-Phi-4-mini (fused q/k/v and gate/up split at load, NeoX RoPE over part of a head): the layer description says which.
+Phi-4-mini (fused q/k/v and gate/up split at load, NeoX RoPE over part of a head), Gemma 2 and 3 (sandwich norms,
+local and global layers; Gemma 2's soft-capped scores and logits): the layer description says which.
 
 Tensor names are the GGUF ones; q/k are stored permuted by the converter (llama.cpp convention), so RoPE
 rotates adjacent pairs. The FFN input is the RMS-normed residual; the predictor sees the residual itself.
@@ -34,11 +35,15 @@ from hotcold.weights import TensorSource
 
 # architectures whose RoPE rotates the two halves of a head (llama.cpp's LLAMA_ROPE_TYPE_NEOX): their converters
 # keep q/k as stored; llama's permutes them into adjacent pairs
-NEOX_ROPE = {"qwen2", "qwen3", "qwen3moe", "phi3", "gemma3", "gpt-oss"}
+NEOX_ROPE = {"qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss"}
 GEMMA3_SWA_PATTERN = (
     6  # Gemma 3: layer i attends globally iff (i + 1) % 6 == 0, else in its window (as upstream)
 )
 GEMMA3_LOCAL_ROPE_BASE = 10000.0  # and its local layers' RoPE base where the file has no rope.freq_base_swa
+GEMMA = (
+    "gemma2",
+    "gemma3",
+)  # embeddings times sqrt(width); Gemma 2: even layers in the window (upstream's pattern 2)
 
 
 @dataclass(frozen=True)
@@ -88,7 +93,7 @@ class Llama:
             if local
             else None
         )
-        self.embed_scale = math.sqrt(config.n_embd) if config.arch == "gemma3" else None
+        self.embed_scale = math.sqrt(config.n_embd) if config.arch in GEMMA else None
         # the decoder, chosen at load (decoders.choose_decoder): a fast one, or None for these layers one by one
         self.decoder, self.static_step, self.cpu_decode = "eager", None, None
 
@@ -117,7 +122,7 @@ class Llama:
             attn, neox, window = None, spec.rope_neox, spec.sliding_window or None
             rope = self.rope_local if spec.local_rope else self.rope
             # q, k, v as the one C call makes them (no biases, head norms or scale): it runs a CPU decode token
-            plain = not (spec.attn_bias or spec.qk_norm or spec.attn_scale or spec.sinks)
+            plain = not (spec.attn_bias or spec.qk_norm or spec.attn_scale or spec.sinks or spec.attn_softcap)
             if inputs is None and plain:
                 attn = decode_attention(
                     ctx, i, layer.qkv, layer.attn_norm, x, rope, layer.device, heads=heads, neox=neox,
@@ -138,15 +143,16 @@ class Llama:
                 q = q.view(T, c.n_head, c.head_dim)
                 k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
                 attn = rope_attention_segments(
-                    ctx, i, q, k, v, rope, layer.device, neox=neox, sliding_window=window, sinks=layer.sinks
-                )
+                    ctx, i, q, k, v, rope, layer.device, neox=neox, sliding_window=window, sinks=layer.sinks,
+                    softcap=spec.attn_softcap,
+                )  # fmt: skip
             if watch is not None:
                 watch(i, 1, attn)
             if inputs is not None:
                 x = x + inputs.o(attn, layer.wo, ctx)
                 x = x + layer.ffn(x, ctx)
                 continue
-            if spec.post_norms:  # Gemma 3: each branch normed before its add
+            if spec.post_norms:  # Gemma 2 and 3: each branch normed before its add
                 x = x + layer.post_attn_norm(linear(attn, layer.wo))
                 x = x + layer.post_ffn_norm(layer.ffn(x, ctx))
                 continue
@@ -207,6 +213,9 @@ def attention_block(src: TensorSource, i: int) -> dict:
         window = window if local else 0
         # upstream's rule: the 27B (62 layers) scales q.k by 1 / sqrt(width / heads), the others by 1 / sqrt(Dh)
         scale = 1 / math.sqrt(c.n_embd / c.n_head) if c.n_layer == 62 else 0.0
+    if c.arch == "gemma2":  # as gemma3's, with every other layer global and one RoPE base; 27B: 46 layers
+        window = window if i % 2 == 0 else 0
+        scale = 1 / math.sqrt(c.n_embd / c.n_head) if c.n_layer == 46 else 0.0
     if c.arch == "gpt-oss":  # even layers in the window, odd ones global (upstream's swa pattern 2)
         window = window if i % 2 == 0 else 0
     # Gemma 3's sandwich norms (gpt-oss's post_attention_norm is its FFN norm: gpt_oss.py reads it)
@@ -216,7 +225,7 @@ def attention_block(src: TensorSource, i: int) -> dict:
     spec = LayerSpec(
         rope_neox=c.arch in NEOX_ROPE, attn_bias="q_bias" in biases, sliding_window=window,
         input_sparse=inputs is not None, qk_norm="q_norm" in norms, post_norms="post_attn_norm" in norms,
-        local_rope=local, attn_scale=scale, sinks="sinks" in biases,
+        local_rope=local, attn_scale=scale, sinks="sinks" in biases, attn_softcap=c.attn_softcap,
     )  # fmt: skip
     return dict(
         **biases,
@@ -236,5 +245,5 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> Llama:
     for i in range(c.n_layer):
         ffn = make_ffn(i, src.ffn(i, gated=True), src.predictor(i), src.norm(names.FFN_NORM, i, rms=True))
         layers.append(LlamaLayer(**attention_block(src, i), ffn=ffn))
-    head = Head(src.output_norm(rms=True), src.output())
+    head = Head(src.output_norm(rms=True), src.output(), softcap=c.final_softcap)
     return Llama(c, src.token_embd(), layers, head, src.plan, rope_freqs=src.rope_freqs())

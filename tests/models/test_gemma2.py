@@ -1,0 +1,100 @@
+"""Gemma 2 against Hugging Face transformers: converted by `hotcold convert` as upstream llama.cpp writes arch gemma2
+(norms stored as 1 + w, sandwich norms, no q/k norms, NeoX RoPE, tied output, the two soft-caps as keys), loaded as
+llama layers whose description says so: embeddings times sqrt(width), GELU-tanh gated FFN, even layers in a sliding
+window and odd ones global, attention scores and output logits soft-capped (small caps here, so that tanh bends)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hotcold
+from hotcold.convert import convert
+from hotcold.gguf_io import ModelFile
+from tests.fixtures import TOKENIZER_VOCAB, run_family_checks, save_checkpoint, scale_matrices
+
+CASES = {
+    # 5 layers: local, global, local, global, local; a window of 8 over 40-token checks
+    "gqa-window8": dict(num_hidden_layers=5, num_key_value_heads=2, sliding_window=8),
+}
+
+
+def make_gemma2(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    settings = dict(
+        vocab_size=TOKENIZER_VOCAB,
+        hidden_size=64,
+        intermediate_size=1280,
+        num_attention_heads=4,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        attn_logit_softcapping=1.5,  # Gemma 2 ships 50 and 30: small caps make tanh matter on a tiny model
+        final_logit_softcapping=3.0,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    hf = Gemma2ForCausalLM(Gemma2Config(**settings)).eval()
+    scale_matrices(hf)
+    with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): make them matter
+        for p in hf.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    save_checkpoint(hf, hf_dir, spm_model)
+    return hf
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def converted(request, tmp_path_factory, spm_model_file):
+    folder = tmp_path_factory.mktemp(request.param)
+    hf = make_gemma2(folder / "hf", spm_model_file, **CASES[request.param])
+    return hf, convert(folder / "hf", None, folder / "model.gguf", outtype="f32")
+
+
+def test_family_runner(converted):
+    """Logits and greedy tokens against transformers; soft-capped scores are not in the one-call decoder yet, so
+    the decoder chosen at load is the eager one (and says why)."""
+    hf, path = converted
+    run_family_checks(path, hf, decoder="eager")
+    notes = " ".join(hotcold.load(path, device="cpu").loaded.notes)
+    assert "soft-capped attention scores" in notes, notes
+
+
+def test_soft_caps_are_read_and_change_the_logits(converted, tmp_path):
+    """The caps come from the file's keys, and they matter: without them the logits move (so the match with
+    transformers above is not a coincidence of caps too loose to bend anything)."""
+    hf, path = converted
+    mf = ModelFile(path)
+    assert mf.architecture == "gemma2" and "output.weight" not in mf.tensors
+    assert mf.metadata["gemma2.attn_logit_softcapping"] == pytest.approx(1.5)
+    assert mf.metadata["gemma2.final_logit_softcapping"] == pytest.approx(3.0)
+    assert "blk.0.attn_q_norm.weight" not in mf.tensors and "blk.0.post_ffw_norm.weight" in mf.tensors
+    llm = hotcold.load(path, device="cpu")
+    layers = llm.loaded.model.layers
+    assert [layer.spec.sliding_window for layer in layers] == [8, 0, 8, 0, 8]
+    assert all(layer.spec.attn_softcap == pytest.approx(1.5) for layer in layers)
+    ids = list(range(3, 40))
+    capped = llm.logits(ids)
+    assert capped.abs().max() < 3.0  # every logit inside the final cap
+    for layer in layers:  # the same model without its attention cap
+        object.__setattr__(layer, "spec", type(layer.spec)(**{**layer.spec.__dict__, "attn_softcap": 0.0}))
+    assert (llm.logits(ids) - capped).abs().max() > 1e-3
+
+
+def test_bad_softcap_key_is_refused(converted, tmp_path):
+    from hotcold.gguf_io import GGUFError
+    from tests.models.test_gpt_oss import rewrite
+
+    _, path = converted
+    bad = rewrite(
+        ModelFile(path), tmp_path / "bad.gguf", meta={"gemma2.attn_logit_softcapping": float("nan")}
+    )
+    with pytest.raises(GGUFError, match="gemma2.attn_logit_softcapping"):
+        hotcold.load(bad, device="cpu")
