@@ -220,6 +220,7 @@ def load(
     sparsity: float | None = None,
     kv_sequences: int = 1,
     decoder: str = "auto",
+    ram_budget: float | None = None,
 ) -> Model:
     """Load a GGUF / PowerInfer model (None: the bundled demo model).
 
@@ -232,11 +233,13 @@ def load(
     sparse file, the CPU's FFN rows are kept hottest first for batches (`generate_batch`, loader.neuron_order).
     decoder: "auto" (the fastest the model's layers and devices allow: "cuda_graph" for a model all on one GPU,
     "cpu_one_call" for one the C decode layer computes on the CPU) or "eager" (layer by layer); `Model.decoder`
-    says which runs."""
+    says which runs.
+    ram_budget: GiB of RAM for the model (None: no limit): what every token reads, then the hottest FFN neurons
+    stay resident, the other neurons' rows are read from the file when the predictor selects them (same bits)."""
     options = LoadOptions(
         dense=dense, threads=threads, device=device, vram_budget=vram_budget, ctx_size=ctx_size,
         reset_gpu_index=reset_gpu_index, disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
-        sparsity=sparsity, kv_sequences=kv_sequences, decoder=decoder,
+        sparsity=sparsity, kv_sequences=kv_sequences, decoder=decoder, ram_budget=ram_budget,
     )  # fmt: skip
     return load_with(path, options)
 

@@ -57,18 +57,22 @@ def rows_own_bits(model) -> bool:
 
 def _fastest(model, ctx_size: int) -> tuple[str, str]:
     """(decoder, what it runs or why it is eager) for a model whose decoder is chosen automatically."""
+    layers = getattr(model, "layers", None) or []
+    if any(getattr(getattr(layer, "ffn", None), "reads_storage", False) for layer in layers):
+        # storage/ffn.StoredFFN: the rows a layer computes are read between its predictor and its FFN
+        return "eager", "--ram-budget: cold FFN rows are read from the file after each layer's predictor"
     for i, layer in enumerate(getattr(model, "layers", None) or []):  # what no fast decoder computes yet
         spec = getattr(layer, "spec", None)
         why = spec.beyond_fast_decoders() if spec is not None else None
         if why is not None:
             return "eager", f"layer {i}: {why}, which the fast decoders do not compute yet"
     head = getattr(model, "head", None)
+    if getattr(head, "softcap", 0.0) and head.device.type == "cuda":  # the CPU decoder runs the family's Head
+        return "eager", "soft-capped output logits, which the GPU step does not compute yet"
     on_gpu = head is not None and head.device.type == "cuda"
     if on_gpu:
         if os.environ.get("HOTCOLD_STATIC_STEP", "1") == "0":
             return "eager", "HOTCOLD_STATIC_STEP=0"
-    if getattr(head, "softcap", 0.0) and head.device.type == "cuda":  # the CPU decoder runs the family's Head
-        return "eager", "soft-capped output logits, which the GPU step does not compute yet"
         from hotcold import decode_step
 
         step, why = decode_step.from_model(model, ctx_size=ctx_size)

@@ -22,7 +22,9 @@ class LoadOptions:
     and offloaded layers go (None: the GPU when `device` resolves to cuda; tests pass "cpu" to stand in for it).
     sparsity: for a `hotcold sparsify` file, the share of FFN neurons to skip (None: the file's target; 0: dense).
     kv_sequences: KV caches held at once (a server's slots), each charged to a VRAM budget. decoder: "auto" (the
-    fastest decoder the model's layers and devices allow, decoders.py) or "eager" (layer by layer)."""
+    fastest decoder the model's layers and devices allow, decoders.py) or "eager" (layer by layer). ram_budget: GiB of
+    RAM for the model (None: no limit): what every token reads, then the hottest FFN neurons, stay in memory; the
+    other neurons' rows are read from the file when selected (hotcold.storage)."""
 
     dense: bool = False
     threads: int | None = None
@@ -36,10 +38,15 @@ class LoadOptions:
     sparsity: float | None = None
     kv_sequences: int = 1
     decoder: str = "auto"
+    ram_budget: float | None = None
 
     def __post_init__(self):
         for name in ("threads", "vram_budget", "n_gpu_layers", "ctx_size", "sparsity"):
             object.__setattr__(self, name, validate.check_optional(name, getattr(self, name)))
+        # the VRAM budget's rule (a finite number >= 0), named as the RAM budget
+        object.__setattr__(
+            self, "ram_budget", validate.check_optional("vram_budget", self.ram_budget, label="ram_budget")
+        )
         if self.device not in DEVICES:
             raise ValueError(f"device must be 'auto', 'cpu' or 'cuda', got {self.device!r}")
         if self.decoder not in DECODER_REQUESTS:

@@ -27,6 +27,8 @@ from hotcold.placement.budget import (
 )
 from hotcold.placement.gpuidx import resolve_placement  # the .gpuidx cache: found, or solved and written
 from hotcold.sparse.ffn import DenseFFN, SparseFFN
+from hotcold.storage.model import open_storage
+from hotcold.storage.plan import process_rss
 from hotcold.tokenizer import Tokenizer
 from hotcold.weights import TensorSource
 
@@ -56,6 +58,9 @@ class LoadedModel:
     vram_planned: dict[str, int] | None = (
         None  # the plan's VRAM by part (dense, kv, scratch, hot); None: no plan
     )
+    storage: object | None = (
+        None  # storage.model.ModelStorage under a RAM budget: cold rows read from the file
+    )
 
     @property
     def decoder(self) -> str:
@@ -81,6 +86,7 @@ def load_model(
     """Open a model file and build it as `options` say (or `LoadOptions(**kwargs)`), in stages: the options
     (validated when made), the device plan (plan_devices), the tensor source, the family's build, the decoder."""
     opts = options if options is not None else LoadOptions(**kwargs)
+    overhead = process_rss()  # the process before load (Python, torch): reported beside a RAM budget
     path = hub.resolve(path) or demo_model_path()  # a model name (ORG/REPO[:TAG]) is pulled or found cached
     threads = opts.threads if opts.threads is not None else cores.default_threads()  # cores.py says why
     torch.set_num_threads(threads)
@@ -107,11 +113,16 @@ def load_model(
     from hotcold.kernels import cpu
 
     cpu.backend()  # compile the CPU kernels now if this machine has not yet: load time, not first-token time
+    storage = open_storage(
+        path, model_file, config, budget_gib=opts.ram_budget, ctx=ctx, kv_sequences=opts.kv_sequences,
+        on_gpu=fast is not None, sparse=not dense and thresholded is None, overhead=overhead, notes=notes,
+    )  # fmt: skip
     src, make_ffn = _tensor_source(
         path, model_file, config, placed.devices, opts, dense=dense, thresholded=thresholded, threads=threads,
-        notes=notes, ctx=ctx,
+        notes=notes, ctx=ctx, storage=storage,
     )  # fmt: skip
     model = module.build(src, make_ffn)
+    notes.extend(getattr(model, "load_notes", ()))  # what a family says of its file (SmallThinker's gating)
     decoders.choose_decoder(model, requested=opts.decoder, ctx_size=ctx, notes=notes)
     mode = "dense" if dense and thresholded is None else "sparse"
     where = "cpu" if fast is None else f"cpu + {fast}"
@@ -122,7 +133,7 @@ def load_model(
     dense = dense and thresholded is None  # a thresholded file runs sparse (on a dense device plan)
     return LoadedModel(
         model, tokenizer, config, model_file, device, dense, ctx, notes, placed.plan, placed.hot, placed.devices,
-        placed.vram_planned,
+        placed.vram_planned, storage,
     )  # fmt: skip
 
 
@@ -220,7 +231,7 @@ def plan_devices(
 
 def _tensor_source(
     path: Path, model_file: ModelFile, config: ModelConfig, devices: DevicePlan, opts: LoadOptions, *,
-    dense: bool, thresholded, threads: int, notes: list[str], ctx: int,
+    dense: bool, thresholded, threads: int, notes: list[str], ctx: int, storage=None,
 ):  # fmt: skip
     """(TensorSource, make_ffn): the source made whole at once (a sparsified file's assets, the rows' order for
     batches), and the FFN maker the family asks for each layer's FFN."""
@@ -231,12 +242,13 @@ def _tensor_source(
         and not dense
         and thresholded is None
         and devices.hot is None
+        and storage is None  # stored layers read rows in the file's order
         and all(d.type == "cpu" for d in devices.ffn)
     ):
         order = neuron_order(path, config, notes)
     if thresholded is None:
         src = TensorSource(model_file, config, devices, neuron_order=order, ctx_size=ctx)
-        return src, ffn_maker(devices, dense=dense, threads=threads)
+        return src, ffn_maker(devices, dense=dense, threads=threads, storage=storage)
     from hotcold.sparse.attention_inputs import InputAssets
     from hotcold.sparse.thresholded import thresholded_maker
 
@@ -340,9 +352,10 @@ def offload_device_plan(
     return DevicePlan(layers, (CPU,) * n_layer, layers, output=fast if head else CPU)
 
 
-def ffn_maker(devices: DevicePlan, *, dense: bool, threads: int | None):
-    """make_ffn(layer, weights, predictor, norm, expert=None) for the families: dense, sparse on the CPU, or
-    hybrid where the layer has hot rows; each FFN gets its norm on the device that computes it."""
+def ffn_maker(devices: DevicePlan, *, dense: bool, threads: int | None, storage=None):
+    """make_ffn(layer, weights, predictor, norm, expert=None) for the families: dense, sparse on the CPU (its
+    cold rows read from the file under a RAM budget: `storage`), or hybrid where the layer has hot rows; each FFN
+    gets its norm on the device that computes it."""
 
     def make(layer: int, weights, predictor, norm, *, expert: int | None = None):
         if dense or predictor is None or weights.down_t is None:
@@ -351,6 +364,8 @@ def ffn_maker(devices: DevicePlan, *, dense: bool, threads: int | None):
         hot = devices.hot_rows(layer)
         if hot is None:
             norm = None if norm is None else norm.to(CPU)
+            if storage is not None and expert is None:
+                return storage.ffn(layer, weights, predictor, norm, threads=threads)
             return SparseFFN(weights, predictor, layer=layer, norm=norm, threads=threads, expert=expert)
         from hotcold.sparse.hybrid import HybridFFN
 

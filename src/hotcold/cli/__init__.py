@@ -46,6 +46,7 @@ ARG_FIELDS = {
     "threads": ("threads", "-t/--threads"),
     "ctx_size": ("ctx_size", "-c/--ctx-size"),
     "vram_budget": ("vram_budget", "--vram-budget"),
+    "ram_budget": ("vram_budget", "--ram-budget"),  # the same rule: a finite number >= 0
     "n_gpu_layers": ("n_gpu_layers", "-ngl/--n-gpu-layers"),
     "n_predict": ("max_tokens", "-n/--n-predict"),
     "temp": ("temperature", "--temp"),
@@ -96,6 +97,12 @@ def add_model_args(parser: argparse.ArgumentParser, *, positional: bool = False)
     parser.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
     parser.add_argument("-c", "--ctx-size", type=int, default=None, help="context size in tokens")
     parser.add_argument("--vram-budget", type=float, default=None, help="GiB of VRAM to use (0: CPU only)")
+    parser.add_argument(
+        "--ram-budget",
+        type=float,
+        default=None,
+        help="GiB of RAM for the model (sparse files, CPU): hot neurons resident, cold ones read from the file",
+    )
     parser.add_argument("--reset-gpu-index", action="store_true", help="re-solve the neuron placement")
     parser.add_argument("--disable-gpu-index", action="store_true", help="keep every FFN neuron on the CPU")
     parser.add_argument(

@@ -19,6 +19,13 @@ def add_args(p) -> None:
         help="GiB: show the VRAM plan at this budget by part (dense tensors, KV cache, scratch, hot rows)",
     )
     p.add_argument(
+        "--ram-budget",
+        type=float,
+        default=None,
+        help="GiB: show the RAM plan (sparse files on the CPU): what every token reads, hot neurons, neuron cache, "
+        "what stays in the file",
+    )
+    p.add_argument(
         "-c", "--ctx-size", type=int, default=None, help="context size the plan charges the KV for"
     )
     p.add_argument(
@@ -28,7 +35,13 @@ def add_args(p) -> None:
     )
 
 
-def describe(path: str | None, *, vram_budget: float | None = None, ctx_size: int | None = None) -> dict:
+def describe(
+    path: str | None,
+    *,
+    vram_budget: float | None = None,
+    ctx_size: int | None = None,
+    ram_budget: float | None = None,
+) -> dict:
     from hotcold.config import config_from_file
     from hotcold.gguf_io import ModelFile
     from hotcold.loader import demo_model_path
@@ -78,7 +91,24 @@ def describe(path: str | None, *, vram_budget: float | None = None, ctx_size: in
         "n_expert": c.n_expert or None,
         "sparsify": _sparsify(mf, c),
         "vram_plan": None if vram_budget is None else vram_plan(mf, c, vram_budget, ctx_size),
+        "ram_plan": None if ram_budget is None else ram_plan(path, mf, c, ram_budget, ctx_size),
     }
+
+
+def ram_plan(path: Path, mf, c, budget_gib: float, ctx_size: int | None) -> dict:
+    """The RAM budget's plan (hotcold.storage.plan), the process's own memory now (Python, torch) beside it."""
+    import torch  # noqa: F401  (the overhead reported is a process that has torch loaded, as a load has)
+
+    from hotcold.placement.budget import default_ctx
+    from hotcold.storage.model import ram_plan as plan_for
+    from hotcold.storage.plan import process_rss
+
+    notes: list[str] = []
+    plan = plan_for(
+        path, mf, c, budget_gib, ctx_size=ctx_size or default_ctx(c), overhead=process_rss(), notes=notes
+    )
+    plan.notes += notes
+    return {**plan.as_dict(), "text": plan.describe()}
 
 
 def vram_plan(mf, c, budget_gib: float, ctx_size: int | None) -> dict:
@@ -118,7 +148,12 @@ def load_for_info(args):
     """The model loaded as `generate` would load it."""
     import hotcold
 
-    llm = hotcold.load(args.model, vram_budget=args.vram_budget, ctx_size=args.ctx_size)
+    llm = hotcold.load(
+        args.model,
+        vram_budget=args.vram_budget,
+        ctx_size=args.ctx_size,
+        ram_budget=getattr(args, "ram_budget", None),
+    )
     return llm
 
 
@@ -198,8 +233,9 @@ def _row_copies(mf) -> str:
 
 def run(args) -> int:
     info = describe(
-        args.model, vram_budget=getattr(args, "vram_budget", None), ctx_size=getattr(args, "ctx_size", None)
-    )
+        args.model, vram_budget=getattr(args, "vram_budget", None), ctx_size=getattr(args, "ctx_size", None),
+        ram_budget=getattr(args, "ram_budget", None),
+    )  # fmt: skip
     if getattr(args, "load", False):
         llm = load_for_info(args)
         info["decoder"] = llm.decoder  # chosen at load (hotcold.decoders)
@@ -217,6 +253,8 @@ def run(args) -> int:
             key, value = "size", f"{value / 2**20:.1f} MiB"
         elif key in ("vram_plan", "vram") and isinstance(value, dict):
             value = _vram_text(value)
+        elif key == "ram_plan" and isinstance(value, dict):
+            value = value["text"]
         print(f"{key:18s} {value}")
     if info["activation_stats"] or info["predictors"]:
         model = f" -m {shlex.quote(args.model)}" if args.model else ""
