@@ -33,17 +33,37 @@ from hotcold.sparse.attention_inputs import SparseInputs, sparse_inputs
 from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
-# architectures whose RoPE rotates the two halves of a head (llama.cpp's LLAMA_ROPE_TYPE_NEOX): their converters
-# keep q/k as stored; llama's permutes them into adjacent pairs
-NEOX_ROPE = {"qwen2", "qwen3", "qwen3moe", "phi3", "gemma2", "gemma3", "gpt-oss"}
-GEMMA3_SWA_PATTERN = (
-    6  # Gemma 3: layer i attends globally iff (i + 1) % 6 == 0, else in its window (as upstream)
-)
-GEMMA3_LOCAL_ROPE_BASE = 10000.0  # and its local layers' RoPE base where the file has no rope.freq_base_swa
-GEMMA = (
-    "gemma2",
-    "gemma3",
-)  # embeddings times sqrt(width); Gemma 2: even layers in the window (upstream's pattern 2)
+
+@dataclass(frozen=True)
+class ArchRules:
+    """What upstream llama.cpp derives from the architecture rather than reads from the file (its per-arch
+    load_arch_hparams), as data: the layer description of each layer follows from these and the file."""
+
+    neox: bool = False  # RoPE rotates the two halves of a head (LLAMA_ROPE_TYPE_NEOX): q/k kept as stored
+    swa_period: int = (
+        0  # layer i global iff (i + 1) % period == 0, the others in the window (0: all windowed)
+    )
+    local_rope: bool = (
+        False  # windowed layers: their own RoPE base (rope.freq_base_swa, else 10000), unscaled
+    )
+    embed_scale: bool = False  # embeddings times sqrt(width)
+    wide_scale_depth: int = (
+        0  # the model of this depth scales q.k by 1 / sqrt(width / heads), not 1 / sqrt(Dh)
+    )
+
+
+LLAMA_RULES = ArchRules()  # llama, bamboo, mistral: q/k permuted into adjacent pairs by their converters
+ARCH_RULES = {
+    "qwen2": ArchRules(neox=True),
+    "qwen3": ArchRules(neox=True),
+    "qwen3moe": ArchRules(neox=True),
+    "phi3": ArchRules(neox=True),
+    "gemma2": ArchRules(neox=True, swa_period=2, embed_scale=True, wide_scale_depth=46),  # 27B: 46 layers
+    "gemma3": ArchRules(neox=True, swa_period=6, local_rope=True, embed_scale=True, wide_scale_depth=62),
+    "gpt-oss": ArchRules(neox=True, swa_period=2),
+}
+NEOX_ROPE = {arch for arch, rules in ARCH_RULES.items() if rules.neox}
+LOCAL_ROPE_BASE = 10000.0  # upstream's base for local layers where the file has no rope.freq_base_swa
 
 
 @dataclass(frozen=True)
@@ -86,14 +106,15 @@ class Llama:
         # rope_freqs: Llama 3.1's per-dimension RoPE scaling (the file's rope_freqs), or None
         devices = [layer.device for layer in layers]
         self.rope = RopeTables(config, devices, freq_factors=rope_freqs)
-        # Gemma 3: local layers' RoPE (own base, no scaling), embeddings scaled by sqrt(width)
+        # Gemma 3: local layers' RoPE (own base, no scaling); Gemma: embeddings scaled by sqrt(width)
         local = any(layer.spec.local_rope for layer in layers)
         self.rope_local = (
-            RopeTables(config, devices, base=config.rope_base_swa or GEMMA3_LOCAL_ROPE_BASE, scale=1.0)
+            RopeTables(config, devices, base=config.rope_base_swa or LOCAL_ROPE_BASE, scale=1.0)
             if local
             else None
         )
-        self.embed_scale = math.sqrt(config.n_embd) if config.arch in GEMMA else None
+        rules = ARCH_RULES.get(config.arch, LLAMA_RULES)
+        self.embed_scale = math.sqrt(config.n_embd) if rules.embed_scale else None
         # the decoder, chosen at load (decoders.choose_decoder): a fast one, or None for these layers one by one
         self.decoder, self.static_step, self.cpu_decode = "eager", None, None
 
@@ -207,23 +228,17 @@ def attention_block(src: TensorSource, i: int) -> dict:
             "q_norm": src.norm(names.ATTN_Q_NORM, i, rms=True, width=c.head_dim),
             "k_norm": src.norm(names.ATTN_K_NORM, i, rms=True, width=c.head_dim),
         }
-    window, local, scale = c.sliding_window or 0, False, 0.0
-    if c.arch == "gemma3":  # local layers in a window with their own RoPE base; every sixth global
-        local = (i + 1) % GEMMA3_SWA_PATTERN != 0
-        window = window if local else 0
-        # upstream's rule: the 27B (62 layers) scales q.k by 1 / sqrt(width / heads), the others by 1 / sqrt(Dh)
-        scale = 1 / math.sqrt(c.n_embd / c.n_head) if c.n_layer == 62 else 0.0
-    if c.arch == "gemma2":  # as gemma3's, with every other layer global and one RoPE base; 27B: 46 layers
-        window = window if i % 2 == 0 else 0
-        scale = 1 / math.sqrt(c.n_embd / c.n_head) if c.n_layer == 46 else 0.0
-    if c.arch == "gpt-oss":  # even layers in the window, odd ones global (upstream's swa pattern 2)
-        window = window if i % 2 == 0 else 0
+    rules = ARCH_RULES.get(c.arch, LLAMA_RULES)
+    windowed = not rules.swa_period or (i + 1) % rules.swa_period != 0
+    window = (c.sliding_window or 0) if windowed else 0
+    local = rules.local_rope and windowed
+    scale = 1 / math.sqrt(c.n_embd / c.n_head) if c.n_layer == rules.wide_scale_depth else 0.0
     # Gemma 3's sandwich norms (gpt-oss's post_attention_norm is its FFN norm: gpt_oss.py reads it)
     if src.has(names.ATTN_POST_NORM, i) and c.arch != "gpt-oss":
         norms["post_attn_norm"] = src.norm(names.ATTN_POST_NORM, i, rms=True)
         norms["post_ffn_norm"] = src.norm(names.FFN_POST_NORM, i, rms=True)
     spec = LayerSpec(
-        rope_neox=c.arch in NEOX_ROPE, attn_bias="q_bias" in biases, sliding_window=window,
+        rope_neox=rules.neox, attn_bias="q_bias" in biases, sliding_window=window,
         input_sparse=inputs is not None, qk_norm="q_norm" in norms, post_norms="post_attn_norm" in norms,
         local_rope=local, attn_scale=scale, sinks="sinks" in biases, attn_softcap=c.attn_softcap,
     )  # fmt: skip
