@@ -1,11 +1,10 @@
 """One generation path for the API, CLI, server and benchmarks: prefill, then one token per step over a
-preallocated KV cache. `generate_step` yields token ids; `stream` adds text, stop strings and stats (the
-per-request logic lives in generation.Generation, which the batched scheduler drives too)."""
+preallocated KV cache. `stream` yields text, stop strings and stats, `generate_step` the token ids of the same
+loop (the per-request logic lives in generation.Generation, which the batched scheduler drives too)."""
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -17,12 +16,11 @@ from hotcold.generation import (
     Generation,
     GenerationStats,
     NonFiniteLogits,
-    check_finite,
     common_prefix,
 )
 from hotcold.kernels import cpu
 from hotcold.ops import embed
-from hotcold.sampling import SamplingParams, make_generator, sample
+from hotcold.sampling import SamplingParams
 from hotcold.state import Batch, Observer, hot_masks
 from hotcold.structured import Constraint
 from hotcold.tokenizer import Tokenizer
@@ -170,31 +168,12 @@ class Engine:
             logits = self.forward(ids[s : s + PREFILL_CHUNK], s, last_only=True)
         return logits[-1]
 
-    def generate_step(
-        self, prompt_ids: Sequence[int], params: SamplingParams, stats: GenerationStats | None = None
-    ) -> Iterator[int]:
-        """Yield sampled tokens forever (the caller stops); raises when the context is full."""
-        stats = stats if stats is not None else GenerationStats()
-        generator = make_generator(params.seed)
-        start = time.perf_counter()
-        logits = self.prefill(prompt_ids)
-        stats.prompt_tokens = len(prompt_ids)
-        stats.prompt_computed = self.last_prefill_computed
-        stats.prompt_seconds = time.perf_counter() - start
-        history = list(prompt_ids)
-        decode_start = time.perf_counter()
-        while True:
-            check_finite(logits, f"at generated token {stats.generated_tokens + 1}")
-            token = sample(logits, params, history, generator)
-            history.append(token)
-            stats.generated_tokens += 1
-            yield token
-            pos = len(history) - 1
-            if pos >= self.ctx_size:
-                return
-            with torch.inference_mode():
-                logits = self.forward([token], pos, last_only=True)[-1]
-            stats.generate_seconds = time.perf_counter() - decode_start
+    def generate_step(self, prompt_ids: Sequence[int], params: SamplingParams) -> Iterator[int]:
+        """Sampled token ids, one at a time, until the context is full (the caller stops earlier): the
+        Generation that `stream` runs, with no stop strings and end tokens sampled like any other."""
+        gen = Generation(self, prompt_ids, max_tokens=self.ctx_size, params=params, ignore_eos=True)
+        for _ in self._run(gen):
+            yield gen.tokens[-1]
 
     def stream(
         self,
@@ -219,6 +198,13 @@ class Engine:
             constraint=constraint,
         )
         yield from gen.drain()
+        for _ in self._run(gen):
+            yield from gen.drain()
+
+    def _run(self, gen: Generation) -> Iterator[None]:
+        """Run `gen` to its end on this engine alone: each forward it wants; yields after each sampled token."""
+        if gen.stats.generated_tokens:  # its first token came with the prompt (prefilled)
+            yield
         while not gen.done:
             ids, pos = gen.want()
             with torch.inference_mode():
@@ -227,7 +213,8 @@ class Engine:
                 gen.take(logits)
             except NonFiniteLogits as exc:
                 raise NonFiniteLogits(f"{exc}; {self.locate_nonfinite(gen.tokens)}") from None
-            yield from gen.drain()
+            if not gen.prefilling:
+                yield
 
     def locate_nonfinite(self, ids: Sequence[int]) -> str:
         """Where NaN/inf first appear in a dense forward of `ids`, in words: the first layer whose FFN input or
