@@ -1,7 +1,7 @@
-"""`hotcold sparsify`: a dense SwiGLU GGUF -> the same file plus what thresholded sparsity runs on.
+"""`hotcold sparsify`: a dense SwiGLU or GeGLU GGUF -> the same file plus what thresholded sparsity runs on.
 
 Calibration (training-free): the dense model runs over a corpus; every layer's FFN input h gives each
-neuron's score: CATS |silu(gate_i . h)|, or (the default, "wina", WINA's idea applied to CATS' gate) that
+neuron's score: CATS |act(gate_i . h)| (act: the file's SiLU, or Gemma's GELU), or (the default, "wina", WINA's idea applied to CATS' gate) that
 times |down[:, i]|, the norm of the neuron's output direction, so a neuron that moves the residual little
 is skipped first (benchmarks/RESULTS_LOG.md: lower held-out perplexity than CATS at every sparsity measured). Scores go
 into per-layer log-spaced histograms (fine: 16384 bins over 1e-12 .. 1e4, 0.1% of a decade each), so
@@ -101,10 +101,11 @@ def check_swiglu(mf: ModelFile, config: ModelConfig) -> None:
         raise ValueError(f"{path}: mixture-of-experts files are not supported by sparsify")
     if names.tensor(names.FFN_GATE, 0) not in mf.tensors:
         raise ValueError(f"{path}: sparsify reads ffn_gate, and this {config.arch} file has none")
-    if config.ffn_kind != "gated" or config.ffn_activation != "silu":
+    if config.ffn_kind != "gated" or config.ffn_activation not in SCORE_ACTIVATIONS:
         raise ValueError(
-            f"{path}: sparsify needs a SwiGLU model (silu(gate) * up); this {config.arch} file's FFN is "
-            f"{config.ffn_kind} with {config.ffn_activation}"
+            f"{path}: sparsify needs a SwiGLU or GeGLU model (act(gate) * up, act one of "
+            f"{', '.join(SCORE_ACTIVATIONS)}); this {config.arch} file's FFN is {config.ffn_kind} with "
+            f"{config.ffn_activation}"
         )
 
 
@@ -196,7 +197,7 @@ def calibrate(
     if attention or gate_inputs:
         inputs = InputCalibration(mf, c, attention=attention, gate=gate_inputs, wina=method == "wina")
 
-    add_scores = _neuron_scores(hist, scale)
+    add_scores = _neuron_scores(hist, scale, c.ffn_activation)
 
     def observe(layer: int, h: torch.Tensor, _p: torch.Tensor, _a: torch.Tensor) -> None:
         if not gate_inputs:  # (a gate-inputs file's neurons are scored in the second pass below)
@@ -229,11 +230,20 @@ def calibrate(
     )
 
 
-def _neuron_scores(hist: ScoreHistograms, scale: torch.Tensor | None):
-    """add(layer, gate [T, F]): the neuron scores |silu(gate)| (times the wina weights) into hist."""
+# the gated FFNs sparsify calibrates: the score of a neuron is |act(gate)|
+SCORE_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),  # Gemma's GeGLU
+}
+
+
+def _neuron_scores(hist: ScoreHistograms, scale: torch.Tensor | None, activation: str):
+    """add(layer, gate [T, F]): the neuron scores |act(gate)| (times the wina weights) into hist."""
+    act = SCORE_ACTIVATIONS[activation]
 
     def add(layer: int, gate: torch.Tensor) -> None:
-        score = F.silu(gate).abs()
+        score = act(gate).abs()
         hist.add(layer, score if scale is None else score * scale[layer])
 
     return add
@@ -250,7 +260,7 @@ def _gate_input_scores(llm, windows, tables, sparsity: float, scale, progress: b
     grid = torch.tensor(GRID, dtype=torch.float32)
     cut = [threshold_at(grid, tables.gate_quantiles[i], sparsity) for i in range(c.n_layer)]
     hist = ScoreHistograms(c.n_layer, c.n_ff)
-    add_scores = _neuron_scores(hist, scale)
+    add_scores = _neuron_scores(hist, scale, c.ffn_activation)
 
     def observe(layer: int, h: torch.Tensor, _p: torch.Tensor, _a: torch.Tensor) -> None:
         in_scale = None if tables.gate_scale is None else tables.gate_scale[layer]

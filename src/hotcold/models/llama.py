@@ -169,13 +169,13 @@ class Llama:
                 )  # fmt: skip
             if watch is not None:
                 watch(i, 1, attn)
-            if inputs is not None:
-                x = x + inputs.o(attn, layer.wo, ctx)
-                x = x + layer.ffn(x, ctx)
-                continue
-            if spec.post_norms:  # Gemma 2 and 3: each branch normed before its add
-                x = x + layer.post_attn_norm(linear(attn, layer.wo))
-                x = x + layer.post_ffn_norm(layer.ffn(x, ctx))
+            if (
+                inputs is not None or spec.post_norms
+            ):  # input-sparse o; Gemma: each branch normed before its add
+                o = inputs.o(attn, layer.wo, ctx) if inputs is not None else linear(attn, layer.wo)
+                x = x + (layer.post_attn_norm(o) if spec.post_norms else o)
+                f = layer.ffn(x, ctx)
+                x = x + (layer.post_ffn_norm(f) if spec.post_norms else f)
                 continue
             fused = getattr(layer.ffn, "decode_tail", None)  # MoE layers have none
             if layer.o_bias is None and fused is not None:

@@ -1,6 +1,6 @@
-"""Training-free activation sparsity for SwiGLU FFNs (files written by `hotcold sparsify`).
+"""Training-free activation sparsity for SwiGLU and GeGLU FFNs (files written by `hotcold sparsify`).
 
-CATS rule: neuron i of a token is computed iff its score |silu(gate_i . h)| is above the layer's
+CATS rule: neuron i of a token is computed iff its score |act(gate_i . h)| is above the layer's
 threshold (the "wina" method weights the score by |down_t[i]|, the neuron's output norm). The gate is
 computed densely (the dense matvec kernels, packed where the type has a packed form); up only for the
 kept rows (row-gather GEMV with the per-token mask) and down as the axpy over `ffn_down_t` for the kept
@@ -31,7 +31,7 @@ from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.kernels import cpu, ffn_calls
 from hotcold.ops import Norm, Weight, linear, uses_c_kernels
 from hotcold.sparse.ffn import FFN
-from hotcold.sparse.ffn_weights import FFNWeights, silu
+from hotcold.sparse.ffn_weights import ACTIVATIONS, FFNWeights
 from hotcold.state import Batch
 
 METHODS = ("cats", "wina")
@@ -178,10 +178,10 @@ class GateInputs:
 
 
 class ThresholdedFFN(FFN):
-    """A SwiGLU FFN computing, per token, only the neurons whose score is over the layer's threshold.
+    """A SwiGLU or GeGLU FFN computing, per token, only the neurons whose score is over the layer's threshold.
 
     weights: gate [F, D] (multiplied whole), up [F, D] and down_t [F, D] (gathered row by row), kind
-    "gated", SiLU, and down: the file's ffn_down [D, F] for many-row forwards (None: the axpy there too);
+    "gated", SiLU or GELU (the C step: SiLU only), and down: the file's ffn_down [D, F] for many-row forwards (None: the axpy there too);
     scale: [F] per-neuron score weights (None: CATS); probe: [F, D] a cheaper copy of the gate the score
     is computed from (None: the gate itself, then multiplied whole); up_rows / gate_rows: copies of up and
     the gate (names.FFN_UP_ROWS) the row kernels gather from instead (None: the matrices themselves), so
@@ -212,6 +212,7 @@ class ThresholdedFFN(FFN):
         self.weights, self.threshold, self.norm = weights, float(threshold), norm
         self.layer, self.expert, self.down, self.scale, self.threads = layer, None, down, scale, threads
         self.probe, self.gate_in = probe, gate_in
+        self.act = ACTIVATIONS[weights.activation]  # the C kernels' SiLU / GELU on CPU float32
         self.up_rows = weights.up if up_rows is None else up_rows
         self.gate_rows = weights.gate if gate_rows is None else gate_rows
         devices = {_device(m).type for m in (self.gate_rows, self.up_rows, weights.down_t)}
@@ -226,6 +227,7 @@ class ThresholdedFFN(FFN):
             score = self.gate_in.gate_t
         if (
             not self.gathers
+            or w.activation != "silu"  # the C step's score and product are SiLU's
             or not uses_c_kernels(score)
             or (self.scale is not None and self.scale.device.type != "cpu")
         ):
@@ -272,7 +274,7 @@ class ThresholdedFFN(FFN):
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         w = self.weights
         if ctx.dense:  # the reference: every neuron
-            a = silu(linear(h, w.gate)) * linear(h, w.up)
+            a = self.act(linear(h, w.gate)) * linear(h, w.up)
             if ctx.observe is not None:
                 ctx.observe(self.layer, h, p, a)
             ctx.count_all(self.layer, a)
@@ -300,21 +302,21 @@ class ThresholdedFFN(FFN):
             return plan(h, threads=self.threads)
         probe = self.probe is not None
         if self.gate_in is not None:  # the gate of the kept input channels: score and activation
-            act = silu(self.gate_in.gate(h, w.gate, rows=rows, threads=self.threads))
+            act = self.act(self.gate_in.gate(h, w.gate, rows=rows, threads=self.threads))
         else:
-            act = silu(linear(h, self.probe if probe else w.gate))  # [T, F]: every row
+            act = self.act(linear(h, self.probe if probe else w.gate))  # [T, F]: every row
         score = act.abs() if self.scale is None else act.abs() * self.scale.to(act.device)
         mask = score > self.threshold  # [T, F] bool, per token (compared in float32, as the C step)
         if rows:
             hc, mc = h.to(CPU), mask.to(CPU)
             if probe:  # the exact gate of the kept rows
-                act = silu(cpu.gather_matvec(self.gate_rows, hc, mc, threads=self.threads))
+                act = self.act(cpu.gather_matvec(self.gate_rows, hc, mc, threads=self.threads))
             up = cpu.gather_matvec(self.up_rows, hc, mc, threads=self.threads)
             a = torch.where(mc, act.to(CPU) * up, 0.0)
             out = cpu.sparse_axpy(w.down_t, a, mc, threads=self.threads).to(h.device)
         else:
             if probe:
-                act = silu(linear(h, w.gate))
+                act = self.act(linear(h, w.gate))
             a = torch.where(mask, act * linear(h, w.up), 0.0)
             out = self._down_dense(a, h.device)
         return out, mask, None
