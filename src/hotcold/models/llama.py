@@ -169,9 +169,8 @@ class Llama:
                 )  # fmt: skip
             if watch is not None:
                 watch(i, 1, attn)
-            if (
-                inputs is not None or spec.post_norms
-            ):  # input-sparse o; Gemma: each branch normed before its add
+            # input-sparse o (sparsify --attention); Gemma: each branch normed before its add
+            if inputs is not None or spec.post_norms:
                 o = inputs.o(attn, layer.wo, ctx) if inputs is not None else linear(attn, layer.wo)
                 x = x + (layer.post_attn_norm(o) if spec.post_norms else o)
                 f = layer.ffn(x, ctx)
