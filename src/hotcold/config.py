@@ -201,4 +201,6 @@ def ffn_activation(arch: str, model_file: ModelFile) -> str:
                 f"{model_file.path}: {names.FFN_ACTIVATION} {declared!r} is not relu, silu, gelu or gelu_tanh"
             )
         return declared
+    if arch == "smallthinker":  # ReLU-gated experts (upstream's LLM_FFN_RELU)
+        return "relu"
     return names.default_activation(arch, sparse=model_file.is_sparse)

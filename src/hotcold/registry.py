@@ -24,6 +24,7 @@ ARCHITECTURES = {
     "mixtral": "mixtral",
     "qwen3moe": "mixtral",  # Qwen3-MoE: Qwen3's attention, softmax top-k experts renormalised (Mixtral's router)
     "gpt-oss": "gpt_oss",  # gpt-oss: sinks, sliding/global layers, YaRN, biases, clamped-SwiGLU experts (MXFP4)
+    "smallthinker": "smallthinker",  # SmallThinker: router before attention, sigmoid top-k, ReLU experts, NoPE layers
 }
 
 

@@ -31,6 +31,7 @@ FAMILIES = {
     "qwen3": "qwen",
     "qwen3_moe": "qwen3moe",
     "gpt_oss": "gpt_oss",
+    "smallthinker": "smallthinker",
     "phi3": "phi3",
     "gemma2": "gemma3",  # Gemma 2: Gemma 3's converter, its own pattern and soft-caps
     "gemma3_text": "gemma3",

@@ -57,6 +57,8 @@ class LayerSpec:
     sinks: bool = False  # a learned logit per head in each softmax's denominator (gpt-oss)
     attn_softcap: float = 0.0  # scores s -> c * tanh(s / c) before the softmax (Gemma 2; 0: none)
     oai_experts: bool = False  # gpt-oss's experts: router and expert biases, the clamped SwiGLU
+    early_router: bool = False  # the experts are routed from the residual before attention (SmallThinker)
+    nope: bool = False  # no RoPE: positions only through the causal mask (SmallThinker's global layers)
 
     def beyond_llama(self) -> str | None:
         """The first thing this layer computes that a plain llama layer (RMS norms, sequential residual, RoPE on
@@ -85,10 +87,14 @@ class LayerSpec:
         layers decode eagerly, layer by layer (decoders.choose_decoder)."""
         if self.sinks:
             return "attention sinks"
-        if self.oai_experts:
-            return "gpt-oss's experts (router and expert biases, the clamped SwiGLU)"
         if self.attn_softcap:
             return "soft-capped attention scores"
+        if self.oai_experts:
+            return "gpt-oss's experts (router and expert biases, the clamped SwiGLU)"
+        if self.early_router:
+            return "a router on the residual before attention"
+        if self.nope:
+            return "attention without RoPE"
         return None
 
 
@@ -107,13 +113,13 @@ class Head:
 
     norm: Norm
     weight: Weight  # [V, D]
+    softcap: float = 0.0  # logits l -> c * tanh(l / c) (Gemma 2's final_logit_softcapping; 0: none)
 
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
 
     def __call__(self, x: torch.Tensor, ctx: Batch, *, last_only: bool) -> torch.Tensor:
-    softcap: float = 0.0  # logits l -> c * tanh(l / c) (Gemma 2's final_logit_softcapping; 0: none)
         if last_only:  # each segment's last row
             x = x[-1:] if len(ctx.seqs) == 1 else x[ctx.last_rows()]
         x = x.to(self.device)
@@ -135,13 +141,13 @@ def rope_attention_segments(
     neox: bool,
     sliding_window=None,
     sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """RoPE attention of every segment over its own sequence's layer cache (q [T, H, Dh], k/v [T, Hkv, Dh])
     -> [T, H*Dh]. A batch on the CPU whose segments are decode tokens, or prompt chunks that rope_attention
     runs as decode rows (`attends_in_rows`), is one call for all rows: each row as its segment alone. With
     sinks [H] (gpt-oss) or a softcap (Gemma 2) each segment on its own, in torch (the C attention has neither)."""
     rows = None
-    softcap: float = 0.0,
     if len(ctx.seqs) > 1 and device.type == "cpu" and sinks is None and not softcap:
         if ctx.rows == len(ctx.seqs):  # a decode step: one token a sequence
             rows = ctx.starts, [s.kv.k[layer] for s in ctx.seqs], [s.kv.v[layer] for s in ctx.seqs]
@@ -176,13 +182,13 @@ def rope_attention_segments(
             neox=neox,
             sliding_window=sliding_window,
             sinks=sinks,
+            softcap=softcap,
         )
 
     return per_sequence(ctx, attend)
 
 
 def decode_attention(ctx: Batch, layer: int, qkv: LinearGroup, norm: Norm, x: torch.Tensor, rope: RopeTables,
-            softcap=softcap,
                      device: torch.device, *, heads: tuple[int, int, int], neox: bool,
                      sliding_window=None) -> torch.Tensor | None:  # fmt: skip
     """q, k, v of norm(x) and RoPE attention for one decode token of one sequence: on the CPU one C call

@@ -1,7 +1,14 @@
-"""Mixture-of-experts FFN (Mixtral, TurboSparse-Mixtral, Qwen3-MoE, gpt-oss): a router picks each token's top-k
-experts, each an ordinary FFN (dense, sparse or hybrid, chosen by the loader), and their outputs are summed,
-weighted by the softmax over the selected router logits (= transformers' softmax, top-k, renormalise; gpt-oss's
-top-k then softmax is the same). gpt-oss's router has a bias, added to its logits."""
+"""Mixture-of-experts FFN (Mixtral, TurboSparse-Mixtral, Qwen3-MoE, gpt-oss, SmallThinker): a router picks each
+token's top-k experts, each an ordinary FFN (dense, sparse or hybrid, chosen by the loader), and their outputs are
+summed, weighted by the softmax over the selected router logits (= transformers' softmax, top-k, renormalise;
+gpt-oss's top-k then softmax is the same), or with gating "sigmoid" (SmallThinker) by the sigmoids of the selected
+logits renormalised to 1 (upstream's build_moe_ffn with norm_w: the sum clamped below at 2^-14). gpt-oss's router
+has a bias, added to its logits.
+
+Expert-row sparsity: a dense expert whose gate is ReLU (SmallThinker, a ReLU Mixtral, TurboSparse's dReLU) computes
+its gate rows, then only the up rows where relu(gate) != 0 and only the down rows whose activation is nonzero
+(`relu_rows`, the C row kernels): every skipped row's product is an exact 0, so the bits are the dense expert's
+(tests/sparse/test_moe_rows.py). The rows it computes are what the timings count."""
 
 from __future__ import annotations
 
@@ -12,16 +19,65 @@ import torch
 from hotcold.kernels import cpu
 from hotcold.kernels.build import HCWeight, hc_weight
 from hotcold.ops import Norm, Weight, linear
-from hotcold.sparse.ffn import FFN
+from hotcold.sparse.ffn import FFN, DenseFFN
+from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.state import Batch
 
 _WEIGHTS = ctypes.POINTER(HCWeight)
+GATINGS = ("softmax", "sigmoid")
+WEIGHTS_SUM_MIN = (
+    6.103515625e-5  # upstream clamps the sum of the chosen sigmoids below at F16's smallest normal
+)
+
+
+def relu_rows_apply(
+    w: FFNWeights, h: torch.Tensor, *, threads: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A ReLU-gated expert over only its live rows: h [T, D] float32 on the CPU -> (out [T, D] without the down
+    bias, live [T, F] bool: the neurons whose activation is nonzero). Every gate row (the C gather GEMV), the up rows
+    where relu(gate) != 0, the activation, then the down rows where it is nonzero: the axpy over down_t (the same
+    kernel, ascending rows, the dense path runs over every row) or, for a file with ffn_down [D, F], the dense
+    product of the activation (its zeros included). Skipped rows would add exact zeros, so the result is the dense
+    expert's, bit for bit."""
+    t, f = h.shape[0], w.n_ff
+    every = torch.ones(t, f, dtype=torch.bool)
+    gate = cpu.gather_matvec(w.gate, h, every, threads=threads)
+    live = torch.relu(gate) != 0
+    up = cpu.gather_matvec(w.up, h, live, threads=threads)
+    a = torch.where(live, w.combine(up, gate), 0.0)
+    live = a != 0  # dReLU: relu(up) zeroes more rows
+    if w.down_t is not None:
+        return cpu.sparse_axpy(w.down_t, a, live, threads=threads), live
+    return linear(a, w.down), live
+
+
+def runs_relu_rows(expert: FFN) -> bool:
+    """Whether an expert takes relu_rows_apply: a dense expert (a sparse one has its predictor) whose gate is ReLU,
+    on the CPU, of weight types the row kernels read (not float32, which the dense path multiplies in torch)."""
+    if type(expert) is not DenseFFN:
+        return False
+    w = expert.weights
+    if w.activation != "relu" or w.kind not in ("gated", "gated_both") or w.up_bias is not None:
+        return False
+    mats = [m for m in (w.up, w.gate, w.down_t, w.down) if m is not None]
+    return all(
+        (m.device if isinstance(m, torch.Tensor) else m.data.device).type == "cpu"
+        and not (isinstance(m, torch.Tensor) and m.dtype == torch.float32)
+        for m in mats
+    )
 
 
 class MoEFFN:
     def __init__(self, router: Weight, experts: list[FFN], n_used: int, *, layer: int, norm: Norm,
-                 router_bias: torch.Tensor | None = None):  # fmt: skip
+                 router_bias: torch.Tensor | None = None, gating: str = "softmax", threads: int | None = None):  # fmt: skip
+        if gating not in GATINGS:
+            raise ValueError(
+                f"layer {layer}: unknown expert gating function {gating!r}; expected one of {GATINGS}"
+            )
         self.router = router  # [E, D]
+        self.gating = gating
+        self.threads = threads
+        self.relu_rows = [runs_relu_rows(e) for e in experts]  # experts computed over their live rows only
         self.router_bias = router_bias  # [E] float32 on the router's device, or None
         self.experts = experts  # FFNs called with apply(h, p, ctx) on their tokens
         self.n_used = n_used
@@ -34,26 +90,44 @@ class MoEFFN:
         return self.n_used * self.experts[0].n_ff
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [T, D] (normed) -> expert ids [T, k] and their weights [T, k] (softmax over the selected logits). On
-        the CPU, for a few tokens, the router's product and the routing in the C kernels (any router type: the
-        one-call decode's, so a token's experts never depend on its path)."""
+        """h [T, D] (the router's input: the normed FFN input, or SmallThinker's residual before attention) ->
+        expert ids [T, k] and their weights [T, k] (softmax over the selected logits, or their sigmoids
+        renormalised). On the CPU, for a few tokens, the router's product in the C kernels and softmax routing too
+        (any router type: the one-call decode's, so a token's experts never depend on its path)."""
         if h.device.type == "cpu" and cpu.backend() == "c" and h.shape[0] < cpu.GEMM_MIN_TOKENS:
             logits = cpu.matmul(self.router, h)
-            return cpu.moe_route(
-                logits if self.router_bias is None else logits + self.router_bias, self.n_used
-            )
-        logits = linear(h, self.router, self.router_bias)  # [T, E]
+            if self.router_bias is not None:
+                logits = logits + self.router_bias
+            if self.gating == "softmax":
+                return cpu.moe_route(logits, self.n_used)
+        else:
+            logits = linear(h, self.router, self.router_bias)  # [T, E]
         top, ids = torch.topk(logits, self.n_used, dim=-1)
+        if self.gating == "sigmoid":
+            chosen = torch.sigmoid(top.float())
+            return ids, chosen / chosen.sum(-1, keepdim=True).clamp(min=WEIGHTS_SUM_MIN)
         return ids, torch.softmax(top, dim=-1)
 
-    def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, ctx: Batch, routing: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """x [T, D] the FFN input (normed here); routing: (ids, weights) the family routed already (SmallThinker
+        routes the residual before attention), else the normed x is routed."""
         h = self.norm(x)
-        ids, weights = self.route(h)
+        ids, weights = self.route(h) if routing is None else routing
         ctx.route(self.layer, ids)
         out = torch.zeros_like(x)
         for e in torch.unique(ids).tolist():
             tokens, slot = torch.where(ids == e)
-            y = self.experts[e].apply(h[tokens], x[tokens], ctx.subset(tokens))  # [t, D]
+            rows = ctx.subset(tokens)
+            if self.relu_rows[e] and not ctx.dense and h.device.type == "cpu":
+                y, live = relu_rows_apply(
+                    self.experts[e].weights, h[tokens].float().contiguous(), threads=self.threads
+                )
+                rows.count(self.layer, live)  # the rows computed: the timings' FFN neurons
+                y = self.experts[e].weights.add_down_bias(y)
+            else:
+                y = self.experts[e].apply(h[tokens], x[tokens], rows)  # [t, D]
             out.index_add_(0, tokens, y.to(out.device) * weights[tokens, slot, None])
         return out
 
@@ -64,7 +138,7 @@ class MoEFFN:
         router_data = self.router if isinstance(self.router, torch.Tensor) else self.router.data
         if not self.norm.rms or router_data.device.type != "cpu":  # route multiplies a CPU router in C
             return None
-        if self.router_bias is not None:  # gpt-oss: not in the C decode layer yet
+        if self.router_bias is not None or self.gating != "softmax":  # gpt-oss, SmallThinker: not in C yet
             return None
         tails = [e.c_tail(wo, dense=dense, norm=self.norm) for e in self.experts]  # the layer norms once
         if any(t is None for t in tails):
