@@ -1,7 +1,8 @@
 """Compile the fused decode kernels (kernels/triton_decode.py) for an NVIDIA GPU without one: Triton's own
 compiler to PTX, its bundled ptxas to SASS. Per kernel variant: whether it compiles, its global loads by
-width (16-byte `v4` loads are what a memory-bound kernel needs) and, where ptxas reports them, registers
-and spilled bytes. The interpreter tests check the arithmetic; this checks what only a compile shows.
+width (16-byte `v4` loads are what a memory-bound kernel needs; `cp.async NB` counts the loads Triton's
+software pipeliner issues ahead into shared memory for a `tl.range(..., num_stages=)` loop) and, where ptxas
+reports them, registers and spilled bytes. The interpreter tests check the arithmetic; this checks what only a compile shows.
 
     python benchmarks/triton_offline.py [--arch 90] [--json out.json]
 
@@ -27,16 +28,17 @@ F16, U8, F32 = "*fp16", "*u8", "*fp32"
 def variants(tile_rows: int = 16, tile_cols: int = 256) -> list[tuple]:
     """(name, kernel, signature, constexprs, args divisible by 16) as the 7B decode step launches them."""
     from hotcold.kernels import triton_decode as td
+    from hotcold.kernels import triton_ffn as tf
 
     out = []
     gemv = {"w_ptr": F16, "x_ptr": F32, "nw_ptr": F32, "res_ptr": F32, "out_ptr": F32, "h_ptr": F32,
-            "count_ptr": F32, "thr": "fp32", "eps": "fp32", "R": "i32", "D": "i32", "stride_w": "i32"}  # fmt: skip
-    names = ("NORM", "RELU", "RESIDUAL", "THRESHOLD", "WRITE_NORMED")
+            "count_ptr": F32, "bc_ptr": F32, "thr": "fp32", "eps": "fp32", "R": "i32", "D": "i32", "stride_w": "i32"}  # fmt: skip
+    names = ("NORM", "RELU", "RESIDUAL", "THRESHOLD", "WRITE_NORMED", "BLOCK_COUNTS")
     for label, on in (("o+residual", {"RESIDUAL"}), ("head (norm)", {"NORM"}), ("fc1", {"RELU", "WRITE_NORMED"}),
-                      ("fc2 threshold", {"THRESHOLD"})):  # fmt: skip
+                      ("fc2 threshold", {"THRESHOLD", "BLOCK_COUNTS"})):  # fmt: skip
         sig = dict(gemv, **{n: "constexpr" for n in names}, BLOCK_R="constexpr", BLOCK_D="constexpr")
         if "THRESHOLD" in on:
-            sig.update(out_ptr="*i8", count_ptr="*i32")
+            sig.update(out_ptr="*i8", count_ptr="*i32", bc_ptr="*i32")
         consts = {n: n in on for n in names} | {"BLOCK_R": tile_rows, "BLOCK_D": tile_cols}
         out.append((f"gemv {label}", td._gemv_kernel, sig, consts, ("R", "D", "stride_w")))
     qkv = {"w_ptr": F16, "x_ptr": F32, "nw_ptr": F32, "eps": "fp32", "pos_ptr": "*i64", "cos_ptr": F32,
@@ -48,26 +50,51 @@ def variants(tile_rows: int = 16, tile_cols: int = 256) -> list[tuple]:
            "window": "i32", "GROUP": "i32", "KVD": "i32", "DH": "constexpr", "BLOCK_N": "constexpr"}  # fmt: skip
     out.append(("attention", td._attention_kernel, att, {"DH": 128, "BLOCK_N": 64}, ("KVD",)))
     gu = {"gate_ptr": F16, "up_ptr": F16, "h_ptr": F32, "nw_ptr": F32, "eps": "fp32", "m_ptr": "*i8",
-          "idx_ptr": "*i64", "a_ptr": F32, "F": "i32", "D": "i32", "stride_g": "i32", "stride_u": "i32"}  # fmt: skip
+          "idx_ptr": "*i64", "bc_ptr": "*i32", "a_ptr": F32, "F": "i32", "D": "i32", "stride_g": "i32",
+          "stride_u": "i32"}  # fmt: skip
     gu |= {
         n: "constexpr"
-        for n in ("QG", "QU", "NORM", "HAS_MASK", "HAS_IDX", "KIND", "ACT", "BLOCK_R", "BLOCK_D")
+        for n in (
+            "QG",
+            "QU",
+            "NORM",
+            "HAS_MASK",
+            "HAS_IDX",
+            "COMPACT",
+            "KIND",
+            "ACT",
+            "G",
+            "STAGES",
+            "BLOCK_R",
+            "BLOCK_D",
+        )  # fmt: skip
     }
+    stages = td.GPU_TILE["stages"]
     for label, ptr, q, cols in (("f16", F16, 0, tile_cols), ("q8_0", U8, 1, tile_cols // 2),
                                 ("q4_0", U8, 2, tile_cols // 2)):  # fmt: skip
-        for norm, mask, idx in ((False, True, False), (True, False, False), (False, True, True)):
-            consts = dict(QG=q, QU=q, NORM=norm, HAS_MASK=mask, HAS_IDX=idx, KIND=0, ACT=0, BLOCK_R=tile_rows,
-                          BLOCK_D=cols)  # fmt: skip
-            kind = "dense (norm)" if norm else "hybrid hot rows (mask, rows)" if idx else "sparse (mask)"
-            out.append((f"gate_up {label} {kind}", td._gate_up_kernel, dict(gu, gate_ptr=ptr, up_ptr=ptr), consts,
+        for norm, mask, idx, compact in ((False, True, False, False), (True, False, False, False),
+                                         (False, True, True, False), (False, True, False, True)):  # fmt: skip
+            rows = td.GPU_TILE["compact_rows"] if compact else tile_rows
+            consts = dict(QG=q, QU=q, NORM=norm, HAS_MASK=mask, HAS_IDX=idx, COMPACT=compact, KIND=0, ACT=0,
+                          G=td.MASK_GROUP, STAGES=stages, BLOCK_R=rows, BLOCK_D=cols)  # fmt: skip
+            kind = ("dense (norm)" if norm else "hybrid hot rows (mask, rows)" if idx
+                    else "sparse (compacted list)" if compact else "sparse (mask)")  # fmt: skip
+            sig = dict(gu, gate_ptr=ptr, up_ptr=ptr, idx_ptr="*i32" if compact else "*i64")
+            out.append((f"gate_up {label} {kind}", tf._gate_up_kernel, sig, consts,
                         ("F", "D", "stride_g", "stride_u")))  # fmt: skip
-    ax = {"w_ptr": F16, "a_ptr": F32, "part_ptr": F32, "F": "i32", "D": "i32", "rows_per_split": "i32",
-          "stride_w": "i32", "QTYPE": "constexpr", "BLOCK_K": "constexpr", "BLOCK_D": "constexpr"}  # fmt: skip
+    ax = {"w_ptr": F16, "a_ptr": F32, "rows_ptr": "*i32", "bc_ptr": "*i32", "part_ptr": F32, "F": "i32",
+          "D": "i32", "rows_per_split": "i32", "stride_w": "i32", "QTYPE": "constexpr", "COMPACT": "constexpr",
+          "G": "constexpr", "STAGES": "constexpr", "BLOCK_K": "constexpr", "BLOCK_D": "constexpr"}  # fmt: skip
     for label, ptr, q in (("f16", F16, 0), ("q8_0", U8, 1), ("q4_0", U8, 2)):
-        out.append((f"down_axpy {label}", td._down_axpy_kernel, dict(ax, w_ptr=ptr),
-                    {"QTYPE": q, "BLOCK_K": 16, "BLOCK_D": 256}, ("F", "D", "rows_per_split", "stride_w")))  # fmt: skip
-    red = {"part_ptr": F32, "res_ptr": F32, "out_ptr": F32, "S": "i32", "D": "i32", "BLOCK_D": "constexpr"}
-    out.append(("reduce_residual", td._reduce_residual_kernel, red, {"BLOCK_D": 256}, ("D",)))
+        for compact in (False, True):
+            consts = {"QTYPE": q, "COMPACT": compact, "G": td.MASK_GROUP, "STAGES": stages, "BLOCK_K": 16,
+                      "BLOCK_D": 256}  # fmt: skip
+            name = f"down_axpy {label}" + (" (compacted list)" if compact else "")
+            out.append((name, tf._down_axpy_kernel, dict(ax, w_ptr=ptr), consts,
+                        ("F", "D", "rows_per_split", "stride_w")))  # fmt: skip
+    red = {"part_ptr": F32, "res_ptr": F32, "out_ptr": F32, "D": "i32", "SPLITS": "constexpr",
+           "BLOCK_D": "constexpr"}  # fmt: skip
+    out.append(("reduce_residual", tf._reduce_residual_kernel, red, {"SPLITS": 33, "BLOCK_D": 256}, ("D",)))
     return out
 
 
@@ -90,6 +117,12 @@ def compile_one(kernel, signature: dict, constexprs: dict, divisible: tuple, arc
     ptx = compiled.asm["ptx"]
     loads = collections.Counter(re.findall(r"ld\.global(?:\.nc)?(?:\.v(\d))?\.b(\d+)", ptx))
     row = {"compiles": True, "loads": {f"{int(v or 1) * int(b) // 8}B": n for (v, b), n in loads.items()}}
+    # loads the software pipeline issues ahead (tl.range(num_stages=)): cp.async into shared memory, by width
+    ahead = re.findall(
+        r"cp\.async\.c[ag]\.shared\.global(?:\.\S+)? \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+|\d+)", ptx
+    )
+    for size, n in collections.Counter(int(b, 0) for b in ahead).items():
+        row["loads"][f"cp.async {size}B"] = n
     row.update(_ptxas(ptx, arch))
     return row
 

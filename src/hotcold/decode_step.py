@@ -7,9 +7,11 @@ row in and one copy of [logits, firing counts] out.
 
 Per layer eight kernel launches with the fused Triton kernels (kernels/triton_decode.py):
 qkv + norm + RoPE + KV write, attention, o projection + residual, then for a sparse FFN the predictor's
-fc1 (writing the normed FFN input on the side), fc2 + threshold -> mask + count, gate/up of the firing
-rows, down_t axpy, sum + residual. `TorchKernels` (kernels/torch_decode.py) is the same step in plain torch
-ops (fixed shapes, no syncs): the reference the fused kernels are tested against, and the fallback where Triton is missing.
+fc1 (writing the normed FFN input on the side), fc2 + threshold -> mask + count + per-block counts,
+gate/up of the firing rows (a compacted list of them in ascending row order, built inside the kernel from
+the block counts), down_t axpy over that list, sum + residual. `TorchKernels` (kernels/torch_decode.py) is
+the same step in plain torch ops (fixed shapes, no syncs): the reference the fused kernels are tested
+against, and the fallback where Triton is missing.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def triton_kernels():
         attention = staticmethod(td.attention)
         gate_up = staticmethod(td.gate_up)
         down_axpy = staticmethod(td.down_axpy)
+        compact = staticmethod(td.Compact.empty)  # the compacted firing list's scratch
 
         @staticmethod
         def partial_rows(layer: StepLayer) -> int:
@@ -92,9 +95,12 @@ class _Buffers:
         self.q = torch.zeros(shape.n_head * shape.head_dim, **f32)
         self.attn = torch.zeros_like(self.q)
         self.r = torch.zeros(rank, **f32)  # the predictor's hidden layer
-        self.a = torch.zeros(n_ff, **f32)  # the FFN's activations (0 where a neuron did not fire)
+        # the FFN's activations: one a row (0 where a neuron did not fire), or the fused kernels' compacted
+        # list (a[e] for row compact.rows[e])
+        self.a = torch.zeros(n_ff, **f32)
         self.mask = torch.zeros(n_ff, dtype=torch.int8, device=device)
         self.partial = torch.zeros(partial_rows, D, **f32)
+        self.compact = None  # the kernels' compacted-list scratch (StaticDecoder sets it)
         # what comes back to the host each token, in one copy: logits [V], then per-layer firing counts
         self.result = torch.zeros(n_vocab + len(layers), **f32)
         self.logits = self.result[:n_vocab]
@@ -121,6 +127,7 @@ class StaticDecoder:
         self.failure: str | None = None  # why the engine stopped using this step (its first step raised)
         rows = max((self.kernels.partial_rows(la) for la in layers if la.down_t is not None), default=1)
         self.buf = _Buffers(layers, shape, head.shape[0], self.device, rows)
+        self.buf.compact = self.kernels.compact(max(self.n_ff), self.device)
         self.capture = self.device.type == "cuda" if capture is None else capture
         self._graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # KV cache -> CUDA graph
         self._host = torch.zeros(self.buf.result.shape, dtype=torch.float32, pin_memory=self.capture)
@@ -147,16 +154,17 @@ class StaticDecoder:
                 r = b.r[: layer.fc1.shape[0]]
                 mask = b.mask[:n_ff]
                 k.gemv(layer.fc1, b.x2, out=r, relu=True, norm=layer.ffn_norm, eps=s.eps, normed_out=b.h)
-                k.gemv(
-                    layer.fc2, r, out=r, threshold=layer.threshold, mask_out=mask, count=b.counts[i : i + 1]
-                )
+                list_ = b.compact  # the firing rows as a list: a[e] is row list_.rows[e]'s
+                k.gemv(layer.fc2, r, out=r, threshold=layer.threshold, mask_out=mask, count=b.counts[i : i + 1],
+                       block_counts=list_ and list_.block_counts)  # fmt: skip
                 k.gate_up(layer.gate, layer.up, b.h, mask, a, kind=s.kind, activation=s.activation,
-                          qtypes=(layer.gate_qtype, layer.up_qtype))  # fmt: skip
+                          qtypes=(layer.gate_qtype, layer.up_qtype), compact=list_)  # fmt: skip
             else:  # dense FFN: every row, the norm computed inside the gate/up kernel
+                list_ = None
                 k.gate_up(layer.gate, layer.up, b.x2, None, a, kind=s.kind, activation=s.activation,
                           norm=layer.ffn_norm, eps=s.eps, qtypes=(layer.gate_qtype, layer.up_qtype))  # fmt: skip
             if layer.down_t is not None:
-                k.down_axpy(layer.down_t, a, b.x2, b.partial, b.x, qtype=layer.down_qtype)
+                k.down_axpy(layer.down_t, a, b.x2, b.partial, b.x, qtype=layer.down_qtype, compact=list_)
             else:
                 k.gemv(layer.down, a, out=b.x, residual=b.x2)
         k.gemv(self.head, b.x, out=b.logits, norm=self.head_norm, eps=s.eps)

@@ -33,7 +33,7 @@ class TorchKernels:
         return x * torch.rsqrt(x.pow(2).mean() + eps) * w
 
     def gemv(self, w, x, *, out, norm=None, eps=0.0, residual=None, relu=False, threshold=None,
-             mask_out=None, count=None, normed_out=None):  # fmt: skip
+             mask_out=None, count=None, normed_out=None, block_counts=None):  # fmt: skip
         if normed_out is not None:
             normed_out.copy_(self._norm(x, norm, eps))
             norm = None
@@ -75,7 +75,8 @@ class TorchKernels:
         s = torch.where(live, qh @ k.transpose(1, 2), float("-inf"))  # [Hkv, G, S]
         out.copy_((torch.softmax(s, dim=-1) @ v).flatten())
 
-    def gate_up(self, gate, up, h, mask, a_out, *, kind, activation, norm=None, eps=0.0, qtypes=(None, None)):
+    def gate_up(self, gate, up, h, mask, a_out, *, kind, activation, norm=None, eps=0.0, qtypes=(None, None),
+                compact=None):  # fmt: skip
         act = torch.relu if activation == "relu" else F.silu
         hn = self._norm(h, norm, eps) if norm is not None else h
         g = act(_mm(hn, gate))
@@ -83,8 +84,14 @@ class TorchKernels:
         a = g * (act(u) if kind == "gated_both" else u)
         return a_out.copy_(a if mask is None else torch.where(mask != 0, a, 0.0))
 
-    def down_axpy(self, down_t, a, residual, partial, out, *, qtype=None):
+    def down_axpy(self, down_t, a, residual, partial, out, *, qtype=None, compact=None):
         return out.copy_(residual + _mm(a, down_t.T))  # a @ down_t
+
+    @staticmethod
+    def compact(n_ff: int, device) -> None:
+        """No compacted firing list here: `a` stays one value a row (block_counts and compact are the fused
+        kernels' scratch, None for these)."""
+        return None
 
     @staticmethod
     def partial_rows(layer) -> int:

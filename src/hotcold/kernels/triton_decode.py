@@ -7,9 +7,10 @@
     gemv             out = W @ f(x) [+ residual] with constexpr variants: the norm computed in-kernel, ReLU,
                      or a threshold that writes the firing mask and adds the firing count on the device
                      (o projection + residual; the predictor's fc1 and fc2; dense up/gate/down; the head)
-    gate_up          act(gate . h) * up . h for the rows the mask fires, 0 elsewhere; a row block nobody
-                     needs reads no weights
-    down_axpy        partial sums of a[k] * down_t[k] over row splits (rows with a == 0 are not read),
+                     and the firing count of each 16-row block of the mask (the compacted list's input)
+    gate_up          act(gate . h) * up . h for the rows the mask fires: over row blocks, or over the
+                     compacted list of firing rows (kernels/triton_ffn.py)
+    down_axpy        partial sums of a[k] * down_t[k] over splits of the rows or of the list,
     reduce_residual  then x + the splits' sum, added in split order: deterministic, no atomics
 
 Everything the host would otherwise read (the position, the mask, the firing count) stays on the
@@ -29,8 +30,21 @@ import os
 import torch
 
 from hotcold.kernels.launches import launch
-from hotcold.kernels.triton import _INTERPRETED, _QCODE, _load_rows, _sm_count, tl, triton
-from hotcold.kernels.triton_args import QTYPES
+from hotcold.kernels.triton import _INTERPRETED, tl, triton
+from hotcold.kernels.triton_ffn import (  # noqa: F401 (the FFN kernels, used through this module)
+    ACTIVATION_CODES,
+    GPU_TILE,
+    KIND_CODES,
+    MASK_GROUP,
+    Compact,
+    _blocks,
+    _rms_inv,
+    axpy_splits,
+    down_axpy,
+    down_axpy_partial,
+    gate_up,
+    reduce_residual,
+)
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 log = logging.getLogger(__name__)
@@ -52,21 +66,6 @@ class FusedPaths:
         log.warning("fused decode kernels off for this process, decoding through torch ops: %s", cls.failure)
 
 
-ACTIVATION_CODES = {"relu": 0, "silu": 1}
-KIND_CODES = {"gated": 0, "gated_both": 1}
-
-
-@_jit
-def _rms_inv(x_ptr, D, eps, BLOCK_D: tl.constexpr):
-    """1 / sqrt(mean(x^2) + eps) of the fp32 vector x [D] (every program computes it: D is small)."""
-    cols = tl.arange(0, BLOCK_D)
-    ss = tl.zeros([BLOCK_D], dtype=tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        xs = tl.load(x_ptr + d0 + cols, mask=d0 + cols < D, other=0.0)
-        ss += xs * xs
-    return 1.0 / tl.sqrt(tl.sum(ss, axis=0) / D + eps)
-
-
 @_jit
 def _dot_rows(w_ptr, stride_w, rows, live, x_ptr, nw_ptr, inv, D, NORM: tl.constexpr, BLOCK_D: tl.constexpr):
     """[BR] dots of weight rows `rows` (read where `live`) with x (RMS-normed in-kernel when NORM)."""
@@ -85,9 +84,9 @@ def _dot_rows(w_ptr, stride_w, rows, live, x_ptr, nw_ptr, inv, D, NORM: tl.const
 
 @_jit
 def _gemv_kernel(
-    w_ptr, x_ptr, nw_ptr, res_ptr, out_ptr, h_ptr, count_ptr, thr, eps, R, D, stride_w,
+    w_ptr, x_ptr, nw_ptr, res_ptr, out_ptr, h_ptr, count_ptr, bc_ptr, thr, eps, R, D, stride_w,
     NORM: tl.constexpr, RELU: tl.constexpr, RESIDUAL: tl.constexpr, THRESHOLD: tl.constexpr,
-    WRITE_NORMED: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    WRITE_NORMED: tl.constexpr, BLOCK_COUNTS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -107,7 +106,10 @@ def _gemv_kernel(
     if THRESHOLD:  # the predictor's fc2: fp32 logits against the threshold; the firing count on the device
         fire = (y >= thr) & ok
         tl.store(out_ptr + rows, fire.to(tl.int8), mask=ok)
-        tl.atomic_add(count_ptr, tl.sum(fire.to(tl.int32), axis=0))
+        fired = tl.sum(fire.to(tl.int32), axis=0)
+        tl.atomic_add(count_ptr, fired)
+        if BLOCK_COUNTS:  # this program's rows are one block of the mask: its count, stored (no atomics)
+            tl.store(bc_ptr + pid, fired)
     else:
         if RESIDUAL:
             y += tl.load(res_ptr + rows, mask=ok, other=0.0)
@@ -178,114 +180,23 @@ def _attention_kernel(
     tl.store(out_ptr + h * DH + d, acc / total)
 
 
-@_jit
-def _gate_up_kernel(
-    gate_ptr, up_ptr, h_ptr, nw_ptr, eps, m_ptr, idx_ptr, a_ptr, F, D, stride_g, stride_u,
-    QG: tl.constexpr, QU: tl.constexpr, NORM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_IDX: tl.constexpr, KIND: tl.constexpr, ACT: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    ok = rows < F
-    fire = ok
-    if HAS_MASK:
-        if HAS_IDX:  # row k of the weights is neuron idx[k] of the mask (a hybrid layer's hot rows)
-            neuron = tl.load(idx_ptr + rows, mask=ok, other=0)
-            fire = (tl.load(m_ptr + neuron, mask=ok, other=0) != 0) & ok
-        else:
-            fire = (tl.load(m_ptr + rows, mask=ok, other=0) != 0) & ok
-    a = tl.zeros([BLOCK_R], dtype=tl.float32)
-    if tl.max(fire.to(tl.int32), axis=0) > 0:  # a block nobody fires reads no weights
-        inv = 1.0
-        if NORM:
-            inv = _rms_inv(h_ptr, D, eps, BLOCK_D)
-        # gate and up rows in one pass over h: each column block of h is loaded once for both
-        cols = tl.arange(0, BLOCK_D)
-        acc_g = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        acc_u = tl.zeros([BLOCK_R, BLOCK_D], dtype=tl.float32)
-        g_ptr = gate_ptr + rows[:, None].to(tl.int64) * stride_g
-        u_ptr = up_ptr + rows[:, None].to(tl.int64) * stride_u
-        for d0 in range(0, D, BLOCK_D):
-            c = d0 + cols
-            hs = tl.load(h_ptr + c, mask=c < D, other=0.0)
-            if NORM:
-                hs = hs * inv * tl.load(nw_ptr + c, mask=c < D, other=0.0)
-            live = fire[:, None] & (c < D)[None, :]
-            acc_g += _load_rows(g_ptr, c[None, :], live, QG) * hs[None, :]
-            acc_u += _load_rows(u_ptr, c[None, :], live, QU) * hs[None, :]
-        g = tl.sum(acc_g, axis=1)
-        u = tl.sum(acc_u, axis=1)
-        if ACT == 0:
-            g = tl.maximum(g, 0.0)
-        else:
-            g = g / (1.0 + tl.exp(-g))
-        if KIND == 1:
-            if ACT == 0:
-                u = tl.maximum(u, 0.0)
-            else:
-                u = u / (1.0 + tl.exp(-u))
-        a = tl.where(fire, g * u, 0.0)
-    tl.store(a_ptr + rows, a, mask=ok)
-
-
-@_jit
-def _down_axpy_kernel(
-    w_ptr, a_ptr, part_ptr, F, D, rows_per_split, stride_w,
-    QTYPE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    split = tl.program_id(1)
-    k_begin = split * rows_per_split
-    k_end = tl.minimum(k_begin + rows_per_split, F)
-    acc = tl.zeros([BLOCK_K, BLOCK_D], dtype=tl.float32)
-    for k0 in range(k_begin, k_end, BLOCK_K):
-        rows = k0 + tl.arange(0, BLOCK_K)
-        coef = tl.load(a_ptr + rows, mask=rows < k_end, other=0.0)
-        live = coef != 0.0
-        if tl.max(live.to(tl.int32), axis=0) > 0:  # rows nobody needs are not read
-            row_ptr = w_ptr + rows[:, None].to(tl.int64) * stride_w
-            w = _load_rows(row_ptr, cols[None, :], live[:, None] & (cols < D)[None, :], QTYPE)
-            acc += coef[:, None] * w
-    tl.store(part_ptr + split * D + cols, tl.sum(acc, axis=0), mask=cols < D)
-
-
-@_jit
-def _reduce_residual_kernel(part_ptr, res_ptr, out_ptr, S, D, BLOCK_D: tl.constexpr):
-    cols = tl.program_id(0) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ok = cols < D
-    acc = tl.load(res_ptr + cols, mask=ok, other=0.0)
-    for s in range(0, S):
-        acc += tl.load(part_ptr + s * D + cols, mask=ok, other=0.0)
-    tl.store(out_ptr + cols, acc, mask=ok)
-
-
 # ------------------------------------------------------------------------------------------------
 # Host wrappers: shapes in, launches out. No checks that read device values (nothing here syncs).
 # ------------------------------------------------------------------------------------------------
 
 
-# GPU tiles of the row kernels: [rows, columns] a program step, 4 warps; first guesses, not tuned on a GPU.
-# benchmark() times the alternatives, so the first GPU run says which to keep.
-GPU_TILE = {"rows": 16, "cols": 256, "warps": 4}
-
-
-def _blocks(w: torch.Tensor) -> dict:
-    """BLOCK_R, BLOCK_D (and num_warps on a GPU) of a row kernel over weights w: on the interpreter narrow
-    enough that tests cover several column blocks; on a GPU GPU_TILE (F32 weights: half as many columns,
-    so a step still loads 8 KiB in 16-byte loads)."""
-    if _INTERPRETED or w.device.type != "cuda":
-        return dict(BLOCK_R=16, BLOCK_D=32)
-    # F32 rows: 8 KiB a step at half the columns; ggml blocks (uint8): half the columns too, since a
-    # [16, 256] tile of Q4_0 gate + up spills registers (ptxas for sm_90: 255 registers, 76 bytes spilled)
-    cols = GPU_TILE["cols"] // 2 if w.element_size() == 4 or w.dtype == torch.uint8 else GPU_TILE["cols"]
-    return dict(BLOCK_R=GPU_TILE["rows"], BLOCK_D=cols, num_warps=GPU_TILE["warps"])
-
-
 def gemv(w, x, *, out, norm=None, eps=0.0, residual=None, relu=False, threshold=None, mask_out=None,
-         count=None, normed_out=None) -> torch.Tensor:  # fmt: skip
+         count=None, normed_out=None, block_counts=None) -> torch.Tensor:  # fmt: skip
     """out [R] = W [R, D] @ f(x [D]) (+ residual [R]); f = RMS norm with weight `norm` when given.
-    With `threshold`: `mask_out` int8 [R] = (W @ x >= threshold), `count` int32 [1] += fired rows.
+    With `threshold`: `mask_out` int8 [R] = (W @ x >= threshold), `count` int32 [1] += fired rows, and with
+    `block_counts` (int32 [>= ceil(R / MASK_GROUP)]) the fired rows of each MASK_GROUP-row block.
     With `normed_out`: also writes norm(x) there (fc1 of the predictor hands the FFN its input)."""
     r, d = w.shape
     tile = _blocks(w)
+    if block_counts is not None:
+        if threshold is None:
+            raise ValueError("gemv: block_counts come with a threshold")
+        tile["BLOCK_R"] = MASK_GROUP
     nw = norm if norm is not None else x
     if normed_out is not None and norm is None:
         raise ValueError("gemv: normed_out needs the norm weight")
@@ -297,10 +208,11 @@ def gemv(w, x, *, out, norm=None, eps=0.0, residual=None, relu=False, threshold=
         mask_out if threshold is not None else out,
         normed_out if normed_out is not None else x,
         count if count is not None else x,
+        block_counts if block_counts is not None else x,
         float(threshold or 0.0), float(eps), r, d, w.stride(0),
         NORM=norm is not None and normed_out is None,
         RELU=relu, RESIDUAL=residual is not None, THRESHOLD=threshold is not None,
-        WRITE_NORMED=normed_out is not None, **tile,
+        WRITE_NORMED=normed_out is not None, BLOCK_COUNTS=block_counts is not None, **tile,
     )  # fmt: skip
     return mask_out if threshold is not None else out
 
@@ -331,89 +243,3 @@ def attention(q, k_cache, v_cache, pos, out, *, n_head: int, head_dim: int, wind
         q, k_cache, v_cache, pos, out, head_dim**-0.5, int(window), n_head // n_kv, n_kv * head_dim,
         DH=head_dim, BLOCK_N=block_n,
     )  # fmt: skip
-
-
-def _width(w: torch.Tensor, qtype: str | None) -> tuple[int, int]:
-    """(kernel type code, values a row) of float weights (qtype None) or ggml blocks ("q8_0", "q4_0")."""
-    if qtype is None:
-        return 0, w.shape[1]
-    block_bytes, block_values = QTYPES[qtype]
-    return _QCODE[qtype], w.shape[1] // block_bytes * block_values
-
-
-def gate_up(gate, up, h, mask, a_out, *, kind: str, activation: str, norm=None, eps=0.0,
-            qtypes: tuple[str | None, str | None] = (None, None), mask_rows=None) -> torch.Tensor:  # fmt: skip
-    """a_out [F] = act(gate . h) * up . h (gated_both: act(up . h)) where mask [F] (None: every row);
-    with `norm`, h is RMS-normed in the kernel first (a dense FFN, which has no predictor to do it).
-    qtypes: gate's and up's block types (None: float; "q8_0" / "q4_0": uint8 ggml blocks [F, row bytes]).
-    mask_rows: int64 [F] where weight row k is neuron mask_rows[k] of a longer mask (a hybrid layer's
-    hot rows against the whole layer's mask)."""
-    qg, _ = _width(gate, qtypes[0])
-    qu, d = _width(up, qtypes[1])
-    f = up.shape[0]
-    tile = _blocks(up if up.dtype == torch.uint8 else gate)
-    launch(
-        _gate_up_kernel,
-        (triton.cdiv(f, tile["BLOCK_R"]),),
-        gate, up, h, norm if norm is not None else h, float(eps), mask if mask is not None else h,
-        mask_rows if mask_rows is not None else h, a_out, f, d, gate.stride(0), up.stride(0), QG=qg, QU=qu,
-        NORM=norm is not None, HAS_MASK=mask is not None, HAS_IDX=mask_rows is not None, KIND=KIND_CODES[kind], ACT=ACTIVATION_CODES[activation],
-        **tile,
-    )  # fmt: skip
-    return a_out
-
-
-def axpy_splits(f: int, d: int, device: torch.device) -> tuple[int, int]:
-    """(splits, rows per split) of down_axpy over f rows of d values: enough programs to fill the GPU
-    (~4 per SM)."""
-    block_k, block_d = _axpy_blocks(device)
-    n_d = triton.cdiv(d, block_d)
-    blocks = triton.cdiv(f, block_k)
-    splits = max(1, min(blocks, triton.cdiv(4 * _sm_count(device), n_d)))
-    rows_per_split = triton.cdiv(blocks, splits) * block_k
-    return triton.cdiv(f, rows_per_split), rows_per_split
-
-
-def down_axpy(down_t, a, residual, partial, out, *, qtype: str | None = None) -> torch.Tensor:
-    """out [D] = residual + sum_k a[k] down_t[k] (rows with a[k] == 0 unread); partial [>= S, D] scratch
-    with S from axpy_splits (a decode step's scratch is sized for its widest layer: only the first S rows
-    are this call's). Two launches; the splits are added in order. qtype as in gate_up."""
-    return reduce_residual(down_axpy_partial(down_t, a, partial, qtype=qtype), residual, out)
-
-
-def down_axpy_partial(down_t, a, partial, *, qtype: str | None = None) -> torch.Tensor:
-    """down_axpy's first launch: partial[:S] = each row split's sum of a[k] down_t[k]; returns partial[:S],
-    the rows reduce_residual must add (rows past S hold another layer's sums)."""
-    code, d = _width(down_t, qtype)
-    f = down_t.shape[0]
-    splits, rows_per_split = axpy_splits(f, d, down_t.device)
-    if partial.shape[0] < splits or partial.shape[1] != d:
-        raise ValueError(f"down_axpy: scratch {tuple(partial.shape)} holds fewer than {splits} splits of {d}")
-    block_k, block_d = _axpy_blocks(down_t.device)
-    launch(
-        _down_axpy_kernel,
-        (triton.cdiv(d, block_d), splits),
-        down_t, a, partial, f, d, rows_per_split, down_t.stride(0), QTYPE=code, BLOCK_K=block_k, BLOCK_D=block_d,
-    )  # fmt: skip
-    return partial[:splits]
-
-
-def reduce_residual(partial, residual, out) -> torch.Tensor:
-    """down_axpy's second launch: out [D] = residual + the splits of partial [S, D], added in order."""
-    splits, d = partial.shape
-    block_d = _axpy_blocks(partial.device)[1]
-    launch(
-        _reduce_residual_kernel,
-        (triton.cdiv(d, block_d),),
-        partial,
-        residual,
-        out,
-        splits,
-        d,
-        BLOCK_D=block_d,
-    )
-    return out
-
-
-def _axpy_blocks(device: torch.device) -> tuple[int, int]:
-    return (16, 32) if _INTERPRETED or device.type != "cuda" else (16, 256)
