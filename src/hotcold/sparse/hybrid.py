@@ -15,6 +15,7 @@ numbers, and the `meta` device to count launches and waits (kernels/launches.py)
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -172,12 +173,18 @@ class HybridFFN(FFN):
 class OneToken:
     """A hybrid layer's decode token through the fused kernels (kernels/triton_decode.py), eight launches
     a layer where the general path takes ~16 kernels (and the norm's 6) and their Python:
-    predictor fc1 + ReLU, fc2 + threshold -> int8 mask [F] (logits in fp32); the mask and the FFN input to
-    pinned memory with an event behind them; gate/up of the hot rows that fire (row k reads neuron
-    hot_idx[k] of the mask) and the down_t axpy's split sums, queued; one host wait; the cold firing rows on
-    the CPU while the GPU works; the cold result back without blocking and added to the hot splits in one
-    last kernel. Built at load where it applies: float predictor on the hot rows' device, gated FFN,
-    ReLU or SiLU, no up bias (else None: the general path)."""
+    predictor fc1 + ReLU, fc2 + threshold -> int8 mask [F] (logits in fp32); the FFN input and the mask,
+    side by side in one device buffer, to pinned memory in one copy with an event behind it; gate/up of the
+    hot rows that fire (row k reads neuron hot_idx[k] of the mask) and the down_t axpy's split sums, queued;
+    one host wait; the cold firing rows on the CPU while the GPU works; the cold result back through a
+    pinned buffer without blocking and added to the hot splits in one last kernel. Built at load where it
+    applies: float predictor on the hot rows' device, gated FFN, ReLU or SiLU, no up bias (else None: the
+    general path).
+
+    Its buffers (device scratch, the pinned staging both ways, the event) are made once and reused every
+    call, one call at a time (a lock: server slots share the model). Reuse needs no further waits: the
+    device buffers are only touched in stream order, and when the host refills a pinned buffer the copy that
+    read it last is done, since the host has since waited on an event recorded after that copy."""
 
     def __init__(self, ffn: HybridFFN, td, *, fc1, fc2, threshold: float, gate, up, down, qtypes, down_qtype,
                  width: int, hot_idx: torch.Tensor):  # fmt: skip
@@ -188,8 +195,35 @@ class OneToken:
         self.width, self.hot_idx = width, hot_idx  # D; the hot rows' neuron ids on the device
         self.n_hot = len(ffn.hot_idx)
         self.splits = td.axpy_splits(self.n_hot, self.width, self.device)[0]
-        self.count_sink = torch.zeros(1, dtype=torch.int32, device=self.device)  # counts come from the mask
-        self.no_cold = torch.zeros(width, dtype=torch.float32, device=self.device)  # all hot: nothing to add
+        dev, f32 = self.device, dict(dtype=torch.float32, device=self.device)
+        self.count_sink = torch.zeros(1, dtype=torch.int32, device=dev)  # counts come from the mask
+        self.no_cold = torch.zeros(width, **f32)  # all hot: nothing to add
+        self.r = torch.zeros(fc1.shape[0], **f32)  # the predictor's hidden layer
+        self.a = torch.zeros(self.n_hot, **f32)  # the hot rows' activations
+        self.partial = torch.zeros(self.splits, width, **f32)
+        # what the host needs, side by side for one copy: the FFN input h (fp32 [D]), then the mask (int8 [F])
+        self.stage = torch.zeros(4 * width + fc2.shape[0], dtype=torch.uint8, device=dev)
+        self.h, self.mask = (
+            self.stage[: 4 * width].view(torch.float32),
+            self.stage[4 * width :].view(torch.int8),
+        )
+        # the host's copy of the stage (the stage itself where a CPU stands in for the GPU), the cold
+        # result's pinned buffer and its device copy, the event behind the copy out
+        cuda = dev.type == "cuda"
+        host = (
+            self.stage
+            if dev.type == "cpu"
+            else torch.zeros(self.stage.shape, dtype=torch.uint8, pin_memory=cuda)
+        )
+        self.host, self.host_h, self.host_mask = (
+            host,
+            host[: 4 * width].view(torch.float32),
+            host[4 * width :].view(torch.int8),
+        )
+        self.host_cold = torch.zeros(width, dtype=torch.float32, pin_memory=cuda)
+        self.cold = torch.zeros(width, **f32)
+        self.ready = torch.cuda.Event() if cuda else "meta" if dev.type == "meta" else None
+        self._lock = threading.Lock()
 
     @classmethod
     def build(cls, ffn: HybridFFN) -> OneToken | None:
@@ -231,34 +265,48 @@ class OneToken:
         """h, p [1, D] on the hot rows' device -> the FFN output [1, D] there (the down bias not added).
         With `norm` (an RMS Norm), h is the layer's un-normed input: the predictor's first kernel writes
         norm(h) on the side, so the norm costs no launch of its own."""
+        with self._lock:
+            return self._token(ffn, h, p, ctx, norm)
+
+    def _token(self, ffn: HybridFFN, h: torch.Tensor, p: torch.Tensor, ctx: Batch, norm) -> torch.Tensor:
         td, dev, w = self.td, self.device, ffn.hot_weights
         clock = LayerClock(dev) if ffn.profile is not None else None
-        r = torch.empty(self.fc1.shape[0], dtype=torch.float32, device=dev)
-        if norm is not None:
-            normed = torch.empty(self.width, dtype=torch.float32, device=dev)
-            td.gemv(self.fc1, p[0], out=r, relu=True, norm=norm.weight, eps=norm.eps, normed_out=normed)
-            h = normed.view(1, -1)
+        if norm is not None:  # fc1 writes norm(h) into the stage
+            td.gemv(self.fc1, p[0], out=self.r, relu=True, norm=norm.weight, eps=norm.eps, normed_out=self.h)
+            h = self.h
         else:
-            td.gemv(self.fc1, p[0], out=r, relu=True)
-        mask = torch.empty(self.fc2.shape[0], dtype=torch.int8, device=dev)
-        td.gemv(self.fc2, r, out=r, threshold=self.threshold, mask_out=mask, count=self.count_sink)
-        copies, ready = to_host([mask] if ffn.all_hot else [mask, h], wait=False)
-        a = torch.empty(self.n_hot, dtype=torch.float32, device=dev)
+            td.gemv(self.fc1, p[0], out=self.r, relu=True)
+            if not ffn.all_hot:  # the cold rows need h on the host: into the stage, beside the mask
+                h = self.h.copy_(h[0])
+            else:
+                h = h[0]
+        td.gemv(
+            self.fc2, self.r, out=self.r, threshold=self.threshold, mask_out=self.mask, count=self.count_sink
+        )
+        if self.host is not self.stage:  # one copy out (all hot: the mask alone), the event behind it
+            part = slice(4 * self.width, None) if ffn.all_hot else slice(None)
+            self.host[part].copy_(self.stage[part], non_blocking=True)
+        if isinstance(self.ready, torch.cuda.Event):
+            self.ready.record(torch.cuda.current_stream(dev))
         clock and clock.hot_start()
-        td.gate_up(self.gate, self.up, h[0], mask, a, kind=w.kind, activation=w.activation, qtypes=self.qtypes,
-                   mask_rows=self.hot_idx)  # fmt: skip
-        partial = torch.empty(self.splits, self.width, dtype=torch.float32, device=dev)
-        partial = td.down_axpy_partial(self.down, a, partial, qtype=self.down_qtype)
+        td.gate_up(self.gate, self.up, h, self.mask, self.a, kind=w.kind, activation=w.activation,
+                   qtypes=self.qtypes, mask_rows=self.hot_idx)  # fmt: skip
+        partial = td.down_axpy_partial(self.down, self.a, self.partial, qtype=self.down_qtype)
         clock and clock.hot_end()
-        host_wait(ready)  # the predictor and the copies; the hot kernels run on
+        host_wait(self.ready)  # the predictor and the copy; the hot kernels run on
         clock and clock.mark("waited")
-        fired = copies[0].view(1, -1) != 0  # [1, F] bool
+        fired = self.host_mask.view(1, -1) != 0  # [1, F] bool (a new tensor: the caller may keep it)
         if ffn.all_hot:
             cold = self.no_cold  # only read
         else:
-            cold_out = sparse_step(ffn.weights, copies[1], fired & ffn.cold, ffn.cold_plan, ffn.threads)
+            cold_out = sparse_step(ffn.weights, self.host_h.view(1, -1), fired & ffn.cold, ffn.cold_plan,
+                                   ffn.threads)  # fmt: skip
             clock and clock.mark("cold")
-            cold = to_device(cold_out[0], dev)
+            if dev.type == "cpu":
+                cold = cold_out[0]
+            else:  # back through the pinned buffer, without blocking
+                self.host_cold.copy_(cold_out[0])
+                cold = self.cold.copy_(self.host_cold, non_blocking=True)
         out = td.reduce_residual(partial, cold, torch.empty(self.width, dtype=torch.float32, device=dev))
         ctx.count(ffn.layer, fired)
         if ctx.keep_masks:
