@@ -6,6 +6,7 @@
 #include "c/row_kernels.c" /* the gather (GEMV) tiles and the axpy blocks and batches over rows */
 #include "c/row_calls.c" /* thread splitting and the exported GEMV, matvec group, axpy and dequantize calls */
 #include "c/packed.c" /* dense GEMV over a repacked copy */
+#include "c/packed_gemm.c" /* the same products as a GEMM for prompt chunks (tiles of tokens and rows) */
 #include "c/ffn.c" /* the sparse, dense and thresholded FFN steps and decode tails */
 #include "c/decode.c" /* a decode layer (hc_layer) and a whole decode step (hc_decode_step) */
 #include "c/norm_attention.c" /* RMS norm, LayerNorm, RoPE and attention over the KV caches */

@@ -473,6 +473,9 @@ static int pkf_multi(int nmat, const int *wts, const uint8_t *const *Ps, const i
     return failed ? -1 : 0;
 }
 
+static int packed_gemm(int nmat, const int *wts, const uint8_t *const *Ps, const int64_t *Fs, int64_t D,
+                       const float *x, int64_t T, float *const *outs, int nth); /* packed_gemm.c: same bits */
+
 int hc_packed_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ps, const int64_t *Fs, int64_t D,
                            const float *x, int64_t T, const float *norm_w, float eps, float *const *outs, int nth) {
     if (nmat < 1 || nmat > 8) return -1;
@@ -511,6 +514,11 @@ int hc_packed_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ps, c
     const int64_t items = first[nmat], nc = D / 32;
     float *xn = NULL;
     if (with_norm(&x, norm_w, eps, T, D, &xn) != 0) return -1;
+    const int gemm = packed_gemm(nmat, wts, Ps, Fs, D, x, T, outs, nth); /* a prompt chunk: packed_gemm.c */
+    if (gemm != 1) {
+        free(xn);
+        return gemm;
+    }
     hc_xq_set xq = {NULL, NULL};
     if (xq_make(x, T, D, &xq) != 0) {
         free(xn);
