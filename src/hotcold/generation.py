@@ -67,6 +67,9 @@ class GenerationStats:
     neurons_total: int = 0  # the FFN neurons of those forwards, computed or not
     neurons_hot: int = 0  # of neurons_computed: by hot copies on the fast device (hybrid layers; else 0)
     mask_wait_seconds: float = 0.0  # structured output: time sampling waited for grammar masks
+    # under a RAM budget: storage.rows.StorageStats counts over this request's time (the model's: a concurrent
+    # request's reads are in them too); None without one
+    storage: dict | None = None
 
     @property
     def prompt_tps(self) -> float:
@@ -167,6 +170,8 @@ class Generation:
         self._generator = make_generator(params.seed)
         self._before = engine.seq.neuron_totals()  # this sequence's own counts: nobody else adds to them
         self._hot_before = engine.seq.hot_total()
+        storage = getattr(engine.model, "storage_stats", None)
+        self._storage_before = None if storage is None else storage.snapshot()
         # reuse the cached prefix this prompt shares with the engine's last sequence; recompute at least the
         # last prompt token to get its logits
         self.prompt_logits: torch.Tensor | None = None  # the prompt's last logits, once prefilled
@@ -296,6 +301,9 @@ class Generation:
             self.stats.neurons_computed = after[0] - self._before[0]
             self.stats.neurons_total = after[1] - self._before[1]
             self.stats.neurons_hot = self.engine.seq.hot_total() - self._hot_before
+            if self._storage_before is not None:
+                now = self.engine.model.storage_stats.snapshot()
+                self.stats.storage = {k: now[k] - self._storage_before[k] for k in now}
         self.done, self.finish_reason = True, reason
         self._out.append(Chunk(self._pending, None, reason, self.stats, self._take_logprobs()))
         self._pending = ""

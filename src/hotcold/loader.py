@@ -122,6 +122,7 @@ def load_model(
         notes=notes, ctx=ctx, storage=storage,
     )  # fmt: skip
     model = module.build(src, make_ffn)
+    model.storage_stats = None if storage is None else storage.stats  # what a request read (generation.py)
     notes.extend(getattr(model, "load_notes", ()))  # what a family says of its file (SmallThinker's gating)
     decoders.choose_decoder(model, requested=opts.decoder, ctx_size=ctx, notes=notes)
     mode = "dense" if dense and thresholded is None else "sparse"

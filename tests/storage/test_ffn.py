@@ -10,29 +10,14 @@ import pytest
 import torch
 
 import hotcold
-from benchmarks.synth import synthesize
 from hotcold.config import config_from_file
 from hotcold.engine import Engine
 from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.placement.walk import GIB
 from hotcold.storage.plan import plan_ram
 
-SHAPE = dict(n_embd=64, n_ff=256, n_layer=2, n_head=4, n_head_kv=2, rank=16, n_vocab=300, firing=0.2)
 CTX = 128
 PROMPT = [1, 17, 40, 99, 250, 3, 8, 120, 77, 5]
-
-
-@pytest.fixture(scope="module")
-def files(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("storage")
-    f16 = folder / "t16.powerinfer.gguf"
-    synthesize(f16, **SHAPE)
-    from hotcold.convert.quantize import quantize_file
-
-    q40 = folder / "q4" / "t.q4_0.powerinfer.gguf"
-    q40.parent.mkdir()
-    quantize_file(f16, q40, "q4_0")
-    return {"f16": f16, "q4_0": q40}
 
 
 def run(llm, prompt=PROMPT, steps=6):

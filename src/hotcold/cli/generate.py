@@ -91,10 +91,22 @@ def run(args) -> int:
     print(
         f"hotcold: load {llm.load_seconds * 1000:.0f} ms | prompt {s.prompt_tokens} tokens, {s.prompt_tps:.1f} tokens/s"
         f" | generation {s.generated_tokens} tokens, {s.generate_tps:.1f} tokens/s"
-        f" | FFN neurons computed {100 * s.firing_rate:.1f}%",
+        f" | FFN neurons computed {100 * s.firing_rate:.1f}%" + _storage_text(s),
         file=sys.stderr,
     )
     return 0
+
+
+def _storage_text(stats) -> str:
+    """Under a RAM budget: what the request read from the model file and the neuron cache's hit rate."""
+    if not getattr(stats, "storage", None):
+        return ""
+    from hotcold.server.figures import storage_timings
+
+    f = storage_timings([stats])
+    hit = f["neuron_cache_hit_rate"]
+    rate = "-" if hit is None else f"{100 * hit:.1f}%"
+    return f" | storage {f['storage_bytes_per_token'] / 2**20:.2f} MiB/token read, neuron cache hits {rate}"
 
 
 def _constraint_args(args) -> dict:

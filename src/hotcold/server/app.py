@@ -133,6 +133,7 @@ def create_app(
             cancelled=s.cancelled,
             kv_usage=s.kv_usage(),
             vram=vram_figures(server.llm.loaded),
+            storage=getattr(server.llm.loaded.model, "storage_stats", None),
         )
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 

@@ -12,7 +12,11 @@ model's placement (the `hotcold` part of `/props`).
 - `ffn_neurons_computed` / `ffn_neurons_total`: FFN neurons computed over every layer of the request's
   forwards (prefill and decode) / the neurons of those forwards; `ffn_computed_share` is their ratio;
 - `ffn_gpu_neurons` / `ffn_gpu_share`: how many of the computed neurons the hot copies on the GPU
-  computed, and their share of the computed ones; null when the model has no hot neurons on a GPU.
+  computed, and their share of the computed ones; null when the model has no hot neurons on a GPU;
+- under a RAM budget (`--ram-budget`; else absent): `storage_bytes_read` and `storage_bytes_per_token` (FFN
+  rows read from the model file over the request's forwards, per token forwarded), `neuron_cache_hit_rate`
+  (of the cold rows asked for, the share the neuron cache held; null when none was asked for); the model's
+  counts over the request's time, so a concurrent request's reads are in them too.
 
 With `n` choices the counts and times are summed over the choices (each is its own sequence, with its
 own prefill), so the rates are per sequence. Pure functions of the stats and the loaded model.
@@ -57,7 +61,42 @@ def timings(stats: Sequence[GenerationStats], *, hybrid: bool) -> dict:
         "ffn_computed_share": computed / total if total else None,
         "ffn_gpu_neurons": on_gpu,
         "ffn_gpu_share": None if on_gpu is None or not computed else on_gpu / computed,
+        **storage_timings(stats),
     }
+
+
+def storage_timings(stats: Sequence[GenerationStats]) -> dict:
+    """The RAM budget's figures of a request (timings' docstring), {} without a RAM budget."""
+    parts = [s.storage for s in stats if getattr(s, "storage", None)]
+    if not parts:
+        return {}
+    from hotcold.storage.rows import StorageStats
+
+    total = {k: sum(p[k] for p in parts) for k in parts[0]}
+    f = StorageStats.figures(total)
+    return {k: f[k] for k in ("storage_bytes_read", "storage_bytes_per_token", "neuron_cache_hit_rate")}
+
+
+def storage_lines(stats) -> list[str]:
+    """/metrics lines of a model under a RAM budget (storage.rows.StorageStats since load); [] without one."""
+    if stats is None:
+        return []
+    c = stats.snapshot()
+    f = stats.figures(c)
+    rows = [
+        ("storage_bytes_read_total", "counter", "FFN row bytes read from the model file (--ram-budget).", c["bytes_read"]),
+        ("storage_reads_total", "counter", "Reads issued for them (adjacent rows: one read).", c["reads"]),
+        ("storage_tokens_total", "counter", "Tokens forwarded through the stored layers.", c["tokens"]),
+        ("neuron_cache_lookups_total", "counter", "Cold FFN rows asked for (not resident).", c["cold_selected"]),
+        ("neuron_cache_hits_total", "counter", "Of those, rows the neuron cache held.", c["cache_hits"]),
+        ("storage_bytes_per_token", "gauge", "FFN row bytes read per token since load.", f["storage_bytes_per_token"]),
+        ("neuron_cache_hit_rate", "gauge", "Hits / lookups since load (0 before any lookup).",
+         f["neuron_cache_hit_rate"] or 0.0),
+    ]  # fmt: skip
+    out = []
+    for name, kind, text, value in rows:
+        out += [f"# HELP hotcold_{name} {text}", f"# TYPE hotcold_{name} {kind}", f"hotcold_{name} {value:g}"]
+    return out
 
 
 def hot_per_layer(loaded) -> list[int] | None:

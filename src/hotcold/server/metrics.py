@@ -6,6 +6,8 @@ import threading
 import time
 from collections import Counter, deque
 
+from hotcold.server.figures import storage_lines
+
 WINDOW_S = 10.0  # tokens/s gauge: generated tokens over the last WINDOW_S seconds
 
 
@@ -53,6 +55,7 @@ class Metrics:
         cancelled: int,
         kv_usage: float = 0.0,
         vram=None,
+        storage=None,
     ) -> str:
         """vram: the model's loader.VramFigures (None, or no parts: no GPU in use; the gauges read 0)."""
         tps = self.tokens_per_second()
@@ -102,6 +105,7 @@ class Metrics:
             "# TYPE llamacpp:tokens_predicted_total counter",
             f"llamacpp:tokens_predicted_total {generated}",
             *vram_lines(vram),
+            *storage_lines(storage),  # under a RAM budget: bytes read from the model file, the neuron cache
         ]
         return "\n".join(lines) + "\n"
 

@@ -152,10 +152,10 @@ def plan_ram(
         spent += n
     if missed:
         raise ValueError(
-            f"--ram-budget {budget_bytes / GIB:.2f} GiB is below what every token reads, "
+            f"--ram-budget {budget_bytes / GIB:.4g} GiB is below what every token reads, "
             f"{spent / MIB:.1f} MiB (" + ", ".join(f"{k} {v / MIB:.1f} MiB" for k, v in always.items())
             + "); did not fit: " + ", ".join(missed)
-            + f". Give at least {spent / GIB:.2f} GiB, or a smaller -c/--ctx-size"
+            + f". Give at least {spent / GIB:.4g} GiB, or a smaller -c/--ctx-size"
         )  # fmt: skip
     left = budget_bytes - spent
     share = cache_share() if share is None else share

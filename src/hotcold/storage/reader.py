@@ -47,6 +47,20 @@ def tensor_offset(model_file: ModelFile, name: str) -> tuple[Path, int]:
     return Path(root.filename), int(view.ctypes.data - root.ctypes.data) + int(getattr(root, "offset", 0))
 
 
+class Pending:
+    """Reads in flight (RowReader.submit): wait() -> bytes read, or the first error once every read stopped."""
+
+    def __init__(self, *, futures: list | None = None, done: int = 0):
+        self._futures, self._done = futures or [], done
+
+    def wait(self) -> int:
+        errors = [f.exception() for f in self._futures]
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return self._done + sum(f.result() for f in self._futures)
+
+
 @dataclass(frozen=True)
 class Job:
     """One read: `length` bytes at `offset` into `dest` (a writable byte view); `what` names them in errors."""
@@ -94,23 +108,20 @@ class RowReader:
             )
 
     def read(self, jobs: Sequence[Job]) -> int:
-        """Run every job (bytes into its dest); returns the bytes read. Jobs are split among up to `depth`
-        threads, in groups of about equal bytes; the first error is raised after all have stopped."""
-        if not jobs:
-            return 0
+        """Run every job (bytes into its dest); returns the bytes read (submit(jobs).wait())."""
+        return self.submit(jobs).wait()
+
+    def submit(self, jobs: Sequence[Job]) -> Pending:
+        """Start the jobs, split among up to `depth` threads in groups of about equal bytes; the returned
+        Pending's wait() gives the bytes read, or raises the first error once all have stopped."""
         groups = min(self.depth, len(jobs))
-        if groups == 1:
-            return self._run(jobs)
+        if groups <= 1:
+            return Pending(done=self._run(jobs))
         per_group = [jobs[g::groups] for g in range(groups)]  # interleaved: equal sizes, rows spread out
         with self._lock:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(self.depth, thread_name_prefix="hotcold-read")
-            futures = [self._pool.submit(self._run, g) for g in per_group]
-        errors = [f.exception() for f in futures]
-        for exc in errors:
-            if exc is not None:
-                raise exc
-        return sum(f.result() for f in futures)
+            return Pending(futures=[self._pool.submit(self._run, g) for g in per_group])
 
     def _run(self, jobs: Sequence[Job]) -> int:
         total = 0
