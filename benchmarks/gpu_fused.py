@@ -1,6 +1,7 @@
 """The fused decode kernels (hotcold.kernels.triton_decode) on 7B shapes on a CUDA GPU: each kernel's time and
-effective GB/s of the weight rows it reads, at 10% and 100% of the FFN rows firing, and a sweep of the row
-kernels' tile, each timed in a CUDA graph over operands larger than the L2 (benchmarks/gpu_timing).
+effective GB/s of the weight rows it reads, at 10% and 100% of the FFN rows firing (the FFN kernels over
+16-row blocks, and over the compacted firing list: `_list`), and a sweep of the row kernels' tile, each
+timed in a CUDA graph over operands larger than the L2 (benchmarks/gpu_timing).
 benchmarks/gpu.py runs `benchmark` in its one GPU call.
 
     python benchmarks/gpu_fused.py     # prints JSON (needs a CUDA GPU)
@@ -13,7 +14,17 @@ import sys
 
 import torch
 
-from hotcold.kernels.triton_decode import GPU_TILE, attention, axpy_splits, down_axpy, gate_up, gemv, qkv_rope
+from hotcold.kernels.triton_decode import (
+    GPU_TILE,
+    MASK_GROUP,
+    Compact,
+    attention,
+    axpy_splits,
+    down_axpy,
+    gate_up,
+    gemv,
+    qkv_rope,
+)
 
 SHAPE_7B = dict(D=4096, F=11008, H=32, Dh=128, ctx=2048, R=1024)
 
@@ -79,6 +90,18 @@ def benchmark(device: str | torch.device = "cuda", *, shape: dict | None = None,
         coef = torch.where(fire, torch.rand(F, generator=gen, device=device) + 0.1, 0.0)
         out[f"down_axpy_{tag}"] = row(lambda i, c=coef: down_axpy(ffn[i][2], c, x, partial, y), len(ffn),
                                       n * D * 2)  # fmt: skip
+        # the same rows through the compacted firing list (what the fixed-shape step runs): block counts as
+        # the threshold kernel writes them, then the list's rows in ascending order and their coefficients
+        blocks = torch.nn.functional.pad(fire.to(torch.int32), (0, -F % MASK_GROUP)).view(-1, MASK_GROUP)
+        lst = Compact(blocks.sum(1, dtype=torch.int32), torch.zeros(F, dtype=torch.int32, device=device))
+        out[f"gate_up_{tag}_list"] = row(lambda i, m=m, lst=lst: gate_up(ffn[i][0], ffn[i][1], h, m, a, kind="gated",
+                                         activation="relu", compact=lst), len(ffn), 2 * n * D * 2)  # fmt: skip
+        listed = fire.nonzero()[:, 0]
+        lst.rows[:n] = listed.to(torch.int32)
+        a_list = torch.zeros(F, device=device)
+        a_list[:n] = coef[listed]
+        out[f"down_axpy_{tag}_list"] = row(lambda i, c=a_list, lst=lst: down_axpy(ffn[i][2], c, x, partial, y,
+                                           compact=lst), len(ffn), n * D * 2)  # fmt: skip
     if sweep:  # the row kernels' tile: which [rows, columns] x warps reads a dense F x D matrix fastest
         a_out = torch.zeros(F, device=device)
         tiles, default = {}, dict(GPU_TILE)

@@ -33,7 +33,14 @@ def test_cpu_dry_run_writes_every_field(tmp_path):
     assert r["budget_gib"] > 0 and r["ngl"] >= 0 and r["sparse_over_dense_all_gpu"] > 0
     assert {"kernels", "powerinfer", "gpu_tests"} <= set(r["skipped"])
     assert (tmp_path / "work" / "activation" / "activation_0.pt").exists()
-    assert (out.parent / "gpu-summary.md").read_text().startswith("### GPU run")
+    text = (out.parent / "gpu-summary.md").read_text()
+    assert text.startswith("### GPU run")
+    # the bytes ceiling beside each all-GPU sparse figure, and its share in gpu.json
+    sparse_row = next(line for line in text.splitlines() if line.startswith("| sparse, all on the GPU |"))
+    assert f"(ceiling {r['sparse_bytes_ceiling']:.2f}x:" in sparse_row, sparse_row
+    assert r["sparse_share_of_ceiling"] == pytest.approx(
+        r["sparse_over_dense_all_gpu"] / r["sparse_bytes_ceiling"]
+    )
     # the original at equal hot bytes: a budget below hotcold's (no scratch), holding hotcold's planned neurons
     assert 0 < r["pi_equal_bytes_budget_gib"] < r["budget_gib"] and r["hot_neurons_planned"] > 0
     assert r["sparse_bytes_ceiling"] == r["dense_bytes_per_token"] / r["sparse_bytes_per_token"] > 1
@@ -184,6 +191,7 @@ def test_kernel_benchmarks_run_under_the_interpreter():
                           env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {"qkv_rope", "attention_ctx16", "gate_up_10pct", "down_axpy_100pct"} <= set(got["fused"])
+    assert {"qkv_rope", "attention_ctx16", "gate_up_10pct", "down_axpy_100pct", "gate_up_10pct_list",
+            "down_axpy_10pct_list"} <= set(got["fused"])  # fmt: skip
     assert all(v["us"] > 0 and v["copies"] == 2 for v in got["fused"].values())
     assert all(v["timing"] == "loop (not a figure)" for v in got["rows"].values())
