@@ -88,6 +88,31 @@ class LlamaLayer:
     sinks: torch.Tensor | None = None  # [H] float32: gpt-oss's attention sinks (spec.sinks)
 
 
+@dataclass(frozen=True)
+class LayerOps:
+    """Which code computes each part of one layer, chosen once at load from its description and its FFN
+    (decoders.py chooses how whole decode steps run; these, the pieces of a forward the layers run one by one).
+    A fast op answers None for a forward it does not run (more than one decode row, a norm it cannot fold) and
+    the general op runs that forward: the one fallback contract (ARCHITECTURE.md)."""
+
+    decode_attention: bool  # q/k/v, RoPE and attention of a decode token: one C call (two fused GPU launches)
+    tail: str  # "fused": o, residuals and the FFN in one C call; "normed": each branch normed before its add
+    # (Gemma's sandwich norms) or the input-sparse o; "plain": o, then the FFN, op by op
+
+
+def choose_ops(layer: LlamaLayer, *, dense: bool) -> LayerOps:
+    """The ops of `layer` for sparse forwards, or (dense) for the dense reference, where input sparsity is off."""
+    spec, input_sparse = layer.spec, layer.inputs is not None and not dense
+    plain_qkv = not (spec.attn_bias or spec.qk_norm or spec.attn_scale or spec.sinks or spec.attn_softcap)
+    if spec.post_norms or input_sparse:
+        tail = "normed"
+    elif layer.o_bias is None and hasattr(layer.ffn, "decode_tail"):  # MoE layers have none
+        tail = "fused"
+    else:
+        tail = "plain"
+    return LayerOps(decode_attention=plain_qkv and not input_sparse, tail=tail)
+
+
 class Llama:
     def __init__(
         self,
@@ -115,6 +140,8 @@ class Llama:
         )
         rules = ARCH_RULES.get(config.arch, LLAMA_RULES)
         self.embed_scale = math.sqrt(config.n_embd) if rules.embed_scale else None
+        # each layer's ops for sparse forwards and for the dense reference (they differ where input is sparse)
+        self.ops = {dense: [choose_ops(layer, dense=dense) for layer in layers] for dense in (False, True)}
         # the decoder, chosen at load (decoders.choose_decoder): a fast one, or None for these layers one by one
         self.decoder, self.static_step, self.cpu_decode = "eager", None, None
 
@@ -124,67 +151,62 @@ class Llama:
     def forward(self, tokens: torch.Tensor, ctx: Batch, *, last_only: bool = False) -> torch.Tensor:
         """tokens [T]: the batch's segments, each at its own sequence's positions -> logits [T, V] (with
         last_only: [segments, V], each segment's last row)."""
-        c = self.config
-        T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D], on the CPU
         if self.embed_scale is not None:  # Gemma: the embedding times sqrt(width), in float32
             x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
         # a decode step in one C call, where load chose it
         if (y := one_call_decode(self, x, ctx)) is not None:
             return self.head(y, ctx, last_only=last_only)
-        heads = (c.n_head, c.n_head_kv, c.head_dim)
         watch = getattr(ctx.observe, "attention", None)  # calibration of input sparsity (sparsify.py)
-        for i, layer in enumerate(self.layers):
+        for i, (layer, ops) in enumerate(zip(self.layers, self.ops[bool(ctx.dense)])):
             x = x.to(layer.device)
-            inputs = None if ctx.dense else layer.inputs
             if watch is not None:
                 watch(i, 0, layer.attn_norm(x))
-            spec = layer.spec
-            attn, neox, window = None, spec.rope_neox, spec.sliding_window or None
-            rope = self.rope_local if spec.local_rope else self.rope
-            # q, k, v as the one C call makes them (no biases, head norms or scale): it runs a CPU decode token
-            plain = not (spec.attn_bias or spec.qk_norm or spec.attn_scale or spec.sinks or spec.attn_softcap)
-            if inputs is None and plain:
-                attn = decode_attention(
-                    ctx, i, layer.qkv, layer.attn_norm, x, rope, layer.device, heads=heads, neox=neox,
-                    sliding_window=window,
-                )  # fmt: skip
-            if attn is None:
-                q, k, v = (
-                    inputs.qkv(x, layer.attn_norm, layer.qkv, ctx)
-                    if inputs
-                    else layer.qkv(x, layer.attn_norm)
-                )
-                if spec.attn_bias:  # Qwen2's q/k/v biases
-                    q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
-                if spec.qk_norm:  # each head of q and of k (Qwen3, Gemma 3), before RoPE
-                    q, k = head_norm(q, layer.q_norm, c.head_dim), head_norm(k, layer.k_norm, c.head_dim)
-                if spec.attn_scale:  # the softmax scales by 1 / sqrt(Dh): q carries the rest
-                    q = q * (spec.attn_scale * math.sqrt(c.head_dim))
-                q = q.view(T, c.n_head, c.head_dim)
-                k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
-                attn = rope_attention_segments(
-                    ctx, i, q, k, v, rope, layer.device, neox=neox, sliding_window=window, sinks=layer.sinks,
-                    softcap=spec.attn_softcap,
-                )  # fmt: skip
+            attn = self.attend(i, layer, ops, x, ctx)
             if watch is not None:
                 watch(i, 1, attn)
-            # input-sparse o (sparsify --attention); Gemma: each branch normed before its add
-            if inputs is not None or spec.post_norms:
+            if ops.tail == "normed":
+                inputs, post = None if ctx.dense else layer.inputs, layer.spec.post_norms
                 o = inputs.o(attn, layer.wo, ctx) if inputs is not None else linear(attn, layer.wo)
-                x = x + (layer.post_attn_norm(o) if spec.post_norms else o)
+                x = x + (layer.post_attn_norm(o) if post else o)
                 f = layer.ffn(x, ctx)
-                x = x + (layer.post_ffn_norm(f) if spec.post_norms else f)
+                x = x + (layer.post_ffn_norm(f) if post else f)
                 continue
-            fused = getattr(layer.ffn, "decode_tail", None)  # MoE layers have none
-            if layer.o_bias is None and fused is not None:
-                tail = fused(attn, x, layer.wo, ctx)  # one C call, CPU decode
-                if tail is not None:
-                    x = tail
-                    continue
+            if ops.tail == "fused" and (y := layer.ffn.decode_tail(attn, x, layer.wo, ctx)) is not None:
+                x = y  # one C call, CPU decode
+                continue
             x = x + linear(attn, layer.wo, layer.o_bias)
             x = x + layer.ffn(x, ctx)
         return self.head(x, ctx, last_only=last_only)
+
+    def attend(self, i: int, layer: LlamaLayer, ops: LayerOps, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
+        """Layer i's attention over x [T, D] -> [T, H*Dh]: the decode op where load chose it and this forward is
+        one it runs, else q/k/v (input-sparse where the layer is), biases, head norms and scale, RoPE attention."""
+        c, spec, T = self.config, layer.spec, x.shape[0]
+        rope = self.rope_local if spec.local_rope else self.rope
+        neox, window = spec.rope_neox, spec.sliding_window or None
+        if ops.decode_attention:
+            heads = (c.n_head, c.n_head_kv, c.head_dim)
+            attn = decode_attention(
+                ctx, i, layer.qkv, layer.attn_norm, x, rope, layer.device, heads=heads, neox=neox,
+                sliding_window=window,
+            )  # fmt: skip
+            if attn is not None:
+                return attn
+        inputs = None if ctx.dense else layer.inputs
+        q, k, v = inputs.qkv(x, layer.attn_norm, layer.qkv, ctx) if inputs else layer.qkv(x, layer.attn_norm)
+        if spec.attn_bias:  # Qwen2's q/k/v biases
+            q, k, v = q + layer.q_bias, k + layer.k_bias, v + layer.v_bias
+        if spec.qk_norm:  # each head of q and of k (Qwen3, Gemma 3), before RoPE
+            q, k = head_norm(q, layer.q_norm, c.head_dim), head_norm(k, layer.k_norm, c.head_dim)
+        if spec.attn_scale:  # the softmax scales by 1 / sqrt(Dh): q carries the rest
+            q = q * (spec.attn_scale * math.sqrt(c.head_dim))
+        q = q.view(T, c.n_head, c.head_dim)
+        k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
+        return rope_attention_segments(
+            ctx, i, q, k, v, rope, layer.device, neox=neox, sliding_window=window, sinks=layer.sinks,
+            softcap=spec.attn_softcap,
+        )  # fmt: skip
 
 
 def head_norm(x: torch.Tensor, norm: Norm, head_dim: int) -> torch.Tensor:
