@@ -207,19 +207,35 @@ def test_softmax_gating_and_each_feature_matter(upstream, tmp_path):
     assert (every - sigmoid).abs().max() > 1e-2 * ref.abs().max()
 
 
-def test_expert_rows_equal_the_dense_experts_bit_for_bit(upstream, tmp_path):
-    """F16 experts (the row kernels read them): the live rows only (relu(gate) != 0) equal every row, bit for
-    bit, in prefill and in decode; the timings count the rows computed, well under all of them."""
-    _, path = upstream
+@pytest.fixture(scope="module")
+def half(upstream, tmp_path_factory) -> Path:
+    """Upstream's file with its matrices in F16 (the row kernels read them; float32 goes to torch)."""
 
     def f16(name, data):
         return data.astype(np.float16) if data.ndim >= 2 and "token_embd" not in name else None
 
-    half = rewrite(path, tmp_path / "f16.gguf", change=f16)
+    return rewrite(upstream[1], tmp_path_factory.mktemp("f16") / "f16.gguf", change=f16)
+
+
+def test_expert_rows_equal_the_dense_experts_bit_for_bit(half):
+    """F16 experts: the live rows only (relu(gate) != 0) equal every row, bit for bit, in prefill and in decode;
+    the timings count the rows computed, well under all of them."""
     llm = hotcold.load(half, device="cpu")
     ids = random_ids(12, seed=6)
-    sparse, dense = llm.engine.logits(ids), llm.engine.logits(ids, dense=True)
+    engine = llm.engine
+    sparse, dense = engine.logits(ids), engine.logits(ids, dense=True)
     assert torch.equal(sparse, dense)
+
+    def decode(dense: bool) -> torch.Tensor:  # a 4-token prompt, then one token a step
+        engine.truncate(0)
+        engine.seq.dense = dense
+        out = [engine.prefill(ids[:4])] + [
+            engine.forward([ids[p]], p, last_only=True)[-1] for p in range(4, 12)
+        ]
+        engine.seq.dense = False
+        return torch.stack(out)
+
+    assert torch.equal(decode(False), decode(True))
     llm.generate("Hello world", max_tokens=4, ignore_eos=True)
     stats = llm.last_stats  # what `timings` and the server's figures report
     assert 0 < stats.neurons_computed < 0.75 * stats.neurons_total, (
@@ -328,3 +344,28 @@ def test_q8_0_perplexity_matches_llama_perplexity(upstream, tmp_path):
     print(f"smallthinker Q8_0: hotcold {ours['perplexity']:.4f}, llama-perplexity {theirs:.4f}")
     assert abs(ours["perplexity"] / theirs - 1) <= 0.005, (ours["perplexity"], theirs)
     assert llm.engine.seq.neuron_totals()[0] < 0.75 * llm.engine.seq.neuron_totals()[1]  # rows were skipped
+
+
+def test_cached_split_and_batched_decode_equal_one_forward(half):
+    """The family runner's equivalences on the F16 file (experts over their live rows): cached decode == one full
+    forward, a generation split in two == one go, a batch of sequences == each alone."""
+    from hotcold.sampling import SamplingParams
+
+    llm = hotcold.load(half, device="cpu")
+    ids = random_ids(24, seed=2)
+    full = llm.logits(ids)
+    engine = llm.engine
+    engine.cached_ids = []
+    stepwise = [engine.prefill(ids[:10])]
+    for pos in range(10, 24):
+        stepwise.append(engine.forward([ids[pos]], pos, last_only=True)[-1])
+    assert torch.allclose(torch.stack(stepwise), full[9:], rtol=0, atol=1e-4 * full.abs().max())
+    prompt = ids[:5]
+    steps = engine.generate_step(prompt, SamplingParams())
+    first = [next(steps) for _ in range(12)]
+    steps.close()
+    steps = engine.generate_step(prompt + first[:6], SamplingParams())
+    assert [next(steps) for _ in range(6)] == first[6:]
+    prompts = [random_ids(n, seed=10 + n) for n in (3, 7, 12)]
+    alone = [llm.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
+    assert llm.generate_batch(prompts, max_tokens=6, ignore_eos=True) == alone
