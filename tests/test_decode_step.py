@@ -145,6 +145,24 @@ def test_models_without_a_fused_step_say_why(tiny_sparse_gguf):
     assert decoder is None and why == "layer 1's attention is on meta, the head on cpu"
 
 
+def test_the_ffn_answers_whether_the_step_takes_it(sparse_with_stats):
+    """decode_step asks each FFN (FFN.step_parts) instead of testing its class: an all-hot hybrid layer gives
+    its hot rows on its own device only; one with part of its neurons hot is refused, saying which layer."""
+    from dataclasses import replace
+
+    from hotcold.sparse.hybrid import HybridFFN
+
+    loaded = load_model(sparse_with_stats, device="cpu", fast_device="cpu", vram_budget=64)
+    ffn = loaded.model.layers[0].ffn
+    assert ffn.step_parts(torch.device("cpu")) == (ffn.hot_weights, ffn.predictor, ffn.norm)
+    assert ffn.step_parts(torch.device("meta")) is None
+    half = HybridFFN(ffn.weights, ffn.predictor, torch.arange(ffn.n_ff // 2), "cpu", layer=0, norm=ffn.norm,
+                     threads=1, one_token=False)  # fmt: skip
+    loaded.model.layers[0] = replace(loaded.model.layers[0], ffn=half)
+    decoder, why = decode_step.from_model(loaded.model, kernels="torch")
+    assert decoder is None and why == "layer 0: the FFN (HybridFFN) is not all on cpu"
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf_q(tmp_path_factory):
     from tests.fixtures import tiny_gguf

@@ -260,22 +260,12 @@ def _ffn_matrix(t, device: torch.device, what: str, fused: bool) -> tuple[torch.
 
 
 def _ffn_parts(ffn, device: torch.device):
-    """(FFNWeights, predictor or None, norm) of a layer's FFN when all of it computes on `device`."""
-    from hotcold.sparse.ffn import DenseFFN, SparseFFN
-    from hotcold.sparse.hybrid import HybridFFN
-
-    if (
-        isinstance(ffn, HybridFFN)
-        and ffn.all_hot
-        and same_device(ffn.device, device)
-        and ffn.norm is not None
-    ):
-        return ffn.hot_weights, ffn.predictor, ffn.norm
-    if isinstance(ffn, SparseFFN) and ffn.expert is None and ffn.norm is not None:  # the CPU stand-in
-        return ffn.weights, ffn.predictor, ffn.norm
-    if isinstance(ffn, DenseFFN) and ffn.norm is not None:
-        return ffn.weights, None, ffn.norm
-    raise _NoStep(f"the FFN ({type(ffn).__name__}) is not all on {device}")
+    """(FFNWeights, predictor or None, norm) of a layer's FFN when all of it computes on `device`: the FFN
+    answers (FFN.step_parts; a kind without the method, a MoE layer, never does)."""
+    parts = getattr(ffn, "step_parts", lambda device: None)(device)
+    if parts is None:
+        raise _NoStep(f"the FFN ({type(ffn).__name__}) is not all on {device}")
+    return parts
 
 
 def from_model(

@@ -111,6 +111,11 @@ class FFN:
     def n_ff(self) -> int:
         return self.weights.n_ff
 
+    def step_parts(self, device: torch.device) -> tuple | None:
+        """(weights, predictor or None, norm) where a fixed-shape decode step on `device` can take this FFN
+        whole (decode_step.from_model then checks each tensor's device), else None."""
+        return None
+
     def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
         """The rest of the layer after attention in one call, where a subclass has one (else None)."""
         return None
@@ -257,6 +262,9 @@ class DenseFFN(FFN):
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         return self._dense(h, p, ctx, self.up_gate)
 
+    def step_parts(self, device: torch.device) -> tuple | None:
+        return (self.weights, None, self.norm) if self.norm is not None else None
+
     def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
         return self._dense_tail(attn, x, wo, ctx)
 
@@ -328,6 +336,13 @@ class SparseFFN(FFN):
 
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx: Batch) -> torch.Tensor:
         return self._apply(h.to(CPU), p, ctx, fuses=self._fuses(h, ctx), norm=None).to(h.device)
+
+    def step_parts(self, device: torch.device) -> tuple | None:  # a CPU placement standing in for the GPU
+        return (
+            (self.weights, self.predictor, self.norm)
+            if self.expert is None and self.norm is not None
+            else None
+        )
 
     def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
         """x + o + ffn(x + o) with o = linear(attn, wo), for a few tokens on the CPU, in one C call (the same

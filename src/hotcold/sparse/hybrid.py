@@ -149,6 +149,12 @@ class HybridFFN(FFN):
         clock and self.profile.append(clock.done())
         return self._add_down_bias(out)
 
+    def step_parts(self, device: torch.device) -> tuple | None:
+        """The fixed-shape step takes a hybrid layer only when every neuron is hot on that device."""
+        if self.all_hot and same_device(self.device, device) and self.norm is not None:
+            return self.hot_weights, self.predictor, self.norm
+        return None
+
     def _add_down_bias(self, out: torch.Tensor) -> torch.Tensor:
         bias = self.weights.down_bias
         if bias is None:
