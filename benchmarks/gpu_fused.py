@@ -102,6 +102,8 @@ def benchmark(device: str | torch.device = "cuda", *, shape: dict | None = None,
         a_list[:n] = coef[listed]
         out[f"down_axpy_{tag}_list"] = row(lambda i, c=a_list, lst=lst: down_axpy(ffn[i][2], c, x, partial, y,
                                            compact=lst), len(ffn), n * D * 2)  # fmt: skip
+        if density == 0.1:
+            ten = dict(m=m, lst=lst, a_list=a_list, n=n)
     if sweep:  # the row kernels' tile: which [rows, columns] x warps reads a dense F x D matrix fastest
         a_out = torch.zeros(F, device=device)
         tiles, default = {}, dict(GPU_TILE)
@@ -114,6 +116,33 @@ def benchmark(device: str | torch.device = "cuda", *, shape: dict | None = None,
         finally:
             GPU_TILE.update(default)
         out["dense_gate_up_tiles"] = tiles
+        out |= list_sweep(row, ffn, h, x, partial, y, a, D=D, **ten)
+    return out
+
+
+def list_sweep(row, ffn, h, x, partial, y, a, *, D: int, m, lst, a_list, n: int) -> dict:
+    """The compacted-list kernels at 10% firing over their two knobs: rows a gate_up program takes
+    (GPU_TILE["compact_rows"]) and the pipelined loops' depth (GPU_TILE["stages"])."""
+    out: dict = {"list_gate_up_rows_10pct": {}, "list_stages_10pct": {}}
+
+    def listed_gate_up(i):
+        return gate_up(ffn[i][0], ffn[i][1], h, m, a, kind="gated", activation="relu", compact=lst)
+
+    def listed_down(i):
+        return down_axpy(ffn[i][2], a_list, x, partial, y, compact=lst)
+
+    default = dict(GPU_TILE)
+    try:
+        for rows in (4, 8, 16, 32):
+            GPU_TILE.update(compact_rows=rows)
+            out["list_gate_up_rows_10pct"][f"{rows} rows"] = row(listed_gate_up, len(ffn), 2 * n * D * 2)
+        GPU_TILE.update(default)
+        for stages in (1, 2, 3, 4):
+            GPU_TILE.update(stages=stages)
+            out["list_stages_10pct"][f"gate_up {stages}"] = row(listed_gate_up, len(ffn), 2 * n * D * 2)
+            out["list_stages_10pct"][f"down_axpy {stages}"] = row(listed_down, len(ffn), n * D * 2)
+    finally:
+        GPU_TILE.update(default)
     return out
 
 

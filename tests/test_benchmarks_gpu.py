@@ -174,7 +174,7 @@ INTERPRETED = textwrap.dedent(
     sys.path.insert(0, {root!r})
     from benchmarks import gpu
     from benchmarks.gpu_fused import benchmark
-    fused = benchmark("cpu", shape=dict(D=64, F=96, H=2, Dh=32, ctx=16, R=16), sweep=False)
+    fused = benchmark("cpu", shape=dict(D=64, F=96, H=2, Dh=32, ctx=16, R=16), sweep=True)
     rows = gpu.kernel_bench(None, device="cpu", shape=(48, 64))
     print(json.dumps(dict(fused=fused, rows=rows)))
     """
@@ -193,5 +193,10 @@ def test_kernel_benchmarks_run_under_the_interpreter():
     got = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {"qkv_rope", "attention_ctx16", "gate_up_10pct", "down_axpy_100pct", "gate_up_10pct_list",
             "down_axpy_10pct_list"} <= set(got["fused"])  # fmt: skip
+    sweeps = {
+        k: got["fused"].pop(k)
+        for k in ("dense_gate_up_tiles", "list_gate_up_rows_10pct", "list_stages_10pct")
+    }
+    assert len(sweeps["list_gate_up_rows_10pct"]) == 4 and len(sweeps["list_stages_10pct"]) == 8, sweeps
     assert all(v["us"] > 0 and v["copies"] == 2 for v in got["fused"].values())
     assert all(v["timing"] == "loop (not a figure)" for v in got["rows"].values())
