@@ -328,14 +328,17 @@ def test_q8_0_perplexity_matches_llama_perplexity(upstream, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(training_text())
     ctx, chunks = 128, 4
-    res = subprocess.run(
-        [str(BIN / "llama-perplexity"), "-m", str(q8), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks),
-         "-t", "2", "-b", str(ctx)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    # the running estimate after the last chunk is the final one (whose log line does not always reach the pipe)
-    found = re.findall(rf"\[{chunks}\]([0-9.]+)", res.stdout + res.stderr)
-    assert res.returncode == 0 and found, (res.stdout + res.stderr)[-2000:]
+    cmd = [str(BIN / "llama-perplexity"), "-m", str(q8), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks),
+           "-t", "2", "-b", str(ctx)]  # fmt: skip
+    # the running estimate after the last chunk is the final one; llama.cpp's log thread does not always flush its
+    # last lines into the pipe before exit on a loaded machine: asked again then
+    for _ in range(3):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
+        found = re.findall(rf"\[{chunks}\]([0-9.]+)", res.stdout + res.stderr)
+        if found:
+            break
+    assert found, (res.stdout + res.stderr)[-2000:]
     llm = hotcold.load(q8, device="cpu", ctx_size=ctx)
     ids = corpus_tokens(llm.tokenizer, text.read_text(), max_tokens=ctx * chunks, source=text)
     ours = perplexity(llm, ids, ctx=ctx)

@@ -39,9 +39,7 @@ def relu_rows_apply(
     kernel, ascending rows, the dense path runs over every row) or, for a file with ffn_down [D, F], the dense
     product of the activation (its zeros included). Skipped rows would add exact zeros, so the result is the dense
     expert's, bit for bit."""
-    t, f = h.shape[0], w.n_ff
-    every = torch.ones(t, f, dtype=torch.bool)
-    gate = cpu.gather_matvec(w.gate, h, every, threads=threads)
+    gate = cpu.gather_matvec(w.gate, h, None, threads=threads)  # every row
     live = torch.relu(gate) != 0
     up = cpu.gather_matvec(w.up, h, live, threads=threads)
     a = torch.where(live, w.combine(up, gate), 0.0)
@@ -117,10 +115,12 @@ class MoEFFN:
         ids, weights = self.route(h) if routing is None else routing
         ctx.route(self.layer, ids)
         out = torch.zeros_like(x)
+        # live rows below the GEMM size (where the dense path multiplies in the same C kernels: the same bits)
+        rows_ok = not ctx.dense and h.device.type == "cpu"
         for e in torch.unique(ids).tolist():
             tokens, slot = torch.where(ids == e)
             rows = ctx.subset(tokens)
-            if self.relu_rows[e] and not ctx.dense and h.device.type == "cpu":
+            if self.relu_rows[e] and rows_ok and tokens.shape[0] < cpu.GEMM_MIN_TOKENS:
                 y, live = relu_rows_apply(
                     self.experts[e].weights, h[tokens].float().contiguous(), threads=self.threads
                 )
