@@ -169,7 +169,7 @@ def child(args) -> int:
     import hotcold
 
     llm = hotcold.load(
-        args.model, device="cpu", threads=args.threads, ctx_size=args.ctx, ram_budget=args.ram_budget
+        args.model, device="cpu", threads=args.threads, ctx_size=args.ctx, ram_budget=args.child_budget
     )
     llm.generate(PROMPT, max_tokens=1)  # the prompt's prefill; the timed call below reuses its cached prefix
     llm.generate(PROMPT, max_tokens=args.n_gen, ignore_eos=True)
@@ -204,7 +204,7 @@ def hotcold_run(args, *, budget: float | None, limit: int | None, name: str) -> 
         "-t",
         str(args.threads),
     ]
-    cmd += ["-n", str(args.n_gen), "-c", str(args.ctx)] + (["--ram-budget", str(budget)] if budget else [])
+    cmd += ["-n", str(args.n_gen), "-c", str(args.ctx)] + (["--child-budget", str(budget)] if budget else [])
     got = timed(cmd, limit_bytes=limit, name=name)
     if "stdout" in got:
         got |= json.loads(got.pop("stdout").strip().splitlines()[-1])
@@ -234,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-unlimited", action="store_true", help="only the runs inside the cgroup")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--child-budget", type=float, default=None, help=argparse.SUPPRESS)  # None: no RAM budget
     args = ap.parse_args(argv)
     if args.child:
         return child(args)

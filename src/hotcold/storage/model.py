@@ -4,12 +4,14 @@ and each layer's store of rows, made when the family asks for that layer's FFN."
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from pathlib import Path
 
 from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.placement.walk import GIB
+from hotcold.sparse.ffn import SparseFFN
 from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.storage.ffn import LayerStore, StorageStats, StoredFFN, StoredMatrix
 from hotcold.storage.plan import RamPlan, plan_ram
@@ -52,7 +54,9 @@ class ModelStorage:
         path = tensor_offset(model_file, names.tensor(names.FFN_UP, 0))[0]
         self.reader = reader or RowReader(path)
 
-    def ffn(self, layer: int, weights: FFNWeights, predictor, norm, *, threads: int | None) -> StoredFFN:
+    def ffn(
+        self, layer: int, weights: FFNWeights, predictor, norm, *, threads: int | None
+    ) -> StoredFFN | SparseFFN:
         if weights.order is not None:
             raise ValueError(
                 "--ram-budget reads rows in the file's order: a reordered layer cannot be stored"
@@ -73,6 +77,16 @@ class ModelStorage:
         store = LayerStore(
             self.reader, matrices, self.plan.hot[layer], self.plan.cache_slots[layer], self.stats
         )
+        if len(store.hot) == matrices[0].rows:
+            # every neuron resident: the resident rows are the whole matrices in order, so the layer is an ordinary
+            # sparse layer over them (its one-call plans, and the one-call decode where every layer is so)
+            up, gate, down_t = (
+                (m.weight(b) for m, b in zip(matrices, store.hot_rows))
+                if len(matrices) == 3
+                else (matrices[0].weight(store.hot_rows[0]), None, matrices[1].weight(store.hot_rows[1]))
+            )
+            resident = replace(weights, up=up, gate=gate, down_t=down_t)
+            return SparseFFN(resident, predictor, layer=layer, norm=norm, threads=threads)
         return StoredFFN(weights, predictor, store, layer=layer, norm=norm, threads=threads)
 
     def close(self) -> None:
