@@ -130,3 +130,12 @@ def test_hot_neurons_follow_the_statistics(files):
     unordered = plan_ram(mf, c, base.always_bytes + 10 * base.per_neuron[0], ctx_size=CTX, share=0.0)
     assert [h.tolist() for h in unordered.hot] == [list(range(5))] * 2
     assert "index order" in unordered.describe()
+
+
+def test_token_groups_keep_the_gathered_rows_within_the_cap():
+    from hotcold.storage.ffn import token_groups
+
+    mask = np.zeros((5, 8), dtype=bool)
+    mask[0, [0, 1]] = mask[1, [1, 2]] = mask[2, [3, 4, 5, 6, 7]] = mask[3, [0]] = mask[4, [0, 1]] = True
+    assert token_groups(mask, 8) == [(0, 5)]
+    assert token_groups(mask, 3) == [(0, 2), (2, 3), (3, 5)]  # token 2 alone: it selects more than the cap

@@ -18,6 +18,7 @@ from hotcold.kernels import cpu
 from hotcold.ops import LinearGroup
 from hotcold.sparse.ffn import CPU, SparseFFN, dense_step, row_plan, sparse_step
 from hotcold.sparse.ffn_weights import FFNWeights
+from hotcold.storage.plan import GATHER_SHARE
 from hotcold.storage.rows import LayerStore, StorageStats, StoredMatrix
 
 log = logging.getLogger(__name__)
@@ -70,17 +71,27 @@ class StoredFFN(SparseFFN):
         if ctx.dense:
             return self._dense(h, p, ctx, None)
         mask = self.predictor(p).to(CPU)  # [T, F] bool
+        if mask.dim() == 2 and mask.shape[0] > 1:
+            # the rows gathered at once stay within the plan's scratch: tokens in groups whose selected neurons
+            # fit (a row's arithmetic does not depend on the other rows of its call: the same bits)
+            cap = max(1, int(GATHER_SHARE * mask.shape[1]))
+            parts = [self._step(h[a:b], mask[a:b]) for a, b in token_groups(mask.numpy(), cap)]
+            out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        else:
+            out = self._step(h, mask)
+        self._record(ctx, p, mask, int(mask.sum()))
+        return self.weights.add_down_bias(out)
+
+    def _step(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """The FFN of the rows of h for their masks, without the down bias."""
         sel = np.flatnonzero(mask.reshape(-1, mask.shape[-1]).any(0).numpy())
         w = self.weights
         if len(sel) == 0:  # no neuron fires: the axpy over no rows is exactly 0
-            out = self._zeros(h)
-        elif w.gate is not None and w.activation == "relu":
-            out = self._gate_first(h, mask, sel)
-        else:
-            rows = self._rows(sel)
-            out = sparse_step(rows, h, mask[..., torch.from_numpy(sel)], row_plan(rows), self.threads)
-        self._record(ctx, p, mask, int(mask.sum()))
-        return w.add_down_bias(out)
+            return self._zeros(h)
+        if w.gate is not None and w.activation == "relu":
+            return self._gate_first(h, mask, sel)
+        rows = self._rows(sel)
+        return sparse_step(rows, h, mask[..., torch.from_numpy(sel)], row_plan(rows), self.threads)
 
     def _zeros(self, h: torch.Tensor) -> torch.Tensor:
         return torch.zeros(*h.shape[:-1], self.store.matrices[0].cols, dtype=torch.float32)
@@ -143,3 +154,20 @@ def _matvec_as_rows_arrive(got, k: int, weight, h: torch.Tensor, mask: torch.Ten
     first = cpu.gather_matvec(weight, h, mask & ready, threads=threads)
     got.wait()
     return torch.where(ready, first, cpu.gather_matvec(weight, h, mask & ~ready, threads=threads))
+
+
+def token_groups(mask: np.ndarray, cap: int) -> list[tuple[int, int]]:
+    """Consecutive token ranges [a, b) of mask [T, F] whose selected neurons number at most `cap` together (a
+    token selecting more goes alone)."""
+    t = mask.shape[0]
+    if int(mask.any(0).sum()) <= cap:
+        return [(0, t)]
+    groups, start, union = [], 0, mask[0].copy()
+    for i in range(1, t):
+        grown = union | mask[i]
+        if int(grown.sum()) > cap:
+            groups.append((start, i))
+            start, union = i, mask[i].copy()
+        else:
+            union = grown
+    return groups + [(start, t)]

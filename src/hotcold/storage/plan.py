@@ -7,6 +7,7 @@ The process's own memory (Python, torch) is reported beside the budget, not in i
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 
@@ -18,9 +19,10 @@ from hotcold.gguf_io import ModelFile
 from hotcold.placement.scratch import scratch_parts
 from hotcold.placement.walk import GIB, MIB, walk_costs
 
-CACHE_SHARE = (
-    0.1  # of what is left after the always-read part, for the neuron cache (HOTCOLD_NEURON_CACHE_SHARE)
-)
+# of what is left after the always-read part, for the neuron cache (HOTCOLD_NEURON_CACHE_SHARE)
+CACHE_SHARE = 0.1
+# a forward gathers at most this share of a layer's neurons at once (StoredFFN's token groups)
+GATHER_SHARE = 0.25
 
 
 def process_rss() -> int | None:
@@ -141,9 +143,9 @@ def plan_ram(
         f"KV cache ({ctx_size} tokens x {kv_sequences})": L * c.kv,
         "predictors": sum(c.predictor),
         "output head": c.head,
-        # a prompt chunk may select every neuron of a layer: its rows are gathered into one buffer
-        "scratch (a prefill chunk, one layer's rows)": compute
-        + max(f * b for f, b in zip(n_ff, c.per_neuron)),
+        # a prompt chunk's temporaries, and the rows one layer gathers at once (a share of its neurons)
+        "scratch (a prefill chunk, gathered rows)": compute
+        + max(math.ceil(GATHER_SHARE * f) * b for f, b in zip(n_ff, c.per_neuron)),
     }
     spent, missed = 0, []
     for name, n in always.items():
