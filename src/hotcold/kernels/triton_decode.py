@@ -16,7 +16,8 @@
 Everything the host would otherwise read (the position, the mask, the firing count) stays on the
 device, so a step has no host sync and fixed shapes: `hotcold.decode_step` captures it in a CUDA graph.
 Weights are F16, BF16 or F32 `[rows, D]` row-major; activations and accumulations are fp32, so the
-predictor's logits meet the threshold in fp32, as on the CPU.
+predictor's logits meet the threshold in fp32, as on the CPU. The row kernels' column loops are software-pipelined
+(`tl.range(num_stages=)`: weight tiles loaded stages ahead of the sums).
 
 Every kernel is launched through `launches.launch`, so `LaunchCounter` counts it (and on the `meta`
 device skips it). Tested under TRITON_INTERPRET=1 against torch in float64 (tests/test_decode_step.py).
@@ -48,6 +49,9 @@ from hotcold.kernels.triton_ffn import (  # noqa: F401 (the FFN kernels, used th
 
 _jit = triton.jit if triton is not None else (lambda fn: fn)
 log = logging.getLogger(__name__)
+_STAGES = (
+    tl.constexpr(3) if tl is not None else 3
+)  # the row loops' pipeline depth (GPU_TILE["stages"]'s default)
 
 
 class FusedPaths:
@@ -72,7 +76,7 @@ def _dot_rows(w_ptr, stride_w, rows, live, x_ptr, nw_ptr, inv, D, NORM: tl.const
     cols = tl.arange(0, BLOCK_D)
     acc = tl.zeros([rows.shape[0], BLOCK_D], dtype=tl.float32)
     row_ptr = w_ptr + rows[:, None].to(tl.int64) * stride_w
-    for d0 in range(0, D, BLOCK_D):
+    for d0 in tl.range(0, D, BLOCK_D, num_stages=_STAGES):  # loads issued stages ahead of the sums
         c = d0 + cols
         xs = tl.load(x_ptr + c, mask=c < D, other=0.0)
         if NORM:

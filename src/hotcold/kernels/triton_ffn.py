@@ -15,9 +15,11 @@ Two ways to find the firing rows:
   prefix sum and the mask, in registers, by every program: no extra launch, no host sync), so every program
   streams BR live rows; it writes a[e] and the row ids rows[e] for list entries e. The compacted down_axpy
   splits the list (its length read on the device) into the fixed number of splits and reads only listed
-  rows with a != 0. The loops over columns and list chunks are `tl.range(..., num_stages=STAGES)`: their
-  loads do not depend on the previous step's sums, so Triton's pipeliner issues them ahead (cp.async on
-  sm_80+, see benchmarks/triton_offline.py).
+  rows with a != 0.
+Every loop over columns, row splits or list chunks is `tl.range(..., num_stages=STAGES)` without a branch
+inside: its loads do not depend on the previous step's sums, so Triton's pipeliner issues them stages ahead
+(sm_90 PTX: the F16 weight tiles as 16-byte cp.async; ggml blocks' 2-byte loads stay plain ld.global; see
+benchmarks/triton_offline.py).
 
 Summation order is fixed by the data: a row's dot product sums column blocks in order (a compacted row gives
 the dense kernel's bits); down_axpy's split of entry e depends only on the list's length, each split sums
@@ -173,17 +175,16 @@ def _down_axpy_kernel(
             row_ptr = w_ptr + rows[:, None].to(tl.int64) * stride_w
             w = _load_rows(row_ptr, cols[None, :], (coef != 0.0)[:, None] & (cols < D)[None, :], QTYPE)
             acc += coef[:, None] * w
-    else:  # row splits [k_begin, k_end) of the weights; rows with a == 0 are not read
+    else:  # row splits [k_begin, k_end) of the weights; rows with a == 0 are not read (masked off: no
+        # traffic; no branch either, so the loop pipelines like the list's)
         k_begin = split * rows_per_split
         k_end = tl.minimum(k_begin + rows_per_split, F)
-        for k0 in range(k_begin, k_end, BLOCK_K):
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):
             rows = k0 + tl.arange(0, BLOCK_K)
             coef = tl.load(a_ptr + rows, mask=rows < k_end, other=0.0)
-            live = coef != 0.0
-            if tl.max(live.to(tl.int32), axis=0) > 0:  # rows nobody needs are not read
-                row_ptr = w_ptr + rows[:, None].to(tl.int64) * stride_w
-                w = _load_rows(row_ptr, cols[None, :], live[:, None] & (cols < D)[None, :], QTYPE)
-                acc += coef[:, None] * w
+            row_ptr = w_ptr + rows[:, None].to(tl.int64) * stride_w
+            w = _load_rows(row_ptr, cols[None, :], (coef != 0.0)[:, None] & (cols < D)[None, :], QTYPE)
+            acc += coef[:, None] * w
     tl.store(part_ptr + split * D + cols, tl.sum(acc, axis=0), mask=cols < D)
 
 
