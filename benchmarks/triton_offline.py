@@ -92,6 +92,19 @@ def variants(tile_rows: int = 16, tile_cols: int = 256) -> list[tuple]:
             name = f"down_axpy {label}" + (" (compacted list)" if compact else "")
             out.append((name, tf._down_axpy_kernel, dict(ax, w_ptr=ptr), consts,
                         ("F", "D", "rows_per_split", "stride_w")))  # fmt: skip
+    # the hybrid general path's hot-row matvec (kernels/triton.py) for one token, as _config sets it on a GPU
+    from hotcold.kernels import triton as kt
+
+    mv = {"w_ptr": F16, "x_ptr": F32, "m_ptr": "*i1", "out_ptr": F32, "K": "i32", "D": "i32", "T": "i32",
+          "stride_w": "i32", "stride_x": "i32", "stride_m": "i32", "stride_o": "i32"}  # fmt: skip
+    mv |= {
+        n: "constexpr" for n in ("QTYPE", "BLOCK_K", "BLOCK_D", "BLOCK_T", "USE_DOT", "PRECISION", "STAGES")
+    }
+    consts = dict(
+        QTYPE=0, BLOCK_K=16, BLOCK_D=tile_cols, BLOCK_T=1, USE_DOT=False, PRECISION="tf32", STAGES=3
+    )
+    out.append(("hot_gather_matvec f16 (one token)", kt._matvec_kernel, mv, consts,
+                ("K", "D", "stride_w", "stride_x", "stride_m", "stride_o")))  # fmt: skip
     red = {"part_ptr": F32, "res_ptr": F32, "out_ptr": F32, "D": "i32", "SPLITS": "constexpr",
            "BLOCK_D": "constexpr"}  # fmt: skip
     out.append(("reduce_residual", tf._reduce_residual_kernel, red, {"SPLITS": 33, "BLOCK_D": 256}, ("D",)))

@@ -136,6 +136,7 @@ def _matvec_kernel(
     BLOCK_T: tl.constexpr,
     USE_DOT: tl.constexpr,
     PRECISION: tl.constexpr,
+    STAGES: tl.constexpr = 1,
 ):
     rows = tl.program_id(0) * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
     toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
@@ -157,7 +158,7 @@ def _matvec_kernel(
                 acc += tl.dot(xs, tl.trans(w), input_precision=PRECISION)
         elif QTYPE == 0:  # decode, float weights: each token makes one pass over the tile in registers
             row_ptr = w_ptr + rows[:, None].to(tl.int64) * stride_w  # [BK, 1]
-            for d0 in range(0, D, BLOCK_D):
+            for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):  # loads ahead
                 cols = d0 + tl.arange(0, BLOCK_D)  # [BD]
                 w = _load_rows(row_ptr, cols[None, :], live[:, None] & (cols < D)[None, :], QTYPE)  # [BK, BD]
                 for t in tl.static_range(BLOCK_T):
@@ -171,7 +172,7 @@ def _matvec_kernel(
         else:  # decode, ggml blocks: the same, in [BK, NB, 16] halves of 32-value blocks
             row_ptr = w_ptr + rows[:, None, None].to(tl.int64) * stride_w  # [BK, 1, 1]
             j = tl.arange(0, 16)[None, None, :]
-            for d0 in range(0, D, BLOCK_D):
+            for d0 in tl.range(0, D, BLOCK_D, num_stages=STAGES):  # loads ahead
                 blk = d0 // 32 + tl.arange(0, BLOCK_D // 32)[None, :, None]  # [1, NB, 1]
                 lo, hi = _load_halves(row_ptr, blk, j, live[:, None, None], D, QTYPE)  # [BK, NB, 16] x 2
                 col = blk * 32 + j
@@ -399,9 +400,12 @@ def _config(op: str, t: int, w: torch.Tensor, code: int, d: int) -> dict:
     block_t = triton.next_power_of_2(t)
     if w.device.type == "cpu":  # interpreter: small tiles so the tests cover several blocks and splits
         return dict(BLOCK_K=16, BLOCK_D=64, BLOCK_T=block_t, USE_DOT=False, PRECISION=precision)
-    # [16, 256] tiles (F32: [16, 128]): 8 KiB of F16 per step, 16-byte loads over 4 warps
+    # [16, 256] tiles (F32: [16, 128]): 8 KiB of F16 per step, 16-byte loads over 4 warps; the matvec's
+    # column loop pipelined 3 deep (its weight tiles as cp.async ahead of the sums)
     block_d = 128 if f32 else 256
-    return dict(BLOCK_K=16, BLOCK_D=block_d, BLOCK_T=block_t, USE_DOT=False, PRECISION=precision, num_warps=4)
+    stages = {"STAGES": 3} if op == "matvec" else {}
+    return dict(BLOCK_K=16, BLOCK_D=block_d, BLOCK_T=block_t, USE_DOT=False, PRECISION=precision, num_warps=4,
+                **stages)  # fmt: skip
 
 
 @functools.cache
