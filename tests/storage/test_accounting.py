@@ -52,3 +52,10 @@ def test_info_prints_the_plan(files, capsys):
     assert main(["info", "-m", str(files["f16"]), "--ram-budget", "0.0001", "-c", str(CTX)]) == 1
     err = capsys.readouterr().err
     assert "--ram-budget 0.0001 GiB is below what every token reads" in err and "did not fit: KV cache" in err
+
+
+def test_the_flag_is_checked_before_loading(files, capsys):
+    from hotcold.cli import main
+
+    assert main(["generate", "-m", str(files["f16"]), "--ram-budget", "-1", "-p", "x"]) == 1
+    assert "--ram-budget must be a finite number in [0," in capsys.readouterr().err

@@ -23,6 +23,14 @@ from hotcold.storage.rows import LayerStore, StorageStats, StoredMatrix
 
 log = logging.getLogger(__name__)
 
+__all__ = [
+    "StoredFFN",
+    "token_groups",
+    "LayerStore",
+    "StorageStats",
+    "StoredMatrix",
+]  # the last three: rows.py's
+
 
 class StoredFFN(SparseFFN):
     """SparseFFN over a LayerStore: predictor -> mask, the selected rows gathered (resident, cached or read),
@@ -134,14 +142,6 @@ class StoredFFN(SparseFFN):
             ctx.observe(self.layer, h, p, a)
         ctx.count_all(self.layer, a)
         return self.weights.add_down_bias(out)
-
-
-__all__ = [
-    "StorageStats",
-    "StoredMatrix",
-    "LayerStore",
-    "StoredFFN",
-]  # re-exported: the rows' home is rows.py
 
 
 def _matvec_as_rows_arrive(got, k: int, weight, h: torch.Tensor, mask: torch.Tensor, threads) -> torch.Tensor:
