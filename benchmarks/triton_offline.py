@@ -50,7 +50,7 @@ def variants(tile_rows: int = 16, tile_cols: int = 256) -> list[tuple]:
            "window": "i32", "GROUP": "i32", "KVD": "i32", "DH": "constexpr", "BLOCK_N": "constexpr"}  # fmt: skip
     out.append(("attention", td._attention_kernel, att, {"DH": 128, "BLOCK_N": 64}, ("KVD",)))
     gu = {"gate_ptr": F16, "up_ptr": F16, "h_ptr": F32, "nw_ptr": F32, "eps": "fp32", "m_ptr": "*i8",
-          "idx_ptr": "*i64", "bc_ptr": "*i32", "a_ptr": F32, "F": "i32", "D": "i32", "stride_g": "i32",
+          "idx_ptr": "*i64", "bc_ptr": "*i32", "list_ptr": "*i32", "a_ptr": F32, "F": "i32", "D": "i32", "stride_g": "i32",
           "stride_u": "i32"}  # fmt: skip
     gu |= {
         n: "constexpr"
@@ -73,12 +73,14 @@ def variants(tile_rows: int = 16, tile_cols: int = 256) -> list[tuple]:
     for label, ptr, q, cols in (("f16", F16, 0, tile_cols), ("q8_0", U8, 1, tile_cols // 2),
                                 ("q4_0", U8, 2, tile_cols // 2)):  # fmt: skip
         for norm, mask, idx, compact in ((False, True, False, False), (True, False, False, False),
-                                         (False, True, True, False), (False, True, False, True)):  # fmt: skip
+                                         (False, True, True, False), (False, True, False, True),
+                                         (False, True, True, True)):  # fmt: skip
             rows = td.GPU_TILE["compact_rows"] if compact else tile_rows
             consts = dict(QG=q, QU=q, NORM=norm, HAS_MASK=mask, HAS_IDX=idx, COMPACT=compact, KIND=0, ACT=0,
                           G=td.MASK_GROUP, STAGES=stages, BLOCK_R=rows, BLOCK_D=cols)  # fmt: skip
-            kind = ("dense (norm)" if norm else "hybrid hot rows (mask, rows)" if idx
-                    else "sparse (compacted list)" if compact else "sparse (mask)")  # fmt: skip
+            kind = ("dense (norm)" if norm else "hybrid hot rows (compacted list)" if idx and compact
+                    else "hybrid hot rows (mask, rows)" if idx else "sparse (compacted list)" if compact
+                    else "sparse (mask)")  # fmt: skip
             sig = dict(gu, gate_ptr=ptr, up_ptr=ptr, idx_ptr="*i32" if compact else "*i64")
             out.append((f"gate_up {label} {kind}", tf._gate_up_kernel, sig, consts,
                         ("F", "D", "stride_g", "stride_u")))  # fmt: skip

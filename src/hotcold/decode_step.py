@@ -154,7 +154,9 @@ class StaticDecoder:
                 r = b.r[: layer.fc1.shape[0]]
                 mask = b.mask[:n_ff]
                 k.gemv(layer.fc1, b.x2, out=r, relu=True, norm=layer.ffn_norm, eps=s.eps, normed_out=b.h)
-                list_ = b.compact  # the firing rows as a list: a[e] is row list_.rows[e]'s
+                list_ = b.compact and b.compact.first(
+                    n_ff
+                )  # the firing rows as a list: a[e] is row rows[e]'s
                 k.gemv(layer.fc2, r, out=r, threshold=layer.threshold, mask_out=mask, count=b.counts[i : i + 1],
                        block_counts=list_ and list_.block_counts)  # fmt: skip
                 k.gate_up(layer.gate, layer.up, b.h, mask, a, kind=s.kind, activation=s.activation,

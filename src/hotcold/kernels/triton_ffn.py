@@ -61,6 +61,11 @@ class Compact:
         return Compact(torch.zeros(blocks, dtype=torch.int32, device=device),
                        torch.zeros(n_ff, dtype=torch.int32, device=device))  # fmt: skip
 
+    def first(self, n_ff: int) -> Compact:
+        """The scratch of a mask of n_ff rows (a decode step's is sized for its widest layer): the kernels
+        read the mask's length from len(rows)."""
+        return Compact(self.block_counts[: -(-n_ff // MASK_GROUP)], self.rows[:n_ff])
+
 
 @_jit
 def _rms_inv(x_ptr, D, eps, BLOCK_D: tl.constexpr):
@@ -98,7 +103,7 @@ def _listed_rows(m_ptr, bc_ptr, F, e, G: tl.constexpr, CHUNK: tl.constexpr):
 
 @_jit
 def _gate_up_kernel(
-    gate_ptr, up_ptr, h_ptr, nw_ptr, eps, m_ptr, idx_ptr, bc_ptr, a_ptr, F, D, stride_g, stride_u,
+    gate_ptr, up_ptr, h_ptr, nw_ptr, eps, m_ptr, idx_ptr, bc_ptr, list_ptr, a_ptr, F, D, stride_g, stride_u,
     QG: tl.constexpr, QU: tl.constexpr, NORM: tl.constexpr, HAS_MASK: tl.constexpr, HAS_IDX: tl.constexpr,
     COMPACT: tl.constexpr, KIND: tl.constexpr, ACT: tl.constexpr, G: tl.constexpr, STAGES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -107,10 +112,14 @@ def _gate_up_kernel(
     ok = slots < F
     rows = slots
     fire = ok
-    if COMPACT:  # this program's BLOCK_R list entries; idx_ptr receives their row ids
+    if COMPACT:  # this program's BLOCK_R list entries (F: the mask's length); list_ptr receives their rows
         rows, n = _listed_rows(m_ptr, bc_ptr, F, slots, G, _CHUNK)
         fire = slots < n
-        tl.store(idx_ptr + slots, rows, mask=ok)
+        if HAS_IDX:  # a hybrid layer: the list holds neurons, idx[neuron] is its hot row (-1: a cold one)
+            rows = tl.load(idx_ptr + rows, mask=fire, other=-1)
+            fire = fire & (rows >= 0)
+            rows = tl.where(fire, rows, 0)
+        tl.store(list_ptr + slots, rows, mask=ok)
     elif HAS_MASK:
         if HAS_IDX:  # row k of the weights is neuron idx[k] of the mask (a hybrid layer's hot rows)
             neuron = tl.load(idx_ptr + rows, mask=ok, other=0)
@@ -236,32 +245,41 @@ def _width(w: torch.Tensor, qtype: str | None) -> tuple[int, int]:
 
 def gate_up(gate, up, h, mask, a_out, *, kind: str, activation: str, norm=None, eps=0.0,
             qtypes: tuple[str | None, str | None] = (None, None), mask_rows=None,
-            compact: Compact | None = None) -> torch.Tensor:  # fmt: skip
+            compact: Compact | None = None, neuron_rows=None) -> torch.Tensor:  # fmt: skip
     """a_out [F] = act(gate . h) * up . h (gated_both: act(up . h)) where mask [F] (None: every row);
     with `norm`, h is RMS-normed in the kernel first (a dense FFN, which has no predictor to do it).
     qtypes: gate's and up's block types (None: float; "q8_0" / "q4_0": uint8 ggml blocks [F, row bytes]).
     mask_rows: int64 [F] where weight row k is neuron mask_rows[k] of a longer mask (a hybrid layer's
     hot rows against the whole layer's mask).
     compact: the mask's block counts (from the threshold kernel) in; a_out[e] and compact.rows[e] for the
-    e-th firing row out, in ascending row order (entries past the count: a 0), for down_axpy(compact=)."""
+    e-th firing row out, in ascending row order (entries past the count: a 0), for down_axpy(compact=);
+    a_out and compact.rows hold len(mask) entries. With neuron_rows (int32 [len(mask)]: each neuron's weight
+    row, -1 where it has none: a hybrid layer's cold neurons), the list holds every firing neuron and a cold
+    one gets a 0 (its row is not read)."""
     qg, _ = _width(gate, qtypes[0])
     qu, d = _width(up, qtypes[1])
     f = up.shape[0]
     tile = _blocks(up if up.dtype == torch.uint8 else gate)
     if compact is not None:
-        if mask is None or mask_rows is not None:
-            raise ValueError("gate_up: a compacted list needs the whole layer's mask and no mask_rows")
+        if mask is None or mask_rows is not None or compact.rows.shape[0] != mask.shape[0]:
+            raise ValueError(
+                "gate_up: a compacted list needs its mask's scratch (Compact.first) and no mask_rows"
+            )
+        f = mask.shape[0]  # programs over the list's entries
         if not (_INTERPRETED or up.device.type != "cuda"):
             tile["BLOCK_R"] = GPU_TILE["compact_rows"]
         else:
             tile["BLOCK_R"] = 4  # the interpreter: several programs over a handful of firing rows
-    idx = compact.rows if compact is not None else mask_rows if mask_rows is not None else h
+    if neuron_rows is not None and compact is None:
+        raise ValueError("gate_up: neuron_rows go with a compacted list (mask_rows without one)")
+    idx = neuron_rows if neuron_rows is not None else mask_rows if mask_rows is not None else h
     launch(
         _gate_up_kernel,
         (triton.cdiv(f, tile["BLOCK_R"]),),
         gate, up, h, norm if norm is not None else h, float(eps), mask if mask is not None else h, idx,
-        compact.block_counts if compact is not None else h, a_out, f, d, gate.stride(0), up.stride(0),
-        QG=qg, QU=qu, NORM=norm is not None, HAS_MASK=mask is not None, HAS_IDX=mask_rows is not None,
+        compact.block_counts if compact is not None else h, compact.rows if compact is not None else h, a_out,
+        f, d, gate.stride(0), up.stride(0), QG=qg, QU=qu, NORM=norm is not None, HAS_MASK=mask is not None,
+        HAS_IDX=idx is not h,
         COMPACT=compact is not None, KIND=KIND_CODES[kind], ACT=ACTIVATION_CODES[activation], G=MASK_GROUP,
         STAGES=_stages(up.device), **tile,
     )  # fmt: skip
@@ -301,7 +319,8 @@ def down_axpy_partial(down_t, a, partial, *, qtype: str | None = None, compact: 
     launch(
         _down_axpy_kernel,
         (triton.cdiv(d, block_d), splits),
-        down_t, a, c.rows if c is not None else a, c.block_counts if c is not None else a, partial, f, d,
+        down_t, a, c.rows if c is not None else a, c.block_counts if c is not None else a, partial,
+        c.rows.shape[0] if c is not None else f, d,  # compact: F is the mask's length (the list's blocks)
         rows_per_split, down_t.stride(0), QTYPE=code, COMPACT=c is not None, G=MASK_GROUP,
         STAGES=_stages(down_t.device), BLOCK_K=block_k, BLOCK_D=block_d,
     )  # fmt: skip

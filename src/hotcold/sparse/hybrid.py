@@ -179,9 +179,10 @@ class HybridFFN(FFN):
 class OneToken:
     """A hybrid layer's decode token through the fused kernels (kernels/triton_decode.py), eight launches
     a layer where the general path takes ~16 kernels (and the norm's 6) and their Python:
-    predictor fc1 + ReLU, fc2 + threshold -> int8 mask [F] (logits in fp32); the FFN input and the mask,
-    side by side in one device buffer, to pinned memory in one copy with an event behind it; gate/up of the
-    hot rows that fire (row k reads neuron hot_idx[k] of the mask) and the down_t axpy's split sums, queued;
+    predictor fc1 + ReLU, fc2 + threshold -> int8 mask [F] and its 16-neuron block counts (logits in fp32);
+    the FFN input and the mask, side by side in one device buffer, to pinned memory in one copy with an event
+    behind it; gate/up over the compacted list of firing neurons (ascending; a cold one's lane reads nothing:
+    neuron i is hot row pos[i], -1 when cold) and the down_t axpy's split sums over that list, queued;
     one host wait; the cold firing rows on the CPU while the GPU works; the cold result back through a
     pinned buffer without blocking and added to the hot splits in one last kernel. Built at load where it
     applies: float predictor on the hot rows' device, gated FFN, ReLU or SiLU, no up bias (else None: the
@@ -205,10 +206,15 @@ class OneToken:
         self.count_sink = torch.zeros(1, dtype=torch.int32, device=dev)  # counts come from the mask
         self.no_cold = torch.zeros(width, **f32)  # all hot: nothing to add
         self.r = torch.zeros(fc1.shape[0], **f32)  # the predictor's hidden layer
-        self.a = torch.zeros(self.n_hot, **f32)  # the hot rows' activations
+        n_ff = fc2.shape[0]
+        self.a = torch.zeros(n_ff, **f32)  # the list's activations (a cold neuron's: 0)
+        self.list = td.Compact.empty(n_ff, dev)  # the firing neurons, compacted on the device
+        pos = torch.full((n_ff,), -1, dtype=torch.int32)
+        pos[ffn.hot_idx] = torch.arange(self.n_hot, dtype=torch.int32)
+        self.pos = pos.to(dev)  # neuron -> its hot row, -1: cold
         self.partial = torch.zeros(self.splits, width, **f32)
         # what the host needs, side by side for one copy: the FFN input h (fp32 [D]), then the mask (int8 [F])
-        self.stage = torch.zeros(4 * width + fc2.shape[0], dtype=torch.uint8, device=dev)
+        self.stage = torch.zeros(4 * width + n_ff, dtype=torch.uint8, device=dev)
         self.h, self.mask = (
             self.stage[: 4 * width].view(torch.float32),
             self.stage[4 * width :].view(torch.int8),
@@ -286,9 +292,8 @@ class OneToken:
                 h = self.h.copy_(h[0])
             else:
                 h = h[0]
-        td.gemv(
-            self.fc2, self.r, out=self.r, threshold=self.threshold, mask_out=self.mask, count=self.count_sink
-        )
+        td.gemv(self.fc2, self.r, out=self.r, threshold=self.threshold, mask_out=self.mask, count=self.count_sink,
+                block_counts=self.list.block_counts)  # fmt: skip
         if self.host is not self.stage:  # one copy out (all hot: the mask alone), the event behind it
             part = slice(4 * self.width, None) if ffn.all_hot else slice(None)
             self.host[part].copy_(self.stage[part], non_blocking=True)
@@ -296,8 +301,10 @@ class OneToken:
             self.ready.record(torch.cuda.current_stream(dev))
         clock and clock.hot_start()
         td.gate_up(self.gate, self.up, h, self.mask, self.a, kind=w.kind, activation=w.activation,
-                   qtypes=self.qtypes, mask_rows=self.hot_idx)  # fmt: skip
-        partial = td.down_axpy_partial(self.down, self.a, self.partial, qtype=self.down_qtype)
+                   qtypes=self.qtypes, compact=self.list, neuron_rows=self.pos)  # fmt: skip
+        partial = td.down_axpy_partial(
+            self.down, self.a, self.partial, qtype=self.down_qtype, compact=self.list
+        )
         clock and clock.hot_end()
         host_wait(self.ready)  # the predictor and the copy; the hot kernels run on
         clock and clock.mark("waited")
