@@ -232,6 +232,15 @@ def main(argv=None) -> int:
     ap.add_argument("-c", "--ctx", type=int, default=256)
     ap.add_argument("--disk-seconds", type=float, default=3.0)
     ap.add_argument("--skip-unlimited", action="store_true", help="only the runs inside the cgroup")
+    ap.add_argument(
+        "--fraction-model",
+        nargs="*",
+        default=[],
+        help="SPARSE[=DENSE] files also run with --ram-budget at --fractions of the sparse file's size (a cgroup of "
+        "the budget + --overhead-gib), llama-bench on DENSE in the same cgroup",
+    )
+    ap.add_argument("--fractions", default="0.25,0.5,0.75")
+    ap.add_argument("--overhead-gib", type=float, default=0.45, help="the cgroup's room above the budget")
     ap.add_argument("--out", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-budget", type=float, default=None, help=argparse.SUPPRESS)  # None: no RAM budget
@@ -255,6 +264,19 @@ def main(argv=None) -> int:
     runs.append(hotcold_run(args, budget=args.ram_budget, limit=limit, name="hc-budget"))
     if have_llama:
         runs.append(llama_run(args, limit=limit, name="llama-limited"))
+    fraction_runs = []
+    for item in args.fraction_model:
+        sparse, _, dense = item.partition("=")
+        size = Path(sparse).stat().st_size
+        for f in (float(x) for x in args.fractions.split(",")):
+            budget = round(f * size / (1 << 30), 3)
+            cap = int((budget + args.overhead_gib) * (1 << 30))
+            sub = argparse.Namespace(**{**vars(args), "model": sparse, "dense_model": dense})
+            fraction_runs.append(
+                {"fraction": f, **hotcold_run(sub, budget=budget, limit=cap, name="hc-fraction")}
+            )
+            if dense and Path(args.llama_bench).is_file():
+                fraction_runs.append({"fraction": f, **llama_run(sub, limit=cap, name="llama-fraction")})
     limited = {r["engine"]: r.get("tg_tokens_per_s") for r in runs if r["limit_bytes"]}
     hc, ll = limited.get("hotcold"), limited.get("llama.cpp llama-bench (mmap)")
     result = {
@@ -271,6 +293,7 @@ def main(argv=None) -> int:
         "disk": disk,
         "runs": runs,
         "hotcold_vs_llama_limited": hc / ll if hc and ll else None,
+        "fraction_runs": fraction_runs,
     }
     text = json.dumps(result, indent=2)
     print(text)
