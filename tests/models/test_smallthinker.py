@@ -188,6 +188,36 @@ def test_upstream_file_matches_a_float64_reimplementation(upstream):
     for i in range(L):  # every expert gets tokens
         assert len(torch.unique(llm.engine.seq.routing[i])) == E
     assert llm.decoder == "eager"  # the router before attention: no fast decoder has it
+    specs = [
+        layer.spec for layer in llm.loaded.model.layers
+    ]  # upstream's pattern: i % 4 == 0 global and NoPE
+    assert [(s.nope, s.sliding_window) for s in specs] == [
+        (i % 4 == 0, 0 if i % 4 == 0 else 4096) for i in range(L)
+    ]
+
+
+def test_layer_pattern_as_upstream_derives_it():
+    """A pattern key (a period, or a flag per layer) overrides which layers are windowed; NoPE stays i % 4 == 0;
+    without a window every layer is global with RoPE."""
+    from types import SimpleNamespace
+
+    from hotcold.models.smallthinker import layer_pattern
+
+    def pattern(window, **meta):
+        config = SimpleNamespace(n_layer=6, arch="smallthinker", sliding_window=window)
+        return layer_pattern(
+            SimpleNamespace(config=config, file=SimpleNamespace(metadata=meta), path="m.gguf")
+        )
+
+    assert pattern(None) == [(False, False)] * 6
+    assert pattern(8) == [(i % 4 != 0, i % 4 == 0) for i in range(6)]
+    assert pattern(8, **{"smallthinker.attention.sliding_window_pattern": 2}) == [
+        (i % 2 != 0, i % 4 == 0) for i in range(6)
+    ]
+    flags = [True, False, True, True, False, False]
+    assert pattern(8, **{"smallthinker.attention.sliding_window_pattern": flags}) == [
+        (f, i % 4 == 0) for i, f in enumerate(flags)
+    ]
 
 
 def test_softmax_gating_and_each_feature_matter(upstream, tmp_path):

@@ -117,19 +117,29 @@ class MoEFFN:
         out = torch.zeros_like(x)
         # live rows below the GEMM size (where the dense path multiplies in the same C kernels: the same bits)
         rows_ok = not ctx.dense and h.device.type == "cpu"
+        if (
+            x.shape[0] == 1
+        ):  # a decode token: its k experts in ascending order, as below, without the index ops
+            chosen = ids[0].tolist()
+            for slot in sorted(range(len(chosen)), key=chosen.__getitem__):
+                y = self._expert(chosen[slot], h, x, ctx, rows_ok)
+                out.add_(y.to(out.device) * weights[0, slot])
+            return out
         for e in torch.unique(ids).tolist():
             tokens, slot = torch.where(ids == e)
-            rows = ctx.subset(tokens)
-            if self.relu_rows[e] and rows_ok and tokens.shape[0] < cpu.GEMM_MIN_TOKENS:
-                y, live = relu_rows_apply(
-                    self.experts[e].weights, h[tokens].float().contiguous(), threads=self.threads
-                )
-                rows.count(self.layer, live)  # the rows computed: the timings' FFN neurons
-                y = self.experts[e].weights.add_down_bias(y)
-            else:
-                y = self.experts[e].apply(h[tokens], x[tokens], rows)  # [t, D]
+            y = self._expert(e, h[tokens], x[tokens], ctx.subset(tokens), rows_ok)  # [t, D]
             out.index_add_(0, tokens, y.to(out.device) * weights[tokens, slot, None])
         return out
+
+    def _expert(self, e: int, h: torch.Tensor, x: torch.Tensor, rows, rows_ok: bool) -> torch.Tensor:
+        """Expert e on its tokens (h normed, x the residual, rows their context): over its live rows where it is
+        ReLU-gated and dense (counting them: the timings' FFN neurons), else its own path."""
+        expert = self.experts[e]
+        if self.relu_rows[e] and rows_ok and h.shape[0] < cpu.GEMM_MIN_TOKENS:
+            y, live = relu_rows_apply(expert.weights, h.float().contiguous(), threads=self.threads)
+            rows.count(self.layer, live)
+            return expert.weights.add_down_bias(y)
+        return expert.apply(h, x, rows)
 
     def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
         """The fields of this layer's tail in the one-call C decode (build.HCLayer: the router and every expert's
