@@ -138,7 +138,12 @@ class LinearGroup:
         return self._group
 
     def __call__(self, x: torch.Tensor, norm: Norm | None = None) -> list[torch.Tensor]:
-        if self._group is not None and x.device.type == "cpu" and x.shape[0] < cpu.GEMM_MIN_TOKENS:
+        if (
+            self._group is not None
+            and x.device.type == "cpu"
+            and (x.shape[0] < cpu.GEMM_MIN_TOKENS or self._group.packed)
+        ):
+            # packed: a prompt chunk's products in one call too (x quantized once; the GEMM, the bits of separate calls)
             if norm is not None and norm.folds_into_c(x):
                 return self._group(x, norm=norm.c_args)
             return self._group(norm(x) if norm is not None else x)
@@ -407,6 +412,10 @@ def attention(
             q.to(dtype).transpose(0, 1), keys[0, :, start:], values[0, :, start:], mask, sinks, softcap
         )
         return out.transpose(0, 1).reshape(T, H * Dh).to(q.dtype)
+    if q.device.type == "cpu" and T > 1 and not sliding_window and cpu.backend() == "c":
+        out = cpu.attention_prefill(q.contiguous(), k_cache, v_cache, pos)  # GEMM-like tiles in C
+        if out is not None:
+            return out
     out = F.scaled_dot_product_attention(
         q.to(dtype).transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != H
     )  # [1, H, T, Dh]

@@ -10,3 +10,4 @@
 #include "c/ffn.c" /* the sparse, dense and thresholded FFN steps and decode tails */
 #include "c/decode.c" /* a decode layer (hc_layer) and a whole decode step (hc_decode_step) */
 #include "c/norm_attention.c" /* RMS norm, LayerNorm, RoPE and attention over the KV caches */
+#include "c/prefill_attention.c" /* a prompt chunk's causal attention as small GEMMs */

@@ -67,6 +67,7 @@ __all__ = [
     "moe_route",
     "attention_decode",
     "attention_decode_rows",
+    "attention_prefill",
     "apply_rope",
 ]
 
@@ -171,6 +172,33 @@ def matmul(weight: Weight, x: torch.Tensor, *, threads: int | None = None) -> to
     return out[0] if one else out
 
 
+def attention_prefill(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pos: int, *, threads: int | None = None
+) -> torch.Tensor | None:
+    """Causal attention of a prompt chunk, one C call (c/prefill_attention.c): q [T, H, Dh] float32 (RoPE applied)
+    at positions pos..pos+T-1 over the float32 caches [S, Hkv, Dh] (rows up to pos+T-1 already written) ->
+    [T, H*Dh]; None where the C path does not run (no C kernels, other dtypes or layouts, a head size it has no
+    registers for): the caller's own attention then."""
+    lib = build.get_lib()
+    t, h, dh = q.shape
+    ok = q.dtype == k_cache.dtype == v_cache.dtype == torch.float32 and k_cache.shape == v_cache.shape
+    if (
+        lib is None
+        or not ok
+        or not (q.is_contiguous() and k_cache.is_contiguous() and v_cache.is_contiguous())
+    ):
+        return None
+    hkv = k_cache.shape[1]
+    if k_cache.shape[2] != dh or pos + t > k_cache.shape[0]:
+        raise ValueError(f"caches {tuple(k_cache.shape)} do not hold {t} queries of {h} x {dh} at {pos}")
+    out = torch.empty(t, h * dh, dtype=torch.float32)
+    args = (t, q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), pos, h, hkv, dh, out.data_ptr())
+    rc = lib.hc_attn_prefill(*args, nthreads(threads))
+    if rc < 0:
+        raise MemoryError("hc_attn_prefill: out of memory")
+    return out if rc == 0 else None
+
+
 def norm_weight(norm: tuple[torch.Tensor, float] | None, d: int) -> tuple[torch.Tensor | None, float]:
     """(weight, eps) of an RMS norm applied inside a C call -> (float32 contiguous weight or None, eps)."""
     if norm is None:
@@ -229,8 +257,8 @@ class MatvecGroup:
     """[matmul(w, x) for w in weights] for few tokens, as one C call (a layer's q, k and v: the rows of
     all of them share one pass of the threads), with the same bits as separate calls. Weights must be
     CPU weights of the C kernels' types with the same number of columns, all packed (`pack`) or none
-    (else ValueError); the group keeps them alive. Without the C kernels, or for many tokens, it is
-    separate matmul calls."""
+    (else ValueError); the group keeps them alive. Without the C kernels, or for many tokens of unpacked
+    weights, it is separate matmul calls."""
 
     def __init__(self, weights: list[Weight]):
         views = [weight_view(w) for w in weights]
@@ -254,6 +282,11 @@ class MatvecGroup:
         self._out_ptrs = ctypes.c_void_p * n
 
     @property
+    def packed(self) -> bool:
+        """Whether the group multiplies packed copies (then one C call at any token count)."""
+        return self._packed
+
+    @property
     def c_fields(self) -> dict:
         """The group as hc_decode_head takes it (build.HCLayer's wts, Ws, strides, Fs, packed); the group
         keeps the arrays alive."""
@@ -270,7 +303,7 @@ class MatvecGroup:
         x2, one = as_tokens(x, self.d, "x")
         t = x2.shape[0]
         norm_w, eps = norm_weight(norm, self.d)
-        if lib is None or t >= GEMM_MIN_TOKENS:
+        if lib is None or (t >= GEMM_MIN_TOKENS and not self._packed):  # packed: one call at any t (the GEMM)
             h = x2 if norm_w is None else rms_norm(x2, norm_w, eps)
             outs = [matmul(w, h, threads=threads) for w in self.weights]
             return [o[0] for o in outs] if one else outs

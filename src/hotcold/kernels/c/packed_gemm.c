@@ -17,7 +17,9 @@
 #define HC_GEMM_MIN_T 8 /* tokens from which a packed product takes the GEMM */
 #endif
 #if HC_QSIMD
+#ifndef GM_T
 #define GM_T 8 /* tokens a tile: 2 x 8 accumulators + the unpacked weights fit the 32 (16) vector registers */
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GM_ROWS 16 /* two packed groups: group a in the low 256 bits, group b in the high */
