@@ -11,8 +11,8 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -61,13 +61,17 @@ class Pending:
         return self._done + sum(f.result() for f in self._futures)
 
 
-@dataclass(frozen=True)
-class Job:
-    """One read: `length` bytes at `offset` into `dest` (a writable byte view); `what` names them in errors."""
+class Job(NamedTuple):
+    """One read: len(dest) bytes at `offset` into `dest` (a writable byte view); `what` names them in errors: a
+    text, or (tensor, first row, last row), formatted only if the read fails (a token makes thousands of jobs)."""
 
     offset: int
     dest: memoryview
-    what: str
+    what: str | tuple
+
+
+def _describe(what: str | tuple) -> str:
+    return what if isinstance(what, str) else f"tensor {what[0]} rows {what[1]}..{what[2]}"
 
 
 class RowReader:
@@ -131,16 +135,21 @@ class RowReader:
         return total
 
     def _read_exact(self, job: Job) -> None:
-        done, want = 0, len(job.dest)
-        while done < want:
+        offset, dest, _ = job
+        want = len(dest)
+        try:
+            done = self._pread(self.fd, [dest], offset)
+        except InterruptedError:  # a signal arrived before any byte: ask again below
+            done = 0
+        while 0 <= done < want:  # a short read (or an interrupted one) goes on where it stopped
             try:
-                n = self._pread(self.fd, [job.dest[done:]], job.offset + done)
-            except InterruptedError:  # a signal arrived before any byte: ask again
+                n = self._pread(self.fd, [dest[done:]], offset + done)
+            except InterruptedError:
                 continue
             if n <= 0:
                 raise GGUFError(
-                    f"{self.path}: {job.what}: the file ends at byte {job.offset + done}, the rows need bytes up "
-                    f"to {job.offset + want} (truncated since it was loaded?)"
+                    f"{self.path}: {_describe(job.what)}: the file ends at byte {offset + done}, the rows need bytes "
+                    f"up to {offset + want} (truncated since it was loaded?)"
                 )
             done += n
 

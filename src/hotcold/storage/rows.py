@@ -72,16 +72,22 @@ class StoredMatrix:
     def jobs(self, rows: np.ndarray, positions: np.ndarray, block: torch.Tensor) -> list[Job]:
         """Reads of `rows` (sorted) into block's rows `positions` (consecutive where the rows are): each run of
         adjacent rows one read (split at MAX_READ)."""
+        if len(rows) == 0:
+            return []
         flat = memoryview(block.view(-1).numpy())
-        rb, out = self.row_bytes, []
-        step = max(1, MAX_READ // rb)
-        for pos, first, length in runs(rows):
-            for k in range(0, length, step):
-                n = min(step, length - k)
-                p0 = (int(positions[pos]) + k) * rb
-                what = f"tensor {self.name} rows {first + k}..{first + k + n - 1}"
-                out.append(Job(self.offset + (first + k) * rb, flat[p0 : p0 + n * rb], what))
-        return out
+        rb, step = self.row_bytes, max(1, MAX_READ // self.row_bytes)
+        r = runs(rows)
+        start, first, length = (np.array(c, dtype=np.int64) for c in zip(*r))
+        if int(length.max()) > step:  # long runs (hot rows at load): split
+            pieces = [(p + k, f + k, min(step, n - k)) for p, f, n in r for k in range(0, n, step)]
+            start, first, length = (np.array(c, dtype=np.int64) for c in zip(*pieces))
+        dst = positions[start] * rb
+        off = self.offset + first * rb
+        name = self.name
+        return [
+            Job(o, flat[d : d + n * rb], (name, f, f + n - 1))
+            for o, d, f, n in zip(off.tolist(), dst.tolist(), first.tolist(), length.tolist())
+        ]
 
 
 class _RowCache:
