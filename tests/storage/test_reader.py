@@ -95,3 +95,20 @@ def test_jobs_are_one_read_per_run_at_the_tensor_offset(tmp_path):
     assert len(jobs) == 3
     assert RowReader(path).read(jobs) == block.numel()
     assert torch.equal(m.weight(block), weight[torch.from_numpy(rows)])
+
+
+def test_an_aligned_copy_has_page_aligned_tensors_and_the_same_logits(files, tmp_path):
+    import hotcold
+    from hotcold.storage.align import align_file, misaligned
+
+    src = files["f16"]
+    dst = align_file(src, tmp_path / "aligned.powerinfer.gguf")
+    before, after = ModelFile(src), ModelFile(dst)
+    assert [e.name for e in after.tensors.values()] == [e.name for e in before.tensors.values()]
+    assert all(tensor_offset(after, n)[1] % 4096 == 0 for n in after.tensors)
+    assert misaligned([544], [4096]) and not misaligned([0, 544], [4096, 1152])
+    ids = [1, 17, 40, 99]
+    a = hotcold.load(src, device="cpu", ctx_size=64).logits(ids)
+    b = hotcold.load(dst, device="cpu", ctx_size=64, ram_budget=1.0).logits(ids)
+    assert torch.equal(a, b)
+    assert (tmp_path / "activation" / "activation_0.pt").exists()
