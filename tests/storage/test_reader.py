@@ -99,7 +99,8 @@ def test_jobs_are_one_read_per_run_at_the_tensor_offset(tmp_path):
 
 def test_an_aligned_copy_has_page_aligned_tensors_and_the_same_logits(files, tmp_path):
     import hotcold
-    from hotcold.storage.align import align_file, misaligned
+    from hotcold.storage.align import align_file
+    from hotcold.storage.reader import misaligned
 
     src = files["f16"]
     dst = align_file(src, tmp_path / "aligned.powerinfer.gguf")

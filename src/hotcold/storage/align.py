@@ -15,13 +15,7 @@ import numpy as np
 from gguf import GGUFValueType
 
 from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
-
-PAGE = 4096
-
-
-def misaligned(offsets: list[int], row_bytes: list[int], page: int = PAGE) -> bool:
-    """Whether rows whose size is a multiple of the page start off a page boundary (each then spans a page more)."""
-    return any(rb % page == 0 and off % page for off, rb in zip(offsets, row_bytes))
+from hotcold.storage.reader import PAGE
 
 
 def align_file(src: str | Path, dst: str | Path, *, alignment: int = PAGE) -> Path:

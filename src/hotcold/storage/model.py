@@ -13,10 +13,9 @@ from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.placement.walk import GIB
 from hotcold.sparse.ffn import SparseFFN
 from hotcold.sparse.ffn_weights import FFNWeights
-from hotcold.storage.align import misaligned
 from hotcold.storage.ffn import LayerStore, StorageStats, StoredFFN, StoredMatrix
 from hotcold.storage.plan import RamPlan, plan_ram
-from hotcold.storage.reader import RowReader, tensor_offset
+from hotcold.storage.reader import RowReader, misaligned, tensor_offset
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +42,15 @@ def ram_plan(path: Path, model_file: ModelFile, config: ModelConfig, budget_gib:
         statistics=folder,
     )  # fmt: skip
     plan.overhead_bytes = overhead
+    ffn = [names.tensor(t, 0) for t in (names.FFN_UP, names.FFN_GATE, names.FFN_DOWN_T)]
+    ffn = [n for n in ffn if n in model_file.tensors]
+    offsets = [tensor_offset(model_file, n)[1] for n in ffn]
+    row_bytes = [model_file.tensors[n].n_bytes // model_file.tensors[n].shape[0] for n in ffn]
+    if misaligned(offsets, row_bytes):
+        plan.notes.append(
+            "the FFN rows start off page boundaries, so each costs two page reads: `python -m hotcold.storage.align "
+            "IN OUT` writes the file page-aligned"
+        )
     return plan
 
 
@@ -111,15 +119,6 @@ def open_storage(path: Path, model_file: ModelFile, config: ModelConfig, *, budg
         )
     plan = ram_plan(path, model_file, config, budget_gib, ctx_size=ctx, kv_sequences=kv_sequences,
                     overhead=overhead, notes=notes)  # fmt: skip
-    ffn = [names.tensor(t, 0) for t in (names.FFN_UP, names.FFN_GATE, names.FFN_DOWN_T)]
-    ffn = [n for n in ffn if n in model_file.tensors]
-    offsets = [tensor_offset(model_file, n)[1] for n in ffn]
-    row_bytes = [model_file.tensors[n].n_bytes // model_file.tensors[n].shape[0] for n in ffn]
-    if misaligned(offsets, row_bytes):
-        plan.notes.append(
-            "the FFN rows start off page boundaries, so each costs two page reads: `python -m hotcold.storage.align "
-            "IN OUT` writes the file page-aligned"
-        )
     notes.append(plan.describe())
     log.info("%s", plan.describe())
     return ModelStorage(model_file, plan)

@@ -21,6 +21,7 @@ from hotcold.gguf_io import GGUFError, ModelFile
 log = logging.getLogger(__name__)
 
 DEFAULT_DEPTH = 16  # reads in flight (threads); HOTCOLD_READ_DEPTH overrides
+PAGE = 4096
 MAX_READ = 8 << 20  # one read at most this long (long runs of hot rows at load are split)
 
 Pread = Callable[[int, Sequence[memoryview], int], int]  # os.preadv's signature
@@ -182,3 +183,9 @@ def runs(indices: np.ndarray) -> list[tuple[int, int, int]]:
     starts = np.concatenate(([0], breaks))
     ends = np.concatenate((breaks, [len(indices)]))
     return [(int(s), int(indices[s]), int(e - s)) for s, e in zip(starts, ends)]
+
+
+def misaligned(offsets: list[int], row_bytes: list[int], page: int = PAGE) -> bool:
+    """Whether rows whose size is a multiple of the page start off a page boundary (each then spans a page more):
+    storage/align.py writes the file aligned."""
+    return any(rb % page == 0 and off % page for off, rb in zip(offsets, row_bytes))
