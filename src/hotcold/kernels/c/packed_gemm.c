@@ -29,6 +29,8 @@ HC_INLINE gi gi_pair(const uint8_t *a, const uint8_t *b) {
     return _mm512_inserti64x4(_mm512_castsi256_si512(ld256(a)), ld256(b), 1);
 }
 #define gi_zero() _mm512_setzero_si512()
+#define gi_load(p) _mm512_load_si512((const void *)(p))
+#define gi_store(p, v) _mm512_store_si512((void *)(p), v)
 #define gi_and(a, b) _mm512_and_si512(a, b)
 #define gi_or(a, b) _mm512_or_si512(a, b)
 #define gi_xor(a, b) _mm512_xor_si512(a, b)
@@ -62,6 +64,8 @@ typedef __m256i gi;
 typedef __m256 gf;
 #define gi_pair(a, b) ((void)(b), ld256(a))
 #define gi_zero() _mm256_setzero_si256()
+#define gi_load(p) _mm256_load_si256((const __m256i *)(p))
+#define gi_store(p, v) _mm256_store_si256((__m256i *)(p), v)
 #define gi_and(a, b) _mm256_and_si256(a, b)
 #define gi_or(a, b) _mm256_or_si256(a, b)
 #define gi_xor(a, b) _mm256_xor_si256(a, b)
@@ -137,6 +141,42 @@ static void gm_x_token(const float *xt, int64_t nc, gm_x *g, int64_t t) {
     }
 }
 
+#define GM_VB ((int64_t)sizeof(gi)) /* bytes a vector */
+
+/* A Q6_K row tile's values as dpbusd takes them (0..63), unpacked once per work item for all its token tiles (its
+ * 6-bit values take 6 operations a vector to assemble: measured 1.3x the speed of unpacking per token tile): per
+ * chunk 8 vectors, the first half's 4 parts, then the second's. U: nc * 8 * GM_VB bytes, 64-byte aligned. */
+static void gm_unpack_q6_k(const uint8_t *Pa, const uint8_t *Pb, int64_t nc, uint8_t *U) {
+    const gi m15 = gi_set1_8(15), m3 = gi_set1_8(3);
+    for (int64_t c = 0; c < nc; c++) {
+        uint8_t *u = U + c * 8 * GM_VB;
+        const int64_t off = (c / 8) * PK_Q6_K_SUPER + 16 + (c % 8) * PK_Q6_K_CHUNK + 16;
+        const uint8_t *ba = Pa + off, *bb = Pb + off;
+        for (int h = 0; h < 2; h++)
+            for (int k = 0; k < 4; k++) {
+                const gi p = gi_pair(ba + 32 * k, bb + 32 * k);
+                const gi hb = gi_pair(ba + 128 + 32 * (k & 1), bb + 128 + 32 * (k & 1));
+                const int sh = (k >> 1) * 4 + 2 * h;
+                const gi lo = h ? gi_and(gi_srli16(p, 4), m15) : gi_and(p, m15);
+                gi_store(u + (4 * h + k) * GM_VB, gi_or(lo, gi_slli16(gi_and(gi_srli16(hb, sh), m3), 4)));
+            }
+    }
+}
+
+/* The integer sums of a chunk's nibbles (a, b: its 4 x 32 packed bytes in groups a and b) with GM_T tokens (xc),
+ * unpacked in registers (measured: faster than reading them unpacked, as Q6_K does): part k's low nibbles meet
+ * values 4k..4k+3, its high ones 4k+16..4k+19. */
+#define GM_NIB_SUMS(s, a, b, xc)                                                                                       \
+    for (int t = 0; t < GM_T; t++) s[t] = gi_zero();                                                                   \
+    for (int k = 0; k < 4; k++) {                                                                                      \
+        const gi w = gi_pair((a) + 32 * k, (b) + 32 * k);                                                              \
+        const gi lo = gi_and(w, m15), hi = gi_and(gi_srli16(w, 4), m15);                                               \
+        for (int t = 0; t < GM_T; t++) {                                                                               \
+            s[t] = dot_nib(s[t], lo, gi_bc32((xc) + 32 * t + 4 * k));                                                  \
+            s[t] = dot_nib(s[t], hi, gi_bc32((xc) + 32 * t + 4 * k + 16));                                             \
+        }                                                                                                              \
+    }
+
 /* The kernels: row groups a and b (Pa, Pb: their packed bytes; b = a where there is one group) times tile
  * `tile` of g -> o [GM_T][GM_ROWS]. */
 HC_INLINE void gm_q4_k(const uint8_t *Pa, const uint8_t *Pb, const gm_x *g, int64_t tile, int64_t nc, float *o) {
@@ -152,15 +192,7 @@ HC_INLINE void gm_q4_k(const uint8_t *Pa, const uint8_t *Pb, const gm_x *g, int6
             const uint8_t *ba = sa + 32 + j * (16 + 128), *bb = sb + 32 + j * (16 + 128);
             const int8_t *xc = g->q + 32 * ci;
             gi s[GM_T];
-            for (int t = 0; t < GM_T; t++) s[t] = gi_zero();
-            for (int k = 0; k < 4; k++) {
-                const gi w = gi_pair(ba + 16 + 32 * k, bb + 16 + 32 * k);
-                const gi lo = gi_and(w, m15), hi = gi_and(gi_srli16(w, 4), m15);
-                for (int t = 0; t < GM_T; t++) {
-                    s[t] = dot_nib(s[t], lo, gi_bc32(xc + 32 * t + 4 * k));
-                    s[t] = dot_nib(s[t], hi, gi_bc32(xc + 32 * t + 4 * k + 16));
-                }
-            }
+            GM_NIB_SUMS(s, ba + 16, bb + 16, xc);
             const gf ds = gf_mul(d, gf_u8pair(ba, bb));
             for (int t = 0; t < GM_T; t++) acc[t] = gf_fma(gf_cvt(fin_nib(s[t])), gf_mul(ds, gf_set1(g->d[ci + t])), acc[t]);
         }
@@ -177,9 +209,9 @@ HC_INLINE void gm_q4_k(const uint8_t *Pa, const uint8_t *Pb, const gm_x *g, int6
     for (int t = 0; t < GM_T; t++) gf_store(o + t * GM_ROWS, gf_sub(acc[t], macc[t]));
 }
 
-HC_INLINE void gm_q6_k(const uint8_t *Pa, const uint8_t *Pb, const gm_x *g, int64_t tile, int64_t nc, float *o) {
+HC_INLINE void gm_q6_k(const uint8_t *Pa, const uint8_t *Pb, const uint8_t *U, const gm_x *g, int64_t tile, int64_t nc,
+                       float *o) {
     const int64_t base = tile * nc * GM_T;
-    const gi m15 = gi_set1_8(15), m3 = gi_set1_8(3);
     gf acc[GM_T];
     for (int t = 0; t < GM_T; t++) acc[t] = gf_zero();
     for (int64_t sbi = 0; sbi < nc / 8; sbi++) {
@@ -194,11 +226,7 @@ HC_INLINE void gm_q6_k(const uint8_t *Pa, const uint8_t *Pb, const gm_x *g, int6
                 gi s[GM_T];
                 for (int t = 0; t < GM_T; t++) s[t] = gi_zero();
                 for (int k = 0; k < 4; k++) {
-                    const gi p = gi_pair(ba + 16 + 32 * k, bb + 16 + 32 * k);
-                    const gi hb = gi_pair(ba + 16 + 128 + 32 * (k & 1), bb + 16 + 128 + 32 * (k & 1));
-                    const int sh = (k >> 1) * 4 + 2 * h;
-                    const gi lo = h ? gi_and(gi_srli16(p, 4), m15) : gi_and(p, m15);
-                    const gi v = gi_or(lo, gi_slli16(gi_and(gi_srli16(hb, sh), m3), 4)); /* 0..63 */
+                    const gi v = gi_load(U + ((sbi * 8 + j) * 8 + 4 * h + k) * GM_VB); /* 0..63 */
                     for (int t = 0; t < GM_T; t++) s[t] = gi_dot(s[t], v, gi_bc32(xc + 32 * t + 4 * k + 16 * h));
                 }
                 const gf dsc = gf_mul(d, gf_i8pair(ba + 8 * h, bb + 8 * h));
@@ -225,22 +253,15 @@ HC_INLINE void gm_block(const int wt, const uint8_t *Pa, const uint8_t *Pb, cons
         const uint8_t *ba = Pa + c * cb, *bb = Pb + c * cb;
         const int8_t *xc = g->q + 32 * ci;
         gi s[GM_T];
-        for (int t = 0; t < GM_T; t++) s[t] = gi_zero();
         int shift;
         if (wt == WT_Q4_0) {
             shift = 3;
-            for (int k = 0; k < 4; k++) {
-                const gi w = gi_pair(ba + 16 + 32 * k, bb + 16 + 32 * k);
-                const gi lo = gi_and(w, m15), hi = gi_and(gi_srli16(w, 4), m15);
-                for (int t = 0; t < GM_T; t++) {
-                    s[t] = dot_nib(s[t], lo, gi_bc32(xc + 32 * t + 4 * k));
-                    s[t] = dot_nib(s[t], hi, gi_bc32(xc + 32 * t + 4 * k + 16));
-                }
-            }
+            GM_NIB_SUMS(s, ba + 16, bb + 16, xc);
             for (int t = 0; t < GM_T; t++) s[t] = fin_nib(s[t]);
         } else {
 #if GM_VNNI
             shift = 7;
+            for (int t = 0; t < GM_T; t++) s[t] = gi_zero();
             const gi bias = gi_set1_8((char)0x80);
             for (int k = 0; k < 8; k++) {
                 const gi u = gi_xor(gi_pair(ba + 16 + 32 * k, bb + 16 + 32 * k), bias);
@@ -248,6 +269,7 @@ HC_INLINE void gm_block(const int wt, const uint8_t *Pa, const uint8_t *Pb, cons
             }
 #else
             shift = -1;
+            for (int t = 0; t < GM_T; t++) s[t] = gi_zero();
             for (int k = 0; k < 8; k++) {
                 const gi w = gi_pair(ba + 16 + 32 * k, bb + 16 + 32 * k), u = _mm256_sign_epi8(w, w);
                 for (int t = 0; t < GM_T; t++) s[t] = gi_dot(s[t], u, _mm256_sign_epi8(gi_bc32(xc + 32 * t + 4 * k), w));
@@ -291,8 +313,9 @@ static int packed_gemm(int nmat, const int *wts, const uint8_t *const *Ps, const
     if (gm_x_alloc(&g, ntile, nc) != 0) return -1;
     nth = clamp_threads(nth, items > T ? items : T);
     int64_t next = 0;
+    int failed = 0;
 #ifdef _OPENMP
-#pragma omp parallel num_threads(nth)
+#pragma omp parallel num_threads(nth) reduction(| : failed)
 #endif
     {
 #ifdef _OPENMP
@@ -300,25 +323,29 @@ static int packed_gemm(int nmat, const int *wts, const uint8_t *const *Ps, const
 #endif
         for (int64_t t = 0; t < T; t++) gm_x_token(x + t * D, nc, &g, t);
         float o[GM_T * GM_ROWS] __attribute__((aligned(64)));
-        for (int64_t it = claim(&next); it < items; it = claim(&next)) {
+        uint8_t *U = (uint8_t *)aligned_alloc(64, (size_t)(nc * 8 * GM_VB)); /* this thread's unpacked row tile */
+        failed = U == NULL;
+        for (int64_t it = claim(&next); it < items && U; it = claim(&next)) {
             int m = 0;
             while (it >= first[m + 1]) m++;
             const int wt = wts[m];
             const int64_t F = Fs[m], g0 = (it - first[m]) * gpt, r0 = g0 * PK_ROWS;
             const uint8_t *Pa = Ps[m] + g0 * gbytes[m], *Pb = g0 + 1 < ngs[m] ? Pa + gbytes[m] : Pa;
             const int64_t nr = F - r0 < GM_ROWS ? F - r0 : GM_ROWS;
+            if (wt == WT_Q6_K) gm_unpack_q6_k(Pa, Pb, nc, U);
             for (int64_t tile = 0; tile < ntile; tile++) {
                 if (wt == WT_Q4_K) gm_q4_k(Pa, Pb, &g, tile, nc, o);
-                else if (wt == WT_Q6_K) gm_q6_k(Pa, Pb, &g, tile, nc, o);
+                else if (wt == WT_Q6_K) gm_q6_k(Pa, Pb, U, &g, tile, nc, o);
                 else if (wt == WT_Q4_0) gm_block(WT_Q4_0, Pa, Pb, &g, tile, nc, o);
                 else gm_block(WT_Q8_0, Pa, Pb, &g, tile, nc, o);
                 for (int64_t s = 0; s < GM_T && tile * GM_T + s < T; s++)
                     memcpy(outs[m] + (tile * GM_T + s) * F + r0, o + s * GM_ROWS, sizeof(float) * (size_t)nr);
             }
         }
+        free(U);
     }
     free(g.mem);
-    return 0;
+    return failed ? -1 : 0;
 }
 #else
 static int packed_gemm(int nmat, const int *wts, const uint8_t *const *Ps, const int64_t *Fs, int64_t D,
