@@ -139,3 +139,14 @@ def test_token_groups_keep_the_gathered_rows_within_the_cap():
     mask[0, [0, 1]] = mask[1, [1, 2]] = mask[2, [3, 4, 5, 6, 7]] = mask[3, [0]] = mask[4, [0, 1]] = True
     assert token_groups(mask, 8) == [(0, 5)]
     assert token_groups(mask, 3) == [(0, 2), (2, 3), (3, 5)]  # token 2 alone: it selects more than the cap
+
+
+def test_a_batch_of_sequences_under_a_budget_generates_what_an_unbudgeted_batch_does(files):
+    path = files["f16"]
+    prompts = ["Once upon a time", "The cat", "In a hole in the ground there lived"]
+    ref = hotcold.load(path, device="cpu", threads=2, ctx_size=CTX, kv_sequences=3)
+    budget = budget_for(path, 0.5)[0] + 3 * 2 * 2 * CTX * 32 * 4 / GIB  # room for the two more KV caches
+    llm = hotcold.load(path, device="cpu", threads=2, ctx_size=CTX, kv_sequences=3, ram_budget=budget)
+    assert 0 < sum(len(h) for h in llm.loaded.storage.plan.hot) < 512
+    want = ref.generate_batch(prompts, max_tokens=6, ignore_eos=True)
+    assert llm.generate_batch(prompts, max_tokens=6, ignore_eos=True) == want
