@@ -33,8 +33,9 @@ class StorageStats:
 
     @staticmethod
     def figures(counts: dict[str, int]) -> dict:
-        """Bytes read from storage per token and the neuron cache's hit rate (of cold neurons selected) for
-        counts (a snapshot, or the difference of two)."""
+        """For counts (a snapshot, or the difference of two): bytes read from storage per token forwarded, the
+        neuron cache's hit rate (of the cold rows asked for, per matrix: cold_selected and cache_hits count rows),
+        and the share of the rows asked for that were resident or cached."""
         tokens, cold = counts["tokens"], counts["cold_selected"]
         return {
             "storage_bytes_read": counts["bytes_read"],
