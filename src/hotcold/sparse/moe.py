@@ -40,9 +40,8 @@ def relu_rows_apply(
     product of the activation (its zeros included). Skipped rows would add exact zeros, so the result is the dense
     expert's, bit for bit."""
     gate = cpu.gather_matvec(w.gate, h, None, threads=threads)  # every row
-    live = torch.relu(gate) != 0
-    up = cpu.gather_matvec(w.up, h, live, threads=threads)
-    a = torch.where(live, w.combine(up, gate), 0.0)
+    up = cpu.gather_matvec(w.up, h, torch.relu(gate) != 0, threads=threads)  # exactly 0 on the other rows
+    a = w.combine(up, gate)  # relu(gate) * up: 0 wherever relu(gate) is 0
     live = a != 0  # dReLU: relu(up) zeroes more rows
     if w.down_t is not None:
         return cpu.sparse_axpy(w.down_t, a, live, threads=threads), live
