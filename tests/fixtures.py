@@ -497,3 +497,23 @@ def with_activation_stats(model: Path, folder: Path, *, high: int = 1000) -> tup
     for i, c in enumerate(counts):
         torch.save(c, folder / "activation" / f"activation_{i}.pt")
     return path, counts
+
+
+def llama_perplexity(binary: Path, model: Path, text: Path, *, ctx: int, chunks: int) -> float:
+    """`llama-perplexity` on `model` over `text` (context ctx, `chunks` chunks, 2 threads): its estimate after the
+    last chunk, the `[chunks]PPL` it prints (the same figure as its "Final estimate" line). On a loaded machine
+    llama.cpp's log thread sometimes loses its last lines when the process exits (exit code 0, seen about one run
+    in three with four test processes on two cores): then it is run again, three times at most."""
+    import re
+    import subprocess
+
+    cmd = [str(binary), "-m", str(model), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks),
+           "-t", "2", "-b", str(ctx)]  # fmt: skip
+    for _ in range(3):
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        out = res.stdout + res.stderr
+        assert res.returncode == 0, out[-2000:]
+        found = re.findall(rf"\[{chunks}\]([0-9.]+)", out)
+        if found:
+            return float(found[-1])
+    raise AssertionError(f"llama-perplexity printed no estimate for chunk {chunks}:\n{out[-2000:]}")

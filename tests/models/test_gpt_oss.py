@@ -344,11 +344,10 @@ def test_llama_quantize_mxfp4_moe_perplexity_matches_llama_perplexity(tmp_path, 
     """Upstream's converter, then `llama-quantize ... MXFP4_MOE` (experts MXFP4 by ggml's own quantizer, attention
     and output Q8_0): hotcold's perplexity on that file within 0.5% of `llama-perplexity`'s, context 128 (past
     the window of 8), 4 chunks."""
-    import re
     import subprocess
     import sys
 
-    from tests.fixtures import training_text
+    from tests.fixtures import llama_perplexity, training_text
 
     make_gpt_oss(tmp_path / "hf", qwen_tokenizer, seed=9, vocab_size=151936, bos_token_id=151643,
                  eos_token_id=151643, head_scale=5.0)  # fmt: skip
@@ -362,14 +361,7 @@ def test_llama_quantize_mxfp4_moe_perplexity_matches_llama_perplexity(tmp_path, 
     text = tmp_path / "text.txt"
     text.write_text(training_text())
     ctx, chunks = 128, 4
-    res = subprocess.run(
-        [str(BIN / "llama-perplexity"), "-m", str(mxfp4), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks),
-         "-t", "2", "-b", str(ctx)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    found = re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)
-    assert found, (res.stdout + res.stderr)[-2000:]
+    theirs = llama_perplexity(BIN / "llama-perplexity", mxfp4, text, ctx=ctx, chunks=chunks)
     ours = subprocess.run(
         [sys.executable, "-m", "hotcold", "perplexity", "-m", str(mxfp4), "-f", str(text), "-c", str(ctx),
          "--max-tokens", str(ctx * chunks), "-t", "2", "--json"],
@@ -378,7 +370,6 @@ def test_llama_quantize_mxfp4_moe_perplexity_matches_llama_perplexity(tmp_path, 
     assert ours.returncode == 0, ours.stderr[-2000:]
     result = json.loads(ours.stdout)
     assert result["chunks"] == chunks
-    theirs = float(found[1])
     print(f"gpt-oss MXFP4_MOE: hotcold {result['perplexity']:.4f}, llama-perplexity {theirs:.4f}")
     assert abs(result["perplexity"] / theirs - 1) <= 0.005, (result["perplexity"], theirs)
 

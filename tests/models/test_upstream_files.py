@@ -109,9 +109,7 @@ WIDE = dict(hidden_size=256, intermediate_size=512)  # rows of 256 values: K-qua
 def test_llama_quantize_files_perplexity_matches_llama_perplexity(tmp_path, spm_model_file, kind):
     """Upstream's converter, then `llama-quantize` Q4_K_M (K-quants, Q6_K where its mixture says): hotcold's
     perplexity on that file within 0.5% of `llama-perplexity`'s on the same text, context and chunks."""
-    import re
-
-    from tests.fixtures import training_text
+    from tests.fixtures import llama_perplexity, training_text
 
     make_model(kind, tmp_path / "hf", spm_model_file, **WIDE)
     f32 = upstream_convert(tmp_path / "hf", tmp_path / "f32.gguf")
@@ -123,13 +121,7 @@ def test_llama_quantize_files_perplexity_matches_llama_perplexity(tmp_path, spm_
     text = tmp_path / "text.txt"
     text.write_text(training_text())
     ctx, chunks = 128, 4
-    res = subprocess.run(
-        [str(BIN / "llama-perplexity"), "-m", str(q4km), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks),
-         "-t", "2", "-b", str(ctx)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr[-2000:]
-    theirs = float(re.search(r"Final estimate: PPL = ([0-9.]+)", res.stdout + res.stderr)[1])
+    theirs = llama_perplexity(BIN / "llama-perplexity", q4km, text, ctx=ctx, chunks=chunks)
     ours = subprocess.run(
         [sys.executable, "-m", "hotcold", "perplexity", "-m", str(q4km), "-f", str(text), "-c", str(ctx),
          "--max-tokens", str(ctx * chunks), "-t", "2", "--json"],
