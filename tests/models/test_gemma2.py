@@ -8,12 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 
 import hotcold
 from hotcold.convert import convert
 from hotcold.gguf_io import ModelFile
-from tests.fixtures import TOKENIZER_VOCAB, run_family_checks, save_checkpoint, scale_matrices
+from tests.fixtures import run_family_checks
+from tests.models.test_gemma3 import make_gemma
 
 CASES = {
     # 5 layers: local, global, local, global, local; a window of 8 over 40-token checks
@@ -24,31 +24,9 @@ CASES = {
 def make_gemma2(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    settings = dict(
-        vocab_size=TOKENIZER_VOCAB,
-        hidden_size=64,
-        intermediate_size=1280,
-        num_attention_heads=4,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        attn_logit_softcapping=1.5,  # Gemma 2 ships 50 and 30: small caps make tanh matter on a tiny model
-        final_logit_softcapping=3.0,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    settings.update(overrides)
-    torch.manual_seed(seed)
-    hf = Gemma2ForCausalLM(Gemma2Config(**settings)).eval()
-    scale_matrices(hf)
-    with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): make them matter
-        for p in hf.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
-    save_checkpoint(hf, hf_dir, spm_model)
-    return hf
+    # Gemma 2 ships caps of 50 and 30: small ones make tanh matter on a tiny model
+    caps = dict(attn_logit_softcapping=1.5, final_logit_softcapping=3.0)
+    return make_gemma(Gemma2ForCausalLM, Gemma2Config, hf_dir, spm_model, seed=seed, **{**caps, **overrides})
 
 
 @pytest.fixture(scope="module", params=list(CASES))

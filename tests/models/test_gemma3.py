@@ -33,6 +33,11 @@ CASES = {
 def make_gemma3(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
+    return make_gemma(Gemma3ForCausalLM, Gemma3TextConfig, hf_dir, spm_model, seed=seed, **overrides)
+
+
+def make_gemma(model_class, config_class, hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
+    """A tiny random Gemma (2 or 3) of `model_class`, its norms off their zero start, saved to hf_dir."""
     settings = dict(
         vocab_size=TOKENIZER_VOCAB,
         hidden_size=64,
@@ -48,7 +53,7 @@ def make_gemma3(hf_dir: Path, spm_model: Path, *, seed: int = 0, **overrides):
     )
     settings.update(overrides)
     torch.manual_seed(seed)
-    hf = Gemma3ForCausalLM(Gemma3TextConfig(**settings)).eval()
+    hf = model_class(config_class(**settings)).eval()
     scale_matrices(hf)
     with torch.no_grad():  # Gemma's norms start at 0 (scale 1 + w): make them matter
         for p in hf.parameters():
