@@ -517,3 +517,34 @@ def llama_perplexity(binary: Path, model: Path, text: Path, *, ctx: int, chunks:
         if found:
             return float(found[-1])
     raise AssertionError(f"llama-perplexity printed no estimate for chunk {chunks}:\n{out[-2000:]}")
+
+
+def check_sparsify_reaches(
+    dense: Path, folder: Path, *, attention: bool, decoder: str, max_tokens: int = 2000
+):
+    """The checks `hotcold sparsify` passes on each family's dense file (at 0.5, on the training text): the decoder
+    load chooses is `decoder` and, where it is not the eager one, gives the eager decoder's greedy tokens; about
+    half of the FFN neurons are skipped; at sparsity 0 (every neuron and input channel) the logits are the dense
+    file's. Returns the sparsified file."""
+    import hotcold
+    from hotcold.convert.sparsify import sparsify_file
+
+    corpus = folder / "corpus.txt"
+    corpus.write_text(training_text())
+    out = folder / "m.sparse.gguf"
+    sparsify_file(dense, out, corpus, sparsity=0.5, max_tokens=max_tokens, threads=2, attention=attention)
+    llm = hotcold.load(out, device="cpu", threads=2)
+    assert llm.decoder == decoder, llm.loaded.notes
+    prompt, kwargs = [1, 17, 230, 45, 9], dict(max_tokens=10, ignore_eos=True)
+    tokens = llm.generate(prompt, **kwargs)
+    if decoder != "eager":
+        assert tokens == hotcold.load(out, device="cpu", threads=2, decoder="eager").generate(
+            prompt, **kwargs
+        )
+    computed, total = llm.engine.seq.neuron_totals()
+    assert 0.3 < computed / total < 0.7, computed / total  # about half of the FFN skipped
+    ids = [1, 5, 9, 13, 200]
+    full = hotcold.load(out, device="cpu", sparsity=0.0).logits(ids)
+    reference = hotcold.load(dense, device="cpu").logits(ids)
+    assert torch.allclose(full, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
+    return out

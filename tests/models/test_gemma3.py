@@ -100,21 +100,8 @@ def test_sparsify_reaches_gemma3_files(tmp_path, spm_model_file):
     """`hotcold sparsify` on a GeGLU file (the score |gelu_tanh(gate)|, sandwich norms around the sparse FFN and
     the input-sparse attention): about half the FFN neurons skipped, and at sparsity 0 (every neuron, every input
     channel) the logits are the dense file's. The C thresholded step is SiLU's: such a file decodes eagerly."""
-    from hotcold.convert.sparsify import sparsify_file
-    from tests.fixtures import training_text
+    from tests.fixtures import check_sparsify_reaches
 
     make_gemma3(tmp_path / "hf", spm_model_file, **CASES["gqa-window8"])
     dense = convert(tmp_path / "hf", None, tmp_path / "m.f16.gguf", outtype="f16")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(training_text())
-    out = tmp_path / "m.sparse.gguf"
-    sparsify_file(dense, out, corpus, sparsity=0.5, max_tokens=600, threads=2, attention=True)
-    llm = hotcold.load(out, device="cpu", threads=2)
-    assert llm.decoder == "eager", llm.loaded.notes
-    llm.generate([1, 17, 230, 45, 9], max_tokens=10, ignore_eos=True)
-    computed, total = llm.engine.seq.neuron_totals()
-    assert 0.3 < computed / total < 0.7, computed / total  # about half of the FFN skipped
-    ids = [1, 5, 9, 13, 200]
-    full = hotcold.load(out, device="cpu", sparsity=0.0).logits(ids)
-    reference = hotcold.load(dense, device="cpu").logits(ids)
-    assert torch.allclose(full, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
+    check_sparsify_reaches(dense, tmp_path, attention=True, decoder="eager", max_tokens=600)

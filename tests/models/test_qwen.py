@@ -90,20 +90,10 @@ def test_file_layout_follows_upstream(converted):
 def test_sparsify_reaches_qwen_files(tmp_path, spm_model_file, case, attention):
     """`hotcold sparsify` on a Qwen3 (q/k norms) and a Qwen2 (biases; with input-sparse attention too) file: it
     skips FFN neurons, and the decoder load chooses gives the eager decoder's tokens."""
-    from hotcold.convert.sparsify import sparsify_file
-    from tests.fixtures import training_text
+    from tests.fixtures import check_sparsify_reaches
 
     make_qwen(tmp_path / "hf", spm_model_file, **CASES[case])
     dense = convert(tmp_path / "hf", None, tmp_path / "m.f16.gguf", outtype="f16")
-    corpus = tmp_path / "corpus.txt"
-    corpus.write_text(training_text())
-    out = tmp_path / "m.sparse.gguf"
-    sparsify_file(dense, out, corpus, sparsity=0.5, max_tokens=2000, threads=2, attention=attention)
-    fast = hotcold.load(out, device="cpu", threads=2)
-    eager = hotcold.load(out, device="cpu", threads=2, decoder="eager")
-    assert fast.decoder == ("eager" if attention else "cpu_one_call"), fast.loaded.notes
-    prompt = [1, 17, 230, 45, 9]
-    kwargs = dict(max_tokens=10, ignore_eos=True)
-    assert fast.generate(prompt, **kwargs) == eager.generate(prompt, **kwargs)
-    computed, total = fast.engine.seq.neuron_totals()
-    assert 0.3 < computed / total < 0.7  # about half of the FFN skipped
+    check_sparsify_reaches(
+        dense, tmp_path, attention=attention, decoder="eager" if attention else "cpu_one_call"
+    )
