@@ -19,10 +19,11 @@ from tests.fixtures import ffn_state, ffn_weights
 F, D = 256, 64
 
 
-def as_q8(w: torch.Tensor) -> QuantTensor:
+def as_blocks(w: torch.Tensor, dtype: str) -> QuantTensor:
     from gguf import GGMLQuantizationType as Q
 
-    return QuantTensor(torch.from_numpy(quantize(w.float(), Q.Q8_0)), Q.Q8_0, tuple(w.shape))
+    qtype = Q.Q8_0 if dtype == "q8_0" else Q.Q4_0
+    return QuantTensor(torch.from_numpy(quantize(w.float(), qtype)), qtype, tuple(w.shape))
 
 
 def expert(kind: str, down: str, dtype: str, seed: int = 0):
@@ -30,13 +31,13 @@ def expert(kind: str, down: str, dtype: str, seed: int = 0):
     w = replace(w, activation="relu")
     if down == "down":
         w = replace(w, down=w.down_t.T.contiguous(), down_t=None)
-    if dtype == "q8_0":
-        w = replace(w, up=as_q8(w.up), gate=as_q8(w.gate),
-                    **({"down": as_q8(w.down)} if down == "down" else {"down_t": as_q8(w.down_t)}))  # fmt: skip
+    if dtype != "f16":
+        q = {"down": as_blocks(w.down, dtype)} if down == "down" else {"down_t": as_blocks(w.down_t, dtype)}
+        w = replace(w, up=as_blocks(w.up, dtype), gate=as_blocks(w.gate, dtype), **q)
     return w
 
 
-@pytest.mark.parametrize("dtype", ["f16", "q8_0"])
+@pytest.mark.parametrize("dtype", ["f16", "q8_0", "q4_0"])
 @pytest.mark.parametrize("down", ["down", "down_t"])
 @pytest.mark.parametrize("kind", ["gated", "gated_both"])
 def test_live_rows_equal_the_dense_expert(kind, down, dtype):
