@@ -339,11 +339,9 @@ def test_bad_files_are_refused_by_name(upstream, tmp_path, drop, meta, message):
 def test_q8_0_perplexity_matches_llama_perplexity(upstream, tmp_path):
     """Upstream's file quantized by `llama-quantize ... Q8_0` (the experts then run over their live rows in the C
     row kernels): hotcold's perplexity within 0.5% of `llama-perplexity`'s, context 128, 4 chunks."""
-    import re
-
     from hotcold.cli.perplexity import perplexity
     from hotcold.placement.profile import corpus_tokens
-    from tests.fixtures import training_text
+    from tests.fixtures import llama_perplexity, training_text
 
     _, path = upstream
     # logits a tenth as large (the output norm scaled): a perplexity in the hundreds, not 1e10
@@ -358,22 +356,11 @@ def test_q8_0_perplexity_matches_llama_perplexity(upstream, tmp_path):
     text = tmp_path / "text.txt"
     text.write_text(training_text())
     ctx, chunks = 128, 4
-    cmd = [str(BIN / "llama-perplexity"), "-m", str(q8), "-f", str(text), "-c", str(ctx), "--chunks", str(chunks),
-           "-t", "2", "-b", str(ctx)]  # fmt: skip
-    # the running estimate after the last chunk is the final one; llama.cpp's log thread does not always flush its
-    # last lines into the pipe before exit on a loaded machine: asked again then
-    for _ in range(3):
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-        assert res.returncode == 0, (res.stdout + res.stderr)[-2000:]
-        found = re.findall(rf"\[{chunks}\]([0-9.]+)", res.stdout + res.stderr)
-        if found:
-            break
-    assert found, (res.stdout + res.stderr)[-2000:]
+    theirs = llama_perplexity(BIN / "llama-perplexity", q8, text, ctx=ctx, chunks=chunks)
     llm = hotcold.load(q8, device="cpu", ctx_size=ctx)
     ids = corpus_tokens(llm.tokenizer, text.read_text(), max_tokens=ctx * chunks, source=text)
     ours = perplexity(llm, ids, ctx=ctx)
     assert ours["chunks"] == chunks
-    theirs = float(found[-1])
     print(f"smallthinker Q8_0: hotcold {ours['perplexity']:.4f}, llama-perplexity {theirs:.4f}")
     assert abs(ours["perplexity"] / theirs - 1) <= 0.005, (ours["perplexity"], theirs)
     assert llm.engine.seq.neuron_totals()[0] < 0.75 * llm.engine.seq.neuron_totals()[1]  # rows were skipped

@@ -179,11 +179,22 @@ class Llama:
             x = x + layer.ffn(x, ctx)
         return self.head(x, ctx, last_only=last_only)
 
-    def attend(self, i: int, layer: LlamaLayer, ops: LayerOps, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
+    def attend(
+        self,
+        i: int,
+        layer: LlamaLayer,
+        ops: LayerOps,
+        x: torch.Tensor,
+        ctx: Batch,
+        *,
+        rope: RopeTables | None = None,
+    ) -> torch.Tensor:
         """Layer i's attention over x [T, D] -> [T, H*Dh]: the decode op where load chose it and this forward is
-        one it runs, else q/k/v (input-sparse where the layer is), biases, head norms and scale, RoPE attention."""
+        one it runs, else q/k/v (input-sparse where the layer is), biases, head norms and scale, RoPE attention.
+        rope: the tables (None: the layer's, local or global)."""
         c, spec, T = self.config, layer.spec, x.shape[0]
-        rope = self.rope_local if spec.local_rope else self.rope
+        if rope is None:
+            rope = self.rope_local if spec.local_rope else self.rope
         neox, window = spec.rope_neox, spec.sliding_window or None
         if ops.decode_attention:
             heads = (c.n_head, c.n_head_kv, c.head_dim)

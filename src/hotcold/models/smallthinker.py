@@ -27,7 +27,7 @@ import torch
 from hotcold import names
 from hotcold.device import place
 from hotcold.gguf_io import GGUFError
-from hotcold.models.base import FFNMaker, Head, decode_attention, one_call_decode, rope_attention_segments
+from hotcold.models.base import FFNMaker, Head, one_call_decode
 from hotcold.models.llama import Llama, LlamaLayer, attention_block
 from hotcold.models.mixtral import _expert_slice
 from hotcold.ops import RopeTables, embed, linear
@@ -56,29 +56,15 @@ class SmallThinker(Llama):
         self.load_notes = load_notes
 
     def forward(self, tokens: torch.Tensor, ctx: Batch, *, last_only: bool = False) -> torch.Tensor:
-        c = self.config
-        T = tokens.shape[0]
         x = embed(self.token_embd, tokens)  # [T, D]
         if (y := one_call_decode(self, x, ctx)) is not None:  # none chosen at load today (spec.early_router)
             return self.head(y, ctx, last_only=last_only)
-        heads = (c.n_head, c.n_head_kv, c.head_dim)
-        for i, layer in enumerate(self.layers):
+        for i, (layer, ops) in enumerate(zip(self.layers, self.ops[bool(ctx.dense)])):
             x = x.to(layer.device)
             spec = layer.spec
             routing = layer.ffn.route(x)  # the raw residual, before attn_norm
             rope = self.rope_nope if spec.nope else self.rope_local if spec.local_rope else self.rope
-            window = spec.sliding_window or None
-            attn = decode_attention(
-                ctx, i, layer.qkv, layer.attn_norm, x, rope, layer.device, heads=heads, neox=True,
-                sliding_window=window,
-            )  # fmt: skip
-            if attn is None:
-                q, k, v = layer.qkv(x, layer.attn_norm)
-                q = q.view(T, c.n_head, c.head_dim)
-                k, v = k.view(T, c.n_head_kv, c.head_dim), v.view(T, c.n_head_kv, c.head_dim)
-                attn = rope_attention_segments(
-                    ctx, i, q, k, v, rope, layer.device, neox=True, sliding_window=window
-                )
+            attn = self.attend(i, layer, ops, x, ctx, rope=rope)
             x = x + linear(attn, layer.wo)
             x = x + layer.ffn(x, ctx, routing=routing)
         return self.head(x, ctx, last_only=last_only)
