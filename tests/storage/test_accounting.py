@@ -59,3 +59,30 @@ def test_the_flag_is_checked_before_loading(files, capsys):
 
     assert main(["generate", "-m", str(files["f16"]), "--ram-budget", "-1", "-p", "x"]) == 1
     assert "--ram-budget must be a finite number in [0," in capsys.readouterr().err
+
+
+def test_tokens_are_counted_when_the_first_layer_is_all_resident(files, tmp_path, monkeypatch):
+    """A first layer whose neurons all fit is an ordinary sparse layer: the first stored layer counts the tokens,
+    so the per-token figures are not 0 (they were: only a stored layer 0 counted)."""
+    import shutil
+
+    import torch
+
+    from hotcold.storage.ffn import StoredFFN
+
+    monkeypatch.setenv("HOTCOLD_NEURON_CACHE_SHARE", "0")
+    model = tmp_path / "t16.powerinfer.gguf"
+    shutil.copy(files["f16"], model)
+    (tmp_path / "activation").mkdir()
+    torch.save(torch.full((256,), 5000.0), tmp_path / "activation" / "activation_0.pt")  # layer 0: all hottest
+    torch.save(torch.arange(256.0), tmp_path / "activation" / "activation_1.pt")
+    mf = ModelFile(model)
+    base = plan_ram(mf, config_from_file(mf), 1 << 40, ctx_size=CTX, share=0.0)
+    budget = (base.always_bytes + 256 * base.per_neuron[0] + 100 * base.per_neuron[1]) / GIB
+    llm = hotcold.load(model, device="cpu", threads=1, ctx_size=CTX, ram_budget=budget)
+    stored = [isinstance(layer.ffn, StoredFFN) for layer in llm.loaded.model.layers]
+    assert stored == [False, True], stored
+    llm.generate("Once upon a time", max_tokens=4, ignore_eos=True)
+    stats = llm.last_stats
+    assert stats.storage["tokens"] == stats.prompt_computed + stats.generated_tokens - 1 > 0
+    assert timings([stats], hybrid=False)["storage_bytes_per_token"] > 0

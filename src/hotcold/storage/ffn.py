@@ -40,10 +40,14 @@ class StoredFFN(SparseFFN):
     reads_storage = True
 
     def __init__(
-        self, weights: FFNWeights, predictor, store: LayerStore, *, layer: int, norm=None, threads=None
-    ):
+        self, weights: FFNWeights, predictor, store: LayerStore, *, layer: int, norm=None, threads=None,
+        counts_tokens: bool = False,
+    ):  # fmt: skip
         super().__init__(weights, predictor, layer=layer, norm=norm, threads=threads)
         self.store = store
+        self.counts_tokens = (
+            counts_tokens  # the model's first stored layer counts the tokens (per-token figures)
+        )
         self.fused_plan = None  # the one-call plans would read the mapped file's rows: never used here
         self.rows_plan = None
 
@@ -58,6 +62,9 @@ class StoredFFN(SparseFFN):
     def decode_tail(self, attn, x, wo, ctx):
         return None
 
+    def step_parts(self, device):
+        return None  # the GPU step would take the whole mapped matrices: a stored layer has none resident
+
     def c_tail(self, wo, *, dense: bool, norm=None):
         return None
 
@@ -71,7 +78,7 @@ class StoredFFN(SparseFFN):
         return FFNWeights(up=up, gate=gate, down_t=down_t, up_bias=bias, kind=w.kind, activation=w.activation)
 
     def _count_tokens(self, h: torch.Tensor) -> None:
-        if self.layer == 0:
+        if self.counts_tokens:
             self.store.stats.add(tokens=h.shape[0] if h.dim() == 2 else 1)
 
     def _apply(self, h: torch.Tensor, p: torch.Tensor, ctx, *, fuses: bool, norm=None):

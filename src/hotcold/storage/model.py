@@ -60,6 +60,7 @@ class ModelStorage:
     def __init__(self, model_file: ModelFile, plan: RamPlan, *, reader: RowReader | None = None):
         self.file, self.plan = model_file, plan
         self.stats = StorageStats()
+        self.counting_layer: int | None = None  # the first stored layer: it counts the tokens
         path = tensor_offset(model_file, names.tensor(names.FFN_UP, 0))[0]
         self.reader = reader or RowReader(path)
 
@@ -96,7 +97,12 @@ class ModelStorage:
             )
             resident = replace(weights, up=up, gate=gate, down_t=down_t)
             return SparseFFN(resident, predictor, layer=layer, norm=norm, threads=threads)
-        return StoredFFN(weights, predictor, store, layer=layer, norm=norm, threads=threads)
+        if self.counting_layer is None:  # layers are made in order: the lowest stored one counts tokens
+            self.counting_layer = layer
+        counts = self.counting_layer == layer
+        return StoredFFN(
+            weights, predictor, store, layer=layer, norm=norm, threads=threads, counts_tokens=counts
+        )
 
     def close(self) -> None:
         self.reader.close()
