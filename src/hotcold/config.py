@@ -70,6 +70,16 @@ def sparse_threshold(metadata: dict[str, Any]) -> float:
     return float(metadata.get(names.SPARSE_THRESHOLD, 0.0))
 
 
+# keys upstream llama.cpp gives a value of its own when a file lacks them (its per-architecture hparams defaults)
+ARCH_DEFAULTS = {
+    "gemma2": {
+        "attn_logit_softcapping": 50.0,
+        "final_logit_softcapping": 30.0,
+        "attention.sliding_window": 4096,
+    },
+}
+
+
 def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelConfig:
     meta = model_file.metadata
     arch = arch or model_file.architecture
@@ -81,7 +91,7 @@ def config_from_file(model_file: ModelFile, arch: str | None = None) -> ModelCon
             return meta[full]
         if required:
             raise GGUFError(f"{path}: missing metadata key {full}")
-        return default
+        return ARCH_DEFAULTS.get(arch, {}).get(key, default)
 
     def integer(key: str, default: Any = None, *, required: bool = False, lo: int = 1, hi: int | None = None):
         value = get(key, default, required=required)

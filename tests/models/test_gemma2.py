@@ -76,3 +76,29 @@ def test_bad_softcap_key_is_refused(converted, tmp_path):
     )
     with pytest.raises(GGUFError, match="gemma2.attn_logit_softcapping"):
         hotcold.load(bad, device="cpu")
+
+
+def test_a_file_without_the_cap_and_window_keys_runs_as_llama_cpp_runs_it(converted, tmp_path):
+    """llama.cpp caps every gemma2 file (50 and 30 where the keys are absent) and windows it at 4096: so does
+    hotcold. A checkpoint without caps is refused by the converter (llama.cpp would run its file capped)."""
+    import json
+    import shutil
+
+    from hotcold.config import config_from_file
+    from hotcold.convert.checkpoint import ConvertError
+    from tests.models.test_gpt_oss import rewrite
+
+    hf, path = converted
+    keys = (
+        "gemma2.attn_logit_softcapping",
+        "gemma2.final_logit_softcapping",
+        "gemma2.attention.sliding_window",
+    )
+    bare = rewrite(ModelFile(path), tmp_path / "bare.gguf", meta=dict.fromkeys(keys))
+    c = config_from_file(ModelFile(bare))
+    assert (c.attn_softcap, c.final_softcap, c.sliding_window) == (50.0, 30.0, 4096)
+    shutil.copytree(Path(path).parent / "hf", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": None}))
+    with pytest.raises(ConvertError, match="final_logit_softcapping is None"):
+        convert(tmp_path / "hf", None, tmp_path / "m.gguf", outtype="f32")

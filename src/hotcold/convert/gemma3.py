@@ -91,13 +91,16 @@ def metadata(config: dict[str, Any], arch: str) -> list[tuple[str, Any, V]]:
         items += [(key(names.KEY_LENGTH), head_dim, V.UINT32), (key(names.VALUE_LENGTH), head_dim, V.UINT32)]
     if config.get("sliding_window"):
         items.append((key(names.SLIDING_WINDOW), int(config["sliding_window"]), V.UINT32))
-    if arch == "gemma2":
+    if arch == "gemma2":  # llama.cpp always caps Gemma 2 (50 and 30 where a file has no keys): never uncapped
         for template, name in (
             (names.ATTN_LOGIT_SOFTCAPPING, caps[1]),
             (names.FINAL_LOGIT_SOFTCAPPING, caps[0]),
         ):
-            if config.get(name):
-                items.append((key(template), float(config[name]), V.FLOAT32))
+            if not config.get(name):
+                raise ConvertError(
+                    f"config.json: gemma2 {name} is {config.get(name)!r}; llama.cpp runs every gemma2 file capped"
+                )
+            items.append((key(template), float(config[name]), V.FLOAT32))
         return items
     return items + [(key(names.ROPE_FREQ_BASE_SWA), local, V.FLOAT32)]
 
