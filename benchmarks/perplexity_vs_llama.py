@@ -214,19 +214,19 @@ def type_mix(path: str | os.PathLike[str]) -> dict[str, int]:
 def parse_llama_perplexity(output: str) -> dict:
     """The figures llama-perplexity prints: final PPL and its +/-, chunks, n_ctx, n_seq, build."""
     final = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", output)
+    over = re.search(
+        r"calculating perplexity over (\d+) chunks, n_ctx=(\d+), batch_size=(\d+), n_seq=(\d+)", output
+    )
     # the running estimate after the last chunk is the same figure; llama.cpp's log thread does not always flush
     # the "Final estimate" line into the pipe before the process exits (then there is no +/-)
-    running = re.findall(r"\[(\d+)\]([0-9.]+)", output)
-    if final is None and not running:
+    last = over and re.findall(rf"\[{int(over.group(1))}\]([0-9.]+)", output)
+    if final is None and not last:
         tail = "\n".join(output.strip().splitlines()[-15:])
         raise RuntimeError(f"llama-perplexity printed no final estimate:\n{tail}")
     if final is not None:
         result = {"perplexity": float(final.group(1)), "pm": float(final.group(2))}
     else:
-        result = {"perplexity": float(running[-1][1]), "pm": None}
-    over = re.search(
-        r"calculating perplexity over (\d+) chunks, n_ctx=(\d+), batch_size=(\d+), n_seq=(\d+)", output
-    )
+        result = {"perplexity": float(last[-1]), "pm": None}
     if over:
         result.update(chunks=int(over.group(1)), ctx=int(over.group(2)), n_seq=int(over.group(4)))
     build = re.search(r"^build: (.+)$", output, re.M)
