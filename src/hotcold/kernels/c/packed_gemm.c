@@ -6,7 +6,8 @@
  * AVX-512 VNNI, one group in 256 bits otherwise) is unpacked once per chunk and multiplied into all GM_T
  * tokens: each 4-byte activation broadcast feeds one dpbusd of 16 rows x 4 values, the GM_T tokens' integer
  * sums and float accumulators sit in registers, and a row tile's bytes stay in L1 while every token tile
- * passes. Threads take row tiles; each (row, token) is computed once, whole.
+ * passes (Q6_K's 6-bit values are assembled once per row tile into a buffer that every token tile reads). Threads
+ * take row tiles; each (row, token) is computed once, whole.
  *
  * Bits: the integer chunk sums are exact (dpbusd, or maddubs where no pair can saturate), and each row's
  * float accumulation is the GEMV's, step for step: the same scale products in the same order, one fma per
