@@ -61,6 +61,7 @@ ARCH_RULES = {
     "gemma2": ArchRules(neox=True, swa_period=2, embed_scale=True, wide_scale_depth=46),  # 27B: 46 layers
     "gemma3": ArchRules(neox=True, swa_period=6, local_rope=True, embed_scale=True, wide_scale_depth=62),
     "gpt-oss": ArchRules(neox=True, swa_period=2),
+    "smallthinker": ArchRules(neox=True),  # its window and NoPE layers: smallthinker.layer_pattern
 }
 NEOX_ROPE = {arch for arch, rules in ARCH_RULES.items() if rules.neox}
 LOCAL_ROPE_BASE = 10000.0  # upstream's base for local layers where the file has no rope.freq_base_swa

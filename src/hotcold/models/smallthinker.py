@@ -167,7 +167,7 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> SmallThinker:
         router = src.attention(names.FFN_ROUTER, i, (E, D))
         ffn = MoEFFN(router, ffns, c.n_expert_used, layer=i, norm=norm, gating=gate_fn)
         attention["spec"] = replace(
-            attention["spec"], moe=True, early_router=True, nope=nope, rope_neox=True,
+            attention["spec"], moe=True, early_router=True, nope=nope,
             sliding_window=SWA_WINDOW if windowed else 0, local_rope=windowed and local,
         )  # fmt: skip
         layers.append(LlamaLayer(**attention, ffn=ffn))
