@@ -548,3 +548,18 @@ def check_sparsify_reaches(
     reference = hotcold.load(dense, device="cpu").logits(ids)
     assert torch.allclose(full, reference, rtol=1e-4, atol=1e-4 * float(reference.abs().max()))
     return out
+
+
+def hotcold_perplexity(model: Path, text: Path, *, ctx: int, chunks: int) -> float:
+    """`hotcold perplexity --json` on `model` over `text` in its own process, as llama_perplexity runs llama.cpp's
+    (context ctx, ctx * chunks tokens, 2 threads): its perplexity, after checking it scored `chunks` chunks."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "hotcold", "perplexity", "-m", str(model), "-f", str(text), "-c", str(ctx),
+           "--max-tokens", str(ctx * chunks), "-t", "2", "--json"]  # fmt: skip
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-2000:]
+    result = json.loads(res.stdout)
+    assert result["chunks"] == chunks
+    return float(result["perplexity"])

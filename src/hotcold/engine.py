@@ -173,7 +173,7 @@ class Engine:
         Generation that `stream` runs, with no stop strings and end tokens sampled like any other."""
         gen = Generation(self, prompt_ids, max_tokens=self.ctx_size, params=params, ignore_eos=True)
         for _ in self._run(gen):
-            yield gen.tokens[-1]
+            yield gen.last_token  # (gen.tokens copies the whole history: not once a token)
 
     def stream(
         self,

@@ -221,7 +221,7 @@ class Generation:
         if self.prefilling:
             s = self._next
             return self.prompt[s : s + PREFILL_CHUNK], s
-        return [self._history[-1]], len(self._history) - 1
+        return [self.last_token], len(self._history) - 1
 
     def take(self, logits: torch.Tensor) -> None:
         """The logits [V] of the last row of what `want()` asked for, once that forward has run."""
@@ -242,6 +242,11 @@ class Generation:
         self.stats.prompt_seconds = now - self._t0
         self._decode_t0 = now
         self._sample(logits)
+
+    @property
+    def last_token(self) -> int:
+        """The token the next decode forward runs: the last one sampled (no copy of the history)."""
+        return self._history[-1]
 
     @property
     def tokens(self) -> list[int]:

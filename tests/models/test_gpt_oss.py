@@ -345,9 +345,8 @@ def test_llama_quantize_mxfp4_moe_perplexity_matches_llama_perplexity(tmp_path, 
     and output Q8_0): hotcold's perplexity on that file within 0.5% of `llama-perplexity`'s, context 128 (past
     the window of 8), 4 chunks."""
     import subprocess
-    import sys
 
-    from tests.fixtures import llama_perplexity, training_text
+    from tests.fixtures import hotcold_perplexity, llama_perplexity, training_text
 
     make_gpt_oss(tmp_path / "hf", qwen_tokenizer, seed=9, vocab_size=151936, bos_token_id=151643,
                  eos_token_id=151643, head_scale=5.0)  # fmt: skip
@@ -362,16 +361,9 @@ def test_llama_quantize_mxfp4_moe_perplexity_matches_llama_perplexity(tmp_path, 
     text.write_text(training_text())
     ctx, chunks = 128, 4
     theirs = llama_perplexity(BIN / "llama-perplexity", mxfp4, text, ctx=ctx, chunks=chunks)
-    ours = subprocess.run(
-        [sys.executable, "-m", "hotcold", "perplexity", "-m", str(mxfp4), "-f", str(text), "-c", str(ctx),
-         "--max-tokens", str(ctx * chunks), "-t", "2", "--json"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert ours.returncode == 0, ours.stderr[-2000:]
-    result = json.loads(ours.stdout)
-    assert result["chunks"] == chunks
-    print(f"gpt-oss MXFP4_MOE: hotcold {result['perplexity']:.4f}, llama-perplexity {theirs:.4f}")
-    assert abs(result["perplexity"] / theirs - 1) <= 0.005, (result["perplexity"], theirs)
+    ours = hotcold_perplexity(mxfp4, text, ctx=ctx, chunks=chunks)
+    print(f"gpt-oss MXFP4_MOE: hotcold {ours:.4f}, llama-perplexity {theirs:.4f}")
+    assert abs(ours / theirs - 1) <= 0.005, (ours, theirs)
 
 
 def test_quantize_mxfp4_moe_writes_what_llama_quantize_writes(converted, tmp_path):

@@ -109,7 +109,7 @@ WIDE = dict(hidden_size=256, intermediate_size=512)  # rows of 256 values: K-qua
 def test_llama_quantize_files_perplexity_matches_llama_perplexity(tmp_path, spm_model_file, kind):
     """Upstream's converter, then `llama-quantize` Q4_K_M (K-quants, Q6_K where its mixture says): hotcold's
     perplexity on that file within 0.5% of `llama-perplexity`'s on the same text, context and chunks."""
-    from tests.fixtures import llama_perplexity, training_text
+    from tests.fixtures import hotcold_perplexity, llama_perplexity, training_text
 
     make_model(kind, tmp_path / "hf", spm_model_file, **WIDE)
     f32 = upstream_convert(tmp_path / "hf", tmp_path / "f32.gguf")
@@ -122,15 +122,8 @@ def test_llama_quantize_files_perplexity_matches_llama_perplexity(tmp_path, spm_
     text.write_text(training_text())
     ctx, chunks = 128, 4
     theirs = llama_perplexity(BIN / "llama-perplexity", q4km, text, ctx=ctx, chunks=chunks)
-    ours = subprocess.run(
-        [sys.executable, "-m", "hotcold", "perplexity", "-m", str(q4km), "-f", str(text), "-c", str(ctx),
-         "--max-tokens", str(ctx * chunks), "-t", "2", "--json"],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert ours.returncode == 0, ours.stderr[-2000:]
-    result = json.loads(ours.stdout)
-    assert result["chunks"] == chunks
-    print(f"{kind}: hotcold {result['perplexity']:.4f}, llama-perplexity {theirs:.4f}")
-    assert abs(result["perplexity"] / theirs - 1) <= 0.005, (kind, result["perplexity"], theirs)
+    ours = hotcold_perplexity(q4km, text, ctx=ctx, chunks=chunks)
+    print(f"{kind}: hotcold {ours:.4f}, llama-perplexity {theirs:.4f}")
+    assert abs(ours / theirs - 1) <= 0.005, (kind, ours, theirs)
     types = {e.qtype.name for e in ModelFile(q4km).tensors.values()}
     assert {"Q4_K", "Q6_K"} <= types, types  # the K-quant kernels ran, not a fallback type
