@@ -188,7 +188,6 @@ def run_family_checks(
     (the second half reuses the cached prefix); a batch of sequences == each alone; the decoder chosen at load
     on the CPU is `decoder`, and its decode steps give the eager decoder's logits and greedy tokens."""
     import hotcold
-    from hotcold.sampling import SamplingParams
 
     llm = hotcold.load(path, device="cpu")
     # float32 files decode layer by layer (torch multiplies float32); the decoder chosen for the F16 copy
@@ -205,6 +204,15 @@ def run_family_checks(
     if greedy:
         assert_greedy_matches(llm, hf)
 
+    check_cache_split_batch(llm, llm.tokenize("Line 12: the"), tokens=16, atol=rel)
+
+
+def check_cache_split_batch(llm, prompt: list[int], *, tokens: int, atol: float, rtol: float = 1e-5) -> None:
+    """Cached decode == one full forward (within atol x the logit scale); a generation of `tokens` from `prompt`
+    split in two == the same in one go (the second half reuses the cached prefix); a batch of sequences (one
+    forward for all, each over its own cache) == each alone."""
+    from hotcold.sampling import SamplingParams
+
     ids = random_ids(24, seed=2)
     full = llm.logits(ids)
     engine = llm.engine
@@ -212,16 +220,15 @@ def run_family_checks(
     stepwise = [engine.prefill(ids[:10])]
     for pos in range(10, 24):
         stepwise.append(engine.forward([ids[pos]], pos, last_only=True)[-1])
-    assert torch.allclose(torch.stack(stepwise), full[9:], atol=rel * full.abs().max())
+    assert torch.allclose(torch.stack(stepwise), full[9:], rtol=rtol, atol=atol * full.abs().max())
 
-    prompt = llm.tokenize("Line 12: the")
     steps = engine.generate_step(prompt, SamplingParams())
-    first = [next(steps) for _ in range(16)]
+    first = [next(steps) for _ in range(tokens)]
     steps.close()
-    steps = engine.generate_step(prompt + first[:8], SamplingParams())
-    assert [next(steps) for _ in range(8)] == first[8:]
+    half = tokens // 2
+    steps = engine.generate_step(prompt + first[:half], SamplingParams())
+    assert [next(steps) for _ in range(half)] == first[half:]
 
-    # batched decode (one forward for all sequences, each over its own cache) == each alone
     prompts = [random_ids(n, seed=10 + n) for n in (3, 7, 12)]
     alone = [llm.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
     assert llm.generate_batch(prompts, max_tokens=6, ignore_eos=True) == alone

@@ -369,23 +369,7 @@ def test_q8_0_perplexity_matches_llama_perplexity(upstream, tmp_path):
 def test_cached_split_and_batched_decode_equal_one_forward(half):
     """The family runner's equivalences on the F16 file (experts over their live rows): cached decode == one full
     forward, a generation split in two == one go, a batch of sequences == each alone."""
-    from hotcold.sampling import SamplingParams
+    from tests.fixtures import check_cache_split_batch
 
     llm = hotcold.load(half, device="cpu")
-    ids = random_ids(24, seed=2)
-    full = llm.logits(ids)
-    engine = llm.engine
-    engine.cached_ids = []
-    stepwise = [engine.prefill(ids[:10])]
-    for pos in range(10, 24):
-        stepwise.append(engine.forward([ids[pos]], pos, last_only=True)[-1])
-    assert torch.allclose(torch.stack(stepwise), full[9:], rtol=0, atol=1e-4 * full.abs().max())
-    prompt = ids[:5]
-    steps = engine.generate_step(prompt, SamplingParams())
-    first = [next(steps) for _ in range(12)]
-    steps.close()
-    steps = engine.generate_step(prompt + first[:6], SamplingParams())
-    assert [next(steps) for _ in range(6)] == first[6:]
-    prompts = [random_ids(n, seed=10 + n) for n in (3, 7, 12)]
-    alone = [llm.generate(p, max_tokens=6, ignore_eos=True) for p in prompts]
-    assert llm.generate_batch(prompts, max_tokens=6, ignore_eos=True) == alone
+    check_cache_split_batch(llm, random_ids(24, seed=2)[:5], tokens=12, atol=1e-4, rtol=0)
