@@ -221,6 +221,7 @@ def load(
     kv_sequences: int = 1,
     decoder: str = "auto",
     ram_budget: float | None = None,
+    head_screen: bool = True,
 ) -> Model:
     """Load a GGUF / PowerInfer model (None: the bundled demo model).
 
@@ -235,11 +236,14 @@ def load(
     "cpu_one_call" for one the C decode layer computes on the CPU) or "eager" (layer by layer); `Model.decoder`
     says which runs.
     ram_budget: GiB of RAM for the model (None: no limit): what every token reads, then the hottest FFN neurons
-    stay resident, the other neurons' rows are read from the file when the predictor selects them (same bits)."""
+    stay resident, the other neurons' rows are read from the file when the predictor selects them (same bits).
+    head_screen: a Q8_0 screen of a float output head (53% of its bytes more memory) lets greedy decode steps
+    compute only the head rows that can win (the same tokens; head_screen.py); off under a RAM budget."""
     options = LoadOptions(
         dense=dense, threads=threads, device=device, vram_budget=vram_budget, ctx_size=ctx_size,
         reset_gpu_index=reset_gpu_index, disable_gpu_index=disable_gpu_index, n_gpu_layers=n_gpu_layers,
         sparsity=sparsity, kv_sequences=kv_sequences, decoder=decoder, ram_budget=ram_budget,
+        head_screen=head_screen,
     )  # fmt: skip
     return load_with(path, options)
 

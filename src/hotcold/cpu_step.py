@@ -63,8 +63,6 @@ def unsupported(model) -> str | None:
             return f"layer {i}: its FFN has no C tail"
         if layer.spec.input_sparse and layer.inputs.c_fields() is None:
             return f"layer {i}: its input-sparse q/k/v and o have no C form"
-        if layer.spec.input_sparse and (layer.spec.attn_bias or layer.spec.qk_norm):
-            return f"layer {i}: input-sparse q/k/v with biases or q/k norms (not in the C layer's input-sparse head)"
     return None
 
 

@@ -65,11 +65,14 @@ class Engine:
         self.cached_ids = self.cached_ids[:n]
         self.exact = min(self.exact, n)
 
-    def forward(self, ids: Sequence[int], pos: int, *, last_only: bool) -> torch.Tensor:
+    def forward(
+        self, ids: Sequence[int], pos: int, *, last_only: bool, argmax_only: bool = False
+    ) -> torch.Tensor:
         """The model over `ids` at positions pos, pos + 1, ... of this engine's sequence: their keys and values
         go into its cache (recorded here, the one place that says what the cache holds) and the logits come
         back, [len(ids), V] float32 (last_only: [1, V]). One token at a time goes through the decoder chosen at
-        load (hotcold.decoders); prompt chunks through the family's forward."""
+        load (hotcold.decoders); prompt chunks through the family's forward. argmax_only: the last logits are
+        read for their argmax only (Batch.argmax_only): the head may leave the rows that cannot win at -inf."""
         tokens = torch.tensor(ids, dtype=torch.long)
         step = getattr(self.model, "static_step", None)  # a model all on the GPU: the CUDA-graph step
         seq = self.seq
@@ -88,13 +91,14 @@ class Engine:
                 # Triton cannot, the model decodes through the eager step from now on, and says why
                 step.failure = f"{type(exc).__name__}: {exc}"
                 decoders.fall_back(self.model, step.failure)
-                return self.forward(ids, pos, last_only=last_only)
+                return self.forward(ids, pos, last_only=last_only, argmax_only=argmax_only)
             for layer, (n, n_ff, sparse) in enumerate(zip(fired, step.n_ff, step.sparse, strict=True)):
                 computed = n if sparse else n_ff
                 seq.count(layer, computed, n_ff, computed if seq.hot_mask(layer, n_ff) is not None else 0)
             self.record(pos, ids)
             return logits[None]
-        logits = self.model.forward(tokens, Batch.single(self.seq, pos, len(ids)), last_only=last_only)
+        ctx = Batch.single(self.seq, pos, len(ids), argmax_only=argmax_only)
+        logits = self.model.forward(tokens, ctx, last_only=last_only)
         self.record(pos, ids)
         return logits
 
@@ -208,7 +212,7 @@ class Engine:
         while not gen.done:
             ids, pos = gen.want()
             with torch.inference_mode():
-                logits = self.forward(ids, pos, last_only=True)[-1]
+                logits = self.forward(ids, pos, last_only=True, argmax_only=gen.argmax_only)[-1]
             try:
                 gen.take(logits)
             except NonFiniteLogits as exc:

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hotcold.sampling import SamplingParams, make_generator, sample
+from hotcold.sampling import GREEDY_TEMPERATURE, SamplingParams, make_generator, sample
 from hotcold.structured import Constraint, Matcher
 from hotcold.tokenizer import StreamingDetokenizer
 
@@ -46,9 +46,12 @@ class NonFiniteLogits(RuntimeError):
     model, not the request, is at fault (Engine.stream adds where the values first go bad)."""
 
 
-def check_finite(logits: torch.Tensor, at: str) -> None:
-    """NonFiniteLogits when `logits` hold NaN or inf; one pass over [V] values, negligible beside a forward."""
+def check_finite(logits: torch.Tensor, at: str, *, screened: bool = False) -> None:
+    """NonFiniteLogits when `logits` hold NaN or inf; one pass over [V] values, negligible beside a forward.
+    screened: a step whose head computed only the rows that can win (-inf elsewhere): those rows are checked."""
     if bool(torch.isfinite(logits).all()):
+        return
+    if screened and not bool(torch.isnan(logits).any()) and bool(torch.isfinite(logits.max())):
         return
     kind = "NaN" if bool(torch.isnan(logits).any()) else "infinite"
     raise NonFiniteLogits(
@@ -214,6 +217,20 @@ class Generation:
     def prefilling(self) -> bool:
         return self._next < len(self.prompt)
 
+    @property
+    def argmax_only(self) -> bool:
+        """Whether the next forward's logits are read for their argmax only (Batch.argmax_only): a decode step
+        (the prompt's last logits may be shared with other requests) sampled greedily with no repeat penalty,
+        logprobs or grammar, each of which reads other rows than the winner's."""
+        p = self.params
+        return (
+            not self.prefilling
+            and p.temperature < GREEDY_TEMPERATURE
+            and p.repeat_penalty == 1.0
+            and self.logprobs is None
+            and self._matcher is None
+        )
+
     def want(self) -> tuple[list[int], int]:
         """(token ids, first position) of the next forward this generation needs."""
         if self.done:
@@ -254,7 +271,8 @@ class Generation:
         return list(getattr(self, "_history", self.prompt))
 
     def _sample(self, logits: torch.Tensor) -> None:
-        check_finite(logits, f"at generated token {self.stats.generated_tokens + 1}")
+        at = f"at generated token {self.stats.generated_tokens + 1}"
+        check_finite(logits, at, screened=self.argmax_only)
         masked = logits
         if self._matcher is not None:
             masked = self._matcher.apply(logits)

@@ -24,7 +24,9 @@ class LoadOptions:
     kv_sequences: KV caches held at once (a server's slots), each charged to a VRAM budget. decoder: "auto" (the
     fastest decoder the model's layers and devices allow, decoders.py) or "eager" (layer by layer). ram_budget: GiB of
     RAM for the model (None: no limit): what every token reads, then the hottest FFN neurons, stay in memory; the
-    other neurons' rows are read from the file when selected (hotcold.storage)."""
+    other neurons' rows are read from the file when selected (hotcold.storage). head_screen: make a Q8_0 screen of
+    a float output head on the CPU, so greedy decode steps compute only the head rows that can win (head_screen.py;
+    53% of the head's bytes more memory; off under a RAM budget)."""
 
     dense: bool = False
     threads: int | None = None
@@ -39,6 +41,7 @@ class LoadOptions:
     kv_sequences: int = 1
     decoder: str = "auto"
     ram_budget: float | None = None
+    head_screen: bool = True
 
     def __post_init__(self):
         for name in ("threads", "vram_budget", "n_gpu_layers", "ctx_size", "sparsity"):

@@ -9,6 +9,8 @@ import torch
 
 from hotcold import validate
 
+GREEDY_TEMPERATURE = 1e-6  # below it sampling is greedy (0 is; tiny temperatures would overflow the softmax)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -77,7 +79,7 @@ def sample(
     logits = apply_repeat_penalty(
         logits.float(), recent[-params.repeat_last_n :] if recent else (), params.repeat_penalty
     )
-    if params.temperature < 1e-6:  # 0 is greedy; tiny temperatures would overflow the softmax
+    if params.temperature < GREEDY_TEMPERATURE:
         return int(torch.argmax(logits))
     logits = logits / params.temperature
     if params.top_k:

@@ -83,6 +83,8 @@ class SequenceState:
     hot: list[torch.Tensor | None] | None = None
     # the one-call CPU decoder's plans over this sequence's caches (cpu_step), by dense: built on first use
     decode_plans: dict = field(default_factory=dict)
+    # output-head rows computed and rows in the head, over the forwards so far (a screened step: fewer)
+    head_rows: list[int] = field(default_factory=lambda: [0, 0])
 
     @classmethod
     def new(cls, config, devices: Sequence[torch.device], dtypes: Sequence[torch.dtype], n_ctx: int):
@@ -129,7 +131,16 @@ class Batch:
 
     A dense reference forward (`dense`) or an observed one (`observe`) is a single-sequence batch."""
 
-    def __init__(self, seqs: Sequence[SequenceState], starts: Sequence[int], lengths: Sequence[int]):
+    def __init__(
+        self,
+        seqs: Sequence[SequenceState],
+        starts: Sequence[int],
+        lengths: Sequence[int],
+        *,
+        argmax_only: bool = False,
+    ):
+        """argmax_only: every segment's last logits are read for their argmax only (greedy decode steps with no
+        penalty, logprobs or grammar): the head may compute only the rows that can win (head_screen.py)."""
         if not (len(seqs) == len(starts) == len(lengths)) or not seqs:
             raise ValueError("a batch needs one start and one length per sequence, and at least one sequence")
         self.seqs, self.starts, self.lengths = list(seqs), list(starts), list(lengths)
@@ -144,6 +155,7 @@ class Batch:
         first = self.seqs[0]
         self.dense, self.observe = first.dense, first.observe
         self.keep_masks = any(s.keep_masks for s in self.seqs)
+        self.argmax_only = argmax_only
         self._start_on: dict[torch.device, torch.Tensor] = {}
 
     def start_on(self, device: torch.device) -> torch.Tensor:
@@ -155,8 +167,8 @@ class Batch:
         return at
 
     @classmethod
-    def single(cls, seq: SequenceState, pos: int, n: int) -> Batch:
-        return cls([seq], [pos], [n])
+    def single(cls, seq: SequenceState, pos: int, n: int, *, argmax_only: bool = False) -> Batch:
+        return cls([seq], [pos], [n], argmax_only=argmax_only)
 
     def segments(self):
         """(row0, row1, seq, pos) for every segment."""

@@ -86,14 +86,16 @@ def test_file_layout_follows_upstream(converted):
     assert layer.spec.rope_neox and layer.spec.attn_bias == (not qwen3) and layer.spec.qk_norm == qwen3
 
 
-@pytest.mark.parametrize("case, attention", [("qwen3-gqa-head32", False), ("qwen2-gqa-untied", True)])
+@pytest.mark.parametrize(
+    "case, attention",
+    [("qwen3-gqa-head32", False), ("qwen3-gqa-head32", True), ("qwen2-gqa-untied", True)],
+)
 def test_sparsify_reaches_qwen_files(tmp_path, spm_model_file, case, attention):
-    """`hotcold sparsify` on a Qwen3 (q/k norms) and a Qwen2 (biases; with input-sparse attention too) file: it
-    skips FFN neurons, and the decoder load chooses gives the eager decoder's tokens."""
+    """`hotcold sparsify` on a Qwen3 (q/k norms) and a Qwen2 (biases) file, with input-sparse attention too: it
+    skips FFN neurons, and the one-call decoder (its input-sparse head adds the biases and norms each head of q
+    and k) gives the eager decoder's tokens."""
     from tests.fixtures import check_sparsify_reaches
 
     make_qwen(tmp_path / "hf", spm_model_file, **CASES[case])
     dense = convert(tmp_path / "hf", None, tmp_path / "m.f16.gguf", outtype="f16")
-    check_sparsify_reaches(
-        dense, tmp_path, attention=attention, decoder="eager" if attention else "cpu_one_call"
-    )
+    check_sparsify_reaches(dense, tmp_path, attention=attention, decoder="cpu_one_call")

@@ -74,7 +74,9 @@ def test_tokens_are_counted_when_the_first_layer_is_all_resident(files, tmp_path
     model = tmp_path / "t16.powerinfer.gguf"
     shutil.copy(files["f16"], model)
     (tmp_path / "activation").mkdir()
-    torch.save(torch.full((256,), 5000.0), tmp_path / "activation" / "activation_0.pt")  # layer 0: all hottest
+    torch.save(
+        torch.full((256,), 5000.0), tmp_path / "activation" / "activation_0.pt"
+    )  # layer 0: all hottest
     torch.save(torch.arange(256.0), tmp_path / "activation" / "activation_1.pt")
     mf = ModelFile(model)
     base = plan_ram(mf, config_from_file(mf), 1 << 40, ctx_size=CTX, share=0.0)

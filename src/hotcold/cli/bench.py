@@ -59,6 +59,13 @@ def add_args(p) -> None:
         default="auto",
         help="decode steps: the fastest decoder the model allows (auto), or layer by layer (eager)",
     )
+    p.add_argument(
+        "--no-head-screen",
+        dest="head_screen",
+        action="store_false",
+        help="compute every output-head row each step, as llama-bench does (default: tg reads the argmax only, "
+        "so a float head's screen computes only the rows that can win; the same tokens)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON rows instead of a table")
     p.add_argument(
         "--plot",
@@ -100,7 +107,8 @@ def _firing(llm) -> tuple[int, int]:
 
 def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float]:
     """Seconds for one run of the test, and the firing rate seen during it. tg after `depth` tokens of
-    context: their prefill is not timed."""
+    context: their prefill is not timed. tg is greedy decoding: each step's logits are read for their argmax
+    only (so a head screen computes the rows that can win, head_screen.py)."""
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
     ids = [llm.tokenizer.bos_id or 1] + torch.randint(
@@ -120,16 +128,18 @@ def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float]:
             start = time.perf_counter()
             token = int(torch.argmax(logits))
             for pos in range(depth + 1, depth + n + 1):
-                token = int(torch.argmax(engine.forward([token], pos, last_only=True)[-1]))
+                logits = engine.forward([token], pos, last_only=True, argmax_only=True)[-1]
+                token = int(torch.argmax(logits))
             seconds = time.perf_counter() - start
     c1, t1 = _firing(llm)
     return seconds, (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
 
 
-def measure_batch(llm, n: int, batch: int) -> tuple[float, float, float]:
+def measure_batch(llm, n: int, batch: int) -> tuple[float, float, float, float]:
     """B sequences (different random prompts of 2 tokens) decoding n tokens each in one forward per step
-    (hotcold.batching): seconds, the firing rate per token, and the union firing rate per step (the share
-    of each layer's neurons fired by any token of the batch: the rows the sparse kernels read)."""
+    (hotcold.batching): seconds, the firing rate per token, the union firing rate per step (the share
+    of each layer's neurons fired by any token of the batch: the rows the sparse kernels read), and the share
+    of the output head's rows computed (greedy steps: a screened head computes the rows that can win)."""
     from hotcold import batching
     from hotcold.engine import Engine
     from hotcold.generation import Generation
@@ -142,11 +152,13 @@ def measure_batch(llm, n: int, batch: int) -> tuple[float, float, float]:
     gens = [Generation(e, p, max_tokens=n, ignore_eos=True) for e, p in zip(engines, prompts)]
     batching.step(model, gens)  # the prefills (untimed) and the first token
     before = [e.seq.neuron_totals() for e in engines]
+    head0 = [list(e.seq.head_rows) for e in engines]
     start = time.perf_counter()
     while any(not g.done for g in gens):
         batching.step(model, gens)
     seconds = time.perf_counter() - start
     after = [e.seq.neuron_totals() for e in engines]
+    head_rows = [sum(e.seq.head_rows[i] - h[i] for e, h in zip(engines, head0)) for i in (0, 1)]
     computed = sum(a[0] - b[0] for a, b in zip(after, before))
     total = sum(a[1] - b[1] for a, b in zip(after, before))
     # the union, measured apart (recording masks costs time): a few more steps with masks kept
@@ -163,7 +175,8 @@ def measure_batch(llm, n: int, batch: int) -> tuple[float, float, float]:
         for e in engines:
             e.seq.masks.clear()
     rate = computed / total if total else 1.0
-    return seconds, rate, (sum(union) / len(union) if union else 1.0)
+    union_rate = sum(union) / len(union) if union else 1.0
+    return seconds, rate, union_rate, (head_rows[0] / head_rows[1] if head_rows[1] else 1.0)
 
 
 def run_bench(
@@ -180,6 +193,7 @@ def run_bench(
     sparsity=None,
     depths=(0,),
     decoder="auto",
+    head_screen=True,
 ):
     """Rows of results. On the CPU the modes are interleaved run by run (weights are mapped once, so both
     models cost nothing extra); on a GPU each mode is loaded, measured and freed in turn, with the same
@@ -204,6 +218,7 @@ def run_bench(
             sparsity=sparsity if m == "sparse" else None,
             kv_sequences=max(batches),  # -b B holds B caches at once, as a server's slots do
             decoder=decoder,
+            head_screen=head_screen,
         )
 
     first = load("sparse")
@@ -216,6 +231,11 @@ def run_bench(
     )
     mf = first.loaded.file
     sizes = weight_bytes(mf)
+    head = first.loaded.model.head if hasattr(first.loaded.model, "head") else None
+    head_bytes = mf.tensors[
+        names.tensor(names.OUTPUT if names.tensor(names.OUTPUT) in mf.tensors else names.TOKEN_EMBD)
+    ].n_bytes
+    screen_bytes = head.screen.nbytes if head is not None and head.screen is not None else 0
     file_size = mf.path.stat().st_size
     n_params = sum(math.prod(e.shape) for e in mf.tensors.values())
     tests = [("pp", n_prompt, 0)] if n_prompt > 0 else []  # (test, tokens, context depth)
@@ -223,15 +243,20 @@ def run_bench(
     tests += [(f"tgx{b}", n_gen, 0) for b in batches if b > 1 and n_gen > 0]
     samples = {(m, t): [] for m in modes for t in tests}
     rates = {(m, t): [] for m in modes for t in tests}
+    head_share = {(m, t): [] for m in modes for t in tests}  # output-head rows computed / rows, a decode step
     unions = {(m, t): [] for m in modes for t in tests}
 
     def one(llm, test, n, depth=0):
+        """tokens/s, firing rate, union firing rate, share of the output head's rows computed a step"""
         if test.startswith("tgx"):
             b = int(test[3:])
-            seconds, rate, union = measure_batch(llm, n, b)
-            return b * n / seconds, rate, union
+            seconds, rate, union, share = measure_batch(llm, n, b)
+            return b * n / seconds, rate, union, share
+        head0 = list(llm.engine.seq.head_rows)
         seconds, rate = measure(llm, test, n, depth)
-        return n / seconds, rate, rate
+        head1 = llm.engine.seq.head_rows
+        share = (head1[0] - head0[0]) / (head1[1] - head0[1]) if head1[1] > head0[1] else 1.0
+        return n / seconds, rate, rate, share
 
     groups = [[m] for m in modes] if on_gpu else [modes]
     decoder_of: dict[str, str] = {}
@@ -244,7 +269,8 @@ def run_bench(
                 one(models[m], test, min(n, 8))
             for _ in range(repetitions):  # interleaved so machine noise hits both modes alike
                 for m in group:
-                    tps, rate, union = one(models[m], test, n, depth)
+                    tps, rate, union, share = one(models[m], test, n, depth)
+                    head_share[m, t].append(share)
                     samples[m, t].append(tps)
                     rates[m, t].append(rate)
                     unions[m, t].append(union)
@@ -264,10 +290,14 @@ def run_bench(
             rate = statistics.mean(rates[m, t]) if m == "sparse" else 1.0
             union = statistics.mean(unions[m, t]) if m == "sparse" else 1.0
             batch = int(test[3:]) if test.startswith("tgx") else 1
-            # a decode step reads every needed weight once, for the whole batch (the union of fired rows)
+            # a decode step reads every needed weight once, for the whole batch (the union of fired rows); a
+            # screened head step reads the screen and the rows that can win instead of the whole head
+            share = statistics.mean(head_share[m, t])
+            head_read = head_bytes if share >= 1.0 else screen_bytes + head_bytes * share
             bytes_per_step = (
-                sizes["other"] + sizes["ffn"] * union + (sizes["predictor"] if m == "sparse" else 0)
-            )
+                sizes["other"] - head_bytes + head_read + sizes["ffn"] * union
+                + (sizes["predictor"] if m == "sparse" else 0)
+            )  # fmt: skip
             rows.append(
                 {
                     "model": mf.path.name,
@@ -281,6 +311,7 @@ def run_bench(
                     "tokens_per_s_per_sequence": tps / batch,
                     "tokens_per_s_all": samples[m, t],
                     "firing_rate": rate,
+                    "head_rows_share": share,  # output-head rows computed per step / vocabulary (1: the whole head)
                     "union_firing_rate": union,
                     # decode reads every needed weight once per step; prefill reuses them across the prompt
                     # (the KV cache a deep context adds is not counted: these are the weights' bytes)
@@ -355,6 +386,7 @@ def run(args) -> int:
             sparsity=args.sparsity,
             depths=depths,
             decoder=args.decoder,
+            head_screen=args.head_screen,
         )
     if args.plot is not None:
         from hotcold import plots

@@ -11,3 +11,4 @@
 #include "c/decode.c" /* a decode layer (hc_layer) and a whole decode step (hc_decode_step) */
 #include "c/norm_attention.c" /* RMS norm, LayerNorm, RoPE and attention over the KV caches */
 #include "c/prefill_attention.c" /* a prompt chunk's causal attention as small GEMMs */
+#include "c/screen.c" /* the output head's Q8_0 screen with per-row error bounds (head_screen.py) */

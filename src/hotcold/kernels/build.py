@@ -50,7 +50,7 @@ def source_bytes() -> bytes:
     return b"\0".join([_SRC.read_bytes(), *(p.name.encode() + b"\0" + p.read_bytes() for p in pieces)])
 
 
-ABI_VERSION = 31  # HC_ABI_VERSION in c/base.c: bump both when a signature changes
+ABI_VERSION = 32  # HC_ABI_VERSION in c/base.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -254,6 +254,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         "hc_moe_route": ([p, i64, i64, i64, p, p], None),
         "hc_packed_nbytes": ([c_int, i64, i64], i64),
         "hc_pack": ([c_int, p, i64, i64, i64, p], c_int),
+        "hc_screen_q8_0": ([c_int, p, i64, i64, i64, p, p, p, c_int], c_int),
         "hc_packed_matvec": ([c_int, p, i64, i64, p, i64, p, c_int], c_int),
         "hc_packed_matvec_multi": ([c_int, p, p, p, i64, p, i64, p, f32, p, c_int], c_int),
         "hc_attn_prefill": ([i64, p, p, p, i64, i64, i64, i64, p, c_int], c_int),

@@ -9,7 +9,7 @@ sequences.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -114,18 +114,34 @@ class Head:
     norm: Norm
     weight: Weight  # [V, D]
     softcap: float = 0.0  # logits l -> c * tanh(l / c) (Gemma 2's final_logit_softcapping; 0: none)
+    # head_screen.HeadScreen of a float head on the CPU (made at load): a greedy step's rows that can win
+    screen: object | None = field(default=None, compare=False, repr=False)
 
     @property
     def device(self) -> torch.device:
         return self.norm.weight.device
 
     def __call__(self, x: torch.Tensor, ctx: Batch, *, last_only: bool) -> torch.Tensor:
+        """Logits [rows, V] float32 on the CPU; for a forward whose last logits are read for their argmax only
+        (ctx.argmax_only) with a screen, the rows that can win exact and -inf in every other column."""
         if last_only:  # each segment's last row
             x = x[-1:] if len(ctx.seqs) == 1 else x[ctx.last_rows()]
-        x = x.to(self.device)
-        logits = linear(self.norm(x), self.weight).float()
-        if self.softcap:
+        x = self.norm(x.to(self.device))
+        screened = self.screen is not None and last_only and ctx.argmax_only and x.device.type == "cpu"
+        if screened:
+            logits, mask = self.screen.rows(self.weight, x)
+        else:
+            logits = linear(x, self.weight).float()
+        if self.softcap:  # monotone: the rows that can win are the same
             logits = torch.tanh(logits / self.softcap) * self.softcap
+        if screened:
+            logits.masked_fill_(~mask, float("-inf"))
+        if last_only:
+            v = logits.shape[-1]
+            computed = mask.sum(-1).tolist() if screened else [v] * logits.shape[0]
+            for seq, n in zip(ctx.seqs, computed):
+                seq.head_rows[0] += n
+                seq.head_rows[1] += v
         return logits.cpu()
 
 

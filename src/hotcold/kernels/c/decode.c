@@ -217,13 +217,20 @@ static int64_t general_tail(const hc_layer *a, const float *attn, const float *x
     return got;
 }
 
-/* q/k/v of an input-sparse layer (hc_layer.qkv_t) for one token, then attention over the caches kc / vc as
- * hc_decode_head. */
+/* q/k/v of an input-sparse layer (hc_layer.qkv_t) for one token, with its biases (qwen2) and per-head q/k
+ * norms (qwen3) as decode_head_rows applies them, then attention over the caches kc / vc as hc_decode_head. */
 static int input_sparse_head(const hc_layer *a, int64_t D, const float *x, int64_t pos, float *kc, float *vc,
                              const float *cos, const float *sin, float *xn, float *qkv, uint8_t *smask, float *out,
                              int nth) {
     hc_rms_norm(x, a->attn_norm, a->attn_eps, 1, D, xn);
     if (hc_input_sparse_matvec(a->qkv_t, a->qkv_scale, a->qkv_thr, xn, 1, smask, qkv, nth) != 0) return -1;
+    const float *const bias[3] = {a->q_bias, a->k_bias, a->v_bias};
+    float *part = qkv;
+    for (int m = 0; m < 3; part += a->Fs[m], m++)
+        if (bias[m])
+            for (int64_t i = 0; i < a->Fs[m]; i++) part[i] += bias[m][i];
+    if (a->q_norm) hc_rms_norm(qkv, a->q_norm, a->qk_eps, a->H, a->Dh, qkv);
+    if (a->k_norm) hc_rms_norm(qkv + a->Fs[0], a->k_norm, a->qk_eps, a->Hkv, a->Dh, qkv + a->Fs[0]);
     float *kcs[1] = {kc}, *vcs[1] = {vc};
     return hc_attn_decode_rows(1, qkv, qkv + a->Fs[0], qkv + a->Fs[0] + a->Fs[1], kcs, vcs, &pos, a->H, a->Hkv,
                                a->Dh, a->R, cos, sin, a->neox, a->window, out, nth);

@@ -1,0 +1,118 @@
+"""The output head of a greedy decode step: only the rows that can win, proven, not predicted.
+
+A decode step whose logits are read only for their argmax (greedy sampling with no penalty, logprobs,
+grammar or logit bias: `Batch.argmax_only`) need not read the whole head, which for the 150k-262k
+vocabularies of Qwen and Gemma is 10-25% of a token's bytes. The screen is a Q8_0 copy of a 16-bit head
+(53% of its bytes, made at load), with per row r the bounds err[r] >= |w_r - q_r| and qnorm[r] >= |q_r|.
+The screen's product s_r = q_r . x' (x' = x quantized to int8 in chunks of 32, as every block-weight
+kernel does) is within
+
+    b_r = err[r] |x| + qnorm[r] |x - x'| + RELATIVE_SLACK qnorm[r] |x'|
+
+of the exact w_r . x (Cauchy-Schwarz twice; the last term covers float32 rounding in both products, far
+above it). So with lo = max_r (s_r - b_r), no row with s_r + b_r < lo can be the argmax; the others (tens
+of rows on the heads measured, in `timings` as head rows) are computed exactly from the head itself, by
+the kernel the full head uses (hc_gather_matvec: the same bits per row), and every other logit is -inf.
+Greedy tokens are therefore the full head's, for any weights and any input, with no training and no
+fallback; where the bounds are loose (a small margin between the best rows) more rows are computed.
+
+Kept to float heads (F32/F16/BF16): for a head already in a block format a cheaper copy's bounds would
+be too loose to skip rows (Q4_0's error is ~15x Q8_0's).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hotcold.kernels import build
+from hotcold.kernels.build import WT, nthreads, weight_view
+from hotcold.kernels.cpu import gather_matvec
+from hotcold.kernels.pages import page_out
+from hotcold.quants import QuantTensor
+
+# Bound on the float32 rounding of both products relative to |q| |x'| (each is a sum of D terms, error
+# <= D * 2^-24 * sum |terms| <= 6e-5 of that for D = 1024; 16384 columns would still be within 1e-3).
+RELATIVE_SLACK = 1e-3
+# Below this many rows the full head is read (its bytes are too few to save anything).
+MIN_ROWS = 4096
+
+
+class HeadScreen:
+    """A head's Q8_0 screen and per-row bounds (see the module's docstring); `build` makes one or None."""
+
+    def __init__(self, packed: torch.Tensor, err: torch.Tensor, qnorm: torch.Tensor, d: int):
+        self.packed, self.err, self.qnorm = packed, err, qnorm
+        self.n_rows, self.d = err.shape[0], d
+
+    @classmethod
+    def build(cls, weight, *, threads: int | None = None) -> HeadScreen | None:
+        """The screen of a CPU float head [V, D], or None where there is none to make (no C kernels, a
+        block-format or GPU head, D not a multiple of 32, too few rows, NaN/inf in the head)."""
+        lib = build.get_lib()
+        if lib is None or isinstance(weight, QuantTensor) and weight.qtype.name not in ("F32", "F16", "BF16"):
+            return None
+        try:
+            qtype, data, stride, f, d = weight_view(weight)
+        except (TypeError, ValueError):
+            return None
+        if d % 32 or f < MIN_ROWS or qtype not in (build.Q.F32, build.Q.F16, build.Q.BF16):
+            return None
+        q8 = torch.empty(f, d // 32 * 34, dtype=torch.uint8)
+        err, qnorm = torch.empty(f, dtype=torch.float32), torch.empty(f, dtype=torch.float32)
+        rc = lib.hc_screen_q8_0(
+            WT[qtype], data.data_ptr(), stride, f, d, q8.data_ptr(), err.data_ptr(), qnorm.data_ptr(),
+            nthreads(threads),
+        )  # fmt: skip
+        if rc != 0 or not (bool(torch.isfinite(err).all()) and bool(torch.isfinite(qnorm).all())):
+            return None
+        packed = torch.empty(lib.hc_packed_nbytes(WT[build.Q.Q8_0], f, d), dtype=torch.uint8)
+        if lib.hc_pack(WT[build.Q.Q8_0], q8.data_ptr(), q8.shape[1], f, d, packed.data_ptr()) != 0:
+            return None
+        if isinstance(weight, QuantTensor) and weight.packed is not None:
+            page_out(
+                data.data_ptr(), f * stride
+            )  # the rows read here: out of RSS again, as cpu.pack left them
+        return cls(packed, err, qnorm, d)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 8 * self.n_rows
+
+    def candidates(self, x: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
+        """bool [T, V]: the rows that may hold each row of x's argmax (x [T, D] float32, the normed input)."""
+        s, bound = self.bounds(x, threads=threads)
+        lo = (s - bound).amax(-1, keepdim=True)
+        return s + bound >= lo
+
+    def bounds(self, x: torch.Tensor, *, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the screen's products s, bounds b), float64 [T, V]: |w_r . x - s_r| <= b_r for every row r."""
+        x = x.to(torch.float32).contiguous()
+        t = x.shape[0]
+        s = torch.empty(t, self.n_rows, dtype=torch.float32)
+        lib = build.get_lib()
+        rc = lib.hc_packed_matvec(
+            WT[build.Q.Q8_0], self.packed.data_ptr(), self.n_rows, self.d, x.data_ptr(), t, s.data_ptr(),
+            nthreads(threads),
+        )  # fmt: skip
+        if rc != 0:
+            raise MemoryError("hc_packed_matvec failed (the head's screen)")
+        # |x - x'| from each chunk's scale: an element is off by at most half a step (amax / 127 / 2; the
+        # 1.001 covers the rounding of x * 127 / amax before it is rounded to an integer)
+        chunk_amax = x.double().reshape(t, -1, 32).abs().amax(-1)
+        x_off = (chunk_amax / 127 * 0.5 * 1.001).square().sum(-1).mul(32).sqrt()
+        x_norm = x.double().norm(dim=-1)
+        x_quant_norm = x_norm + x_off  # |x'| <= |x| + |x - x'|
+        bound = (
+            self.err.double()[None] * x_norm[:, None]
+            + self.qnorm.double()[None] * (x_off + RELATIVE_SLACK * x_quant_norm)[:, None]
+        )
+        return s.double(), bound
+
+    def rows(
+        self, weight, x: torch.Tensor, *, threads: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(products [T, V] float32: the candidates' exact (hc_gather_matvec, as `matmul` of an unpacked head;
+        0 elsewhere), the candidates bool [T, V]) for the head `weight` this screen was made from."""
+        x = x.to(torch.float32).contiguous()
+        mask = self.candidates(x, threads=threads)
+        return gather_matvec(weight, x, mask, threads=threads), mask

@@ -1,0 +1,128 @@
+"""The output head's screen (hotcold.head_screen): its bounds hold on every row, the argmax it leaves is the
+full head's, and greedy generation through it gives the full head's tokens while computing fewer rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+
+import hotcold
+from hotcold import head_screen
+from hotcold.engine import Engine
+from hotcold.generation import Generation
+from hotcold.head_screen import HeadScreen
+from hotcold.kernels import build
+from hotcold.quants import QuantTensor
+from hotcold.sampling import SamplingParams
+
+pytestmark = pytest.mark.skipif(build.get_lib() is None, reason="the screen needs the C kernels")
+
+
+def head(v: int, d: int, dtype=torch.float16, seed: int = 0) -> torch.Tensor:
+    """Rows of very different norms and a few outlier columns, as trained heads have."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(v, d, generator=g) * torch.rand(v, 1, generator=g).mul(2).add(0.1)
+    w[:, :3] *= 8.0
+    return w.to(dtype)
+
+
+def inputs(t: int, d: int, seed: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, d, generator=g)
+    x[:, 5] *= 40.0  # a massive activation channel
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("massive", [False, True])
+def test_bounds_hold_on_every_row(dtype, massive):
+    w, x = head(4096, 128, dtype), inputs(4, 128)
+    if not massive:
+        x[:, 5] /= 40.0
+    screen = HeadScreen.build(w)
+    s, bound = screen.bounds(x)
+    exact = x.double() @ w.double().T
+    assert bool(((s - exact).abs() <= bound).all())
+    mask = screen.candidates(x)
+    assert torch.equal(mask[torch.arange(4), exact.argmax(-1)], torch.ones(4, dtype=torch.bool))
+    # a massive activation channel coarsens x's int8 chunk around it (a looser bound, more rows survive)
+    assert int(mask.sum()) < 4 * 4096 // (8 if massive else 50)
+
+
+def test_screened_rows_are_the_full_heads_and_the_argmax_is_kept():
+    w, x = head(8192, 256), inputs(3, 256, seed=7)
+    screen = HeadScreen.build(w)
+    values, mask = screen.rows(w, x)
+    full = hotcold.kernels.cpu.matmul(w, x)
+    assert torch.equal(values[mask], full[mask])  # the same row kernel, the same bits
+    assert bool((values[~mask] == 0).all())
+    assert torch.equal(values.masked_fill(~mask, float("-inf")).argmax(-1), full.argmax(-1))
+
+
+def test_near_ties_keep_both_rows():
+    """Two rows within a rounding step of each other: the screen cannot tell them apart, so both are
+    computed and the exact comparison decides."""
+    w, x = head(4096, 64, seed=3), inputs(1, 64, seed=4)
+    best = int((x.double() @ w.double().T).argmax())
+    w[best + 1] = w[best]
+    w[best + 1, 10] += 1e-3  # fp16 step there: the rows differ in one value, by less than Q8_0 sees
+    screen = HeadScreen.build(w)
+    mask = screen.candidates(x)
+    assert bool(mask[0, best]) and bool(mask[0, best + 1])
+
+
+def test_no_screen_where_it_cannot_save_or_cannot_prove():
+    assert HeadScreen.build(head(head_screen.MIN_ROWS - 1, 64)) is None  # too few rows to matter
+    assert HeadScreen.build(head(4096, 48)) is None  # columns not in chunks of 32
+    w = head(4096, 64)
+    w[17, 3] = float("nan")
+    assert HeadScreen.build(w) is None  # no bound on a NaN row (the full head reports it)
+    from hotcold import quants
+
+    q8 = GGMLQuantizationType.Q8_0
+    q = QuantTensor(torch.from_numpy(quants.quantize(head(4096, 64).float(), q8)), q8, (4096, 64))
+    assert HeadScreen.build(q) is None  # a block-format head: a cheaper copy's bounds are too loose
+
+
+def test_greedy_generation_through_the_screen_equals_the_full_head():
+    """The bundled model (F16 head, 8192 rows): the same greedy tokens from the prompt on, with a fraction
+    of the head's rows computed; a sampled generation reads every row."""
+    screened, full = hotcold.load(None, threads=1), hotcold.load(None, threads=1, head_screen=False)
+    assert screened.loaded.model.head.screen is not None and full.loaded.model.head.screen is None
+    prompt = "Once upon a time"
+    a = screened.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+    b = full.generate(prompt, max_tokens=24, temperature=0.0, ignore_eos=True)
+    assert a == b
+    computed, total = screened.engine.seq.head_rows
+    assert 0 < computed < total / 10
+    computed, total = full.engine.seq.head_rows
+    assert computed == total
+
+
+def test_only_plain_greedy_decode_steps_are_argmax_only():
+    llm = hotcold.load(None, threads=1)
+    engine = Engine(llm.loaded.model, llm.tokenizer, 64)
+
+    def gen(**kw):
+        logprobs = kw.pop("logprobs", None)
+        return Generation(engine, [1, 5, 9], max_tokens=4, params=SamplingParams(**kw), logprobs=logprobs)
+
+    g = gen(temperature=0.0)
+    assert not g.argmax_only  # the prompt's last logits may be shared with a request that samples
+    g.take(engine.forward(*g.want(), last_only=True)[-1])
+    assert g.argmax_only
+    for kw in (dict(temperature=0.7), dict(temperature=0.0, repeat_penalty=1.1), dict(logprobs=2)):
+        g = gen(**kw)
+        g.take(engine.forward(*g.want(), last_only=True)[-1])
+        assert not g.argmax_only, kw
+
+
+def test_screened_logits_are_minus_inf_off_the_candidates():
+    llm = hotcold.load(None, threads=1)
+    engine = Engine(llm.loaded.model, llm.tokenizer, 64)
+    engine.prefill([1, 5, 9])
+    logits = engine.forward([11], 3, last_only=True, argmax_only=True)[-1]
+    finite = torch.isfinite(logits)
+    assert 0 < int(finite.sum()) < logits.numel() // 10
+    assert bool((logits[~finite] == float("-inf")).all())
