@@ -22,6 +22,8 @@ be too loose to skip rows (Q4_0's error is ~15x Q8_0's).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from hotcold.kernels import build
@@ -116,3 +118,11 @@ class HeadScreen:
         x = x.to(torch.float32).contiguous()
         mask = self.candidates(x, threads=threads)
         return gather_matvec(weight, x, mask, threads=threads), mask
+
+
+def attach_screen(model, *, threads: int | None = None) -> None:
+    """Give the model's head a screen where one can be made (HeadScreen.build); at load."""
+    head = getattr(model, "head", None)
+    screen = None if head is None else HeadScreen.build(head.weight, threads=threads)
+    if screen is not None:
+        model.head = replace(head, screen=screen)

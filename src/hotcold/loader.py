@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
@@ -16,7 +16,7 @@ from hotcold import cores, decoders, hub, registry
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import CPU, DevicePlan
 from hotcold.gguf_io import GGUFError, ModelFile
-from hotcold.head_screen import HeadScreen
+from hotcold.head_screen import attach_screen
 from hotcold.load_options import LoadOptions
 from hotcold.placement.budget import (
     DEFAULT_CTX,
@@ -123,11 +123,8 @@ def load_model(
         notes=notes, ctx=ctx, storage=storage,
     )  # fmt: skip
     model = module.build(src, make_ffn)
-    if opts.head_screen and storage is None and getattr(model, "head", None) is not None:
-        # under a RAM budget the screen's memory is not in the plan (the budget would be its better use)
-        screen = HeadScreen.build(model.head.weight, threads=threads)
-        if screen is not None:
-            model.head = replace(model.head, screen=screen)
+    if opts.head_screen and storage is None:  # a RAM budget's plan does not count the screen's memory
+        attach_screen(model, threads=threads)
     model.storage_stats = None if storage is None else storage.stats  # what a request read (generation.py)
     notes.extend(getattr(model, "load_notes", ()))  # what a family says of its file (SmallThinker's gating)
     decoders.choose_decoder(model, requested=opts.decoder, ctx_size=ctx, notes=notes)
