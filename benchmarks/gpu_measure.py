@@ -220,7 +220,7 @@ def decode_run(
     decoder = getattr(llm.loaded.model, "static_step", None)  # decode_step.StaticDecoder, when attached
     try:
         measure(llm, "tg", warmup)
-        seconds, rate = measure(llm, "tg", n_gen)
+        seconds, rate, _ = measure(llm, "tg", n_gen)
         sizes = weight_bytes(llm.loaded.file)
         sparse = not llm.loaded.dense
         per_token = sizes["other"] + sizes["ffn"] * (rate if sparse else 1.0)

@@ -43,6 +43,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--n-gen", type=int, default=32)
+    ap.add_argument(
+        "--full-head",
+        choices=("all", "dense"),
+        default="all",
+        help="which files also run with the whole head (dense: only the dense file, fewer runs a round)",
+    )
     ap.add_argument("--out", help="JSON file to write (default: print only)")
     args = ap.parse_args()
     dense = str(Path(args.dense).resolve())
@@ -51,7 +57,9 @@ def main() -> None:
     shares: dict[str, list[float]] = {}
     engines = [("dense screen", dense, "dense", True), ("dense full head", dense, "dense", False)]
     for name, path in sparse.items():
-        engines += [(f"{name} screen", path, "sparse", True), (f"{name} full head", path, "sparse", False)]
+        engines.append((f"{name} screen", path, "sparse", True))
+        if args.full_head == "all":
+            engines.append((f"{name} full head", path, "sparse", False))
     for r in range(args.rounds):
         if args.llama_bench:
             runs.setdefault("llama.cpp dense", []).append(

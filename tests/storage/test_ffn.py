@@ -151,3 +151,32 @@ def test_a_batch_of_sequences_under_a_budget_generates_what_an_unbudgeted_batch_
     assert 0 < sum(len(h) for h in llm.loaded.storage.plan.hot) < 512
     want = ref.generate_batch(prompts, max_tokens=6, ignore_eos=True)
     assert llm.generate_batch(prompts, max_tokens=6, ignore_eos=True) == want
+
+
+def test_bench_reports_the_bytes_a_token_reads_from_the_file(files, capsys):
+    """`hotcold bench --ram-budget`: the decode runs from storage and its rows say how many bytes a token read."""
+    import json
+
+    from hotcold.cli import main
+
+    budget = budget_for(files["f16"], 0.1)[0]  # at CTX: bench's context (n + 2) must be near it
+    argv = [
+        "bench",
+        "-m",
+        str(files["f16"]),
+        "-p",
+        "0",
+        "-n",
+        str(CTX - 4),
+        "-r",
+        "1",
+        "-t",
+        "1",
+        "--mode",
+        "sparse",
+    ]
+    assert main([*argv, "--ram-budget", f"{budget:.9f}", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["storage_bytes_per_token"] > 0
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["storage_bytes_per_token"] is None

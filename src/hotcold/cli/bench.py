@@ -39,6 +39,12 @@ def add_args(p) -> None:
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--vram-budget", type=float, default=None)
     p.add_argument(
+        "--ram-budget",
+        type=float,
+        default=None,
+        help="GiB of RAM for the model (as hotcold generate's): cold rows read from the file when selected",
+    )
+    p.add_argument(
         "--mode", choices=("both", "sparse", "dense"), default="both", help="which paths to measure"
     )
     p.add_argument(
@@ -105,10 +111,11 @@ def _firing(llm) -> tuple[int, int]:
     return llm.engine.seq.neuron_totals()
 
 
-def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float]:
-    """Seconds for one run of the test, and the firing rate seen during it. tg after `depth` tokens of
-    context: their prefill is not timed. tg is greedy decoding: each step's logits are read for their argmax
-    only (so a head screen computes the rows that can win, head_screen.py)."""
+def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float, float]:
+    """Seconds for one run of the test, the firing rate seen during it, and the share of the output head's rows
+    computed. tg after `depth` tokens of context: their prefill is not timed (nor counted). tg is greedy
+    decoding: each step's logits are read for their argmax only (so a head screen computes the rows that can
+    win, head_screen.py)."""
     engine = llm.engine
     gen = torch.Generator().manual_seed(0)
     ids = [llm.tokenizer.bos_id or 1] + torch.randint(
@@ -125,6 +132,7 @@ def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float]:
             engine.cached_ids = []
             logits = engine.prefill(ids[: depth + 1])
             c0, t0 = _firing(llm)
+            h0 = list(engine.seq.head_rows)
             start = time.perf_counter()
             token = int(torch.argmax(logits))
             for pos in range(depth + 1, depth + n + 1):
@@ -132,7 +140,9 @@ def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float]:
                 token = int(torch.argmax(logits))
             seconds = time.perf_counter() - start
     c1, t1 = _firing(llm)
-    return seconds, (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0
+    h1 = engine.seq.head_rows
+    share = (h1[0] - h0[0]) / (h1[1] - h0[1]) if test != "pp" and h1[1] > h0[1] else 1.0
+    return seconds, (c1 - c0) / (t1 - t0) if t1 > t0 else 1.0, share
 
 
 def measure_batch(llm, n: int, batch: int) -> tuple[float, float, float, float]:
@@ -194,6 +204,7 @@ def run_bench(
     depths=(0,),
     decoder="auto",
     head_screen=True,
+    ram_budget=None,
 ):
     """Rows of results. On the CPU the modes are interleaved run by run (weights are mapped once, so both
     models cost nothing extra); on a GPU each mode is loaded, measured and freed in turn, with the same
@@ -219,6 +230,7 @@ def run_bench(
             kv_sequences=max(batches),  # -b B holds B caches at once, as a server's slots do
             decoder=decoder,
             head_screen=head_screen,
+            ram_budget=ram_budget,
         )
 
     first = load("sparse")
@@ -245,6 +257,7 @@ def run_bench(
     rates = {(m, t): [] for m in modes for t in tests}
     head_share = {(m, t): [] for m in modes for t in tests}  # output-head rows computed / rows, a decode step
     unions = {(m, t): [] for m in modes for t in tests}
+    stored = {(m, t): [] for m in modes for t in tests}  # bytes read from the file a token (--ram-budget)
 
     def one(llm, test, n, depth=0):
         """tokens/s, firing rate, union firing rate, share of the output head's rows computed a step"""
@@ -252,10 +265,7 @@ def run_bench(
             b = int(test[3:])
             seconds, rate, union, share = measure_batch(llm, n, b)
             return b * n / seconds, rate, union, share
-        head0 = list(llm.engine.seq.head_rows)
-        seconds, rate = measure(llm, test, n, depth)
-        head1 = llm.engine.seq.head_rows
-        share = (head1[0] - head0[0]) / (head1[1] - head0[1]) if head1[1] > head0[1] else 1.0
+        seconds, rate, share = measure(llm, test, n, depth)
         return n / seconds, rate, rate, share
 
     groups = [[m] for m in modes] if on_gpu else [modes]
@@ -269,8 +279,14 @@ def run_bench(
                 one(models[m], test, min(n, 8))
             for _ in range(repetitions):  # interleaved so machine noise hits both modes alike
                 for m in group:
+                    stats = models[m].loaded.model.storage_stats
+                    before = stats.snapshot() if stats is not None else None
                     tps, rate, union, share = one(models[m], test, n, depth)
                     head_share[m, t].append(share)
+                    if stats is not None:
+                        after = stats.snapshot()
+                        read = after["bytes_read"] - before["bytes_read"]
+                        stored[m, t].append(read / max(1, after["tokens"] - before["tokens"]))
                     samples[m, t].append(tps)
                     rates[m, t].append(rate)
                     unions[m, t].append(union)
@@ -311,7 +327,10 @@ def run_bench(
                     "tokens_per_s_per_sequence": tps / batch,
                     "tokens_per_s_all": samples[m, t],
                     "firing_rate": rate,
-                    "head_rows_share": share,  # output-head rows computed per step / vocabulary (1: the whole head)
+                    "head_rows_share": share,
+                    "storage_bytes_per_token": statistics.mean(stored[m, t])
+                    if stored[m, t]
+                    else None,  # output-head rows computed per step / vocabulary (1: the whole head)
                     "union_firing_rate": union,
                     # decode reads every needed weight once per step; prefill reuses them across the prompt
                     # (the KV cache a deep context adds is not counted: these are the weights' bytes)
@@ -387,6 +406,7 @@ def run(args) -> int:
             depths=depths,
             decoder=args.decoder,
             head_screen=args.head_screen,
+            ram_budget=args.ram_budget,
         )
     if args.plot is not None:
         from hotcold import plots
