@@ -211,7 +211,7 @@ class _Plan:
             fields.update({k: v.data_ptr() for k, v in vectors.items()})
             fields.update(
                 attn_ln=int(not norm.rms), parallel=int(spec.residual == "parallel"), qk_eps=qk_eps,
-                post_eps=post_eps, local_rope=int(spec.local_rope),
+                post_eps=post_eps, local_rope=int(spec.local_rope), early_router=int(spec.early_router),
             )  # fmt: skip
             if spec.moe:  # this sequence's experts of its last token land in its plan's row of routes
                 fields["route_out"] = routes[i].data_ptr()
@@ -229,7 +229,8 @@ class _Plan:
             layers.append(
                 HCLayer(
                     **group.c_fields, attn_norm=attn_w.data_ptr(), attn_eps=norm.eps,
-                    kc=kc.data_ptr(), vc=vc.data_ptr(), H=h, Hkv=hkv, Dh=dh, R=r, neox=int(spec.rope_neox),
+                    kc=kc.data_ptr(), vc=vc.data_ptr(), H=h, Hkv=hkv, Dh=dh, R=0 if spec.nope else r,
+                    neox=int(spec.rope_neox),
                     window=layer.spec.sliding_window, **fields,
                 )
             )  # fmt: skip

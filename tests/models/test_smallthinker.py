@@ -187,7 +187,7 @@ def test_upstream_file_matches_a_float64_reimplementation(upstream):
     assert (ours - ref).abs().max() <= 1e-4 * ref.abs().max(), float((ours - ref).abs().max())
     for i in range(L):  # every expert gets tokens
         assert len(torch.unique(llm.engine.seq.routing[i])) == E
-    assert llm.decoder == "eager"  # the router before attention: no fast decoder has it
+    assert llm.decoder == "eager"  # float32 weights: torch multiplies them (the F16 file's decoder: below)
     specs = [
         layer.spec for layer in llm.loaded.model.layers
     ]  # upstream's pattern: i % 4 == 0 global and NoPE
@@ -373,3 +373,24 @@ def test_cached_split_and_batched_decode_equal_one_forward(half):
 
     llm = hotcold.load(half, device="cpu")
     check_cache_split_batch(llm, random_ids(24, seed=2)[:5], tokens=12, atol=1e-4, rtol=0)
+
+
+def test_one_call_decoder_equals_the_eager_one(half):
+    """The F16 file decodes in one C call a token (the router on the layer input before attention, sigmoid gating,
+    NoPE layers, ReLU experts over their live rows: relu_rows_ffn), with the eager decoder's logits, greedy tokens
+    (alone and batched) and computed-row counts."""
+    from tests.fixtures import check_decoder_equals_eager, decode_logits
+
+    fast = hotcold.load(half, device="cpu")
+    assert fast.decoder == "cpu_one_call", fast.loaded.notes
+    eager = hotcold.load(half, device="cpu", decoder="eager")
+    check_decoder_equals_eager(fast, eager)
+    ids = random_ids(12, seed=5)
+    counts = []
+    for llm in (fast, eager):
+        llm.engine.seq.counts = [type(c)() for c in llm.engine.seq.counts]
+        decode_logits(llm, ids, 6)
+        counts.append(llm.engine.seq.neuron_totals())
+    assert counts[0] == counts[1] and counts[0][0] < 0.75 * counts[0][1], (
+        counts
+    )  # the same live rows, skipped

@@ -163,6 +163,10 @@ class HCLayer(ctypes.Structure):
         ("ffn_post_norm", ctypes.c_void_p),
         ("post_eps", ctypes.c_float),
         ("local_rope", ctypes.c_int),
+        # smallthinker: the router before attention, sigmoid gating (1), ReLU experts over their live rows
+        ("early_router", ctypes.c_int),
+        ("gating", ctypes.c_int),
+        ("relu_rows", ctypes.c_int),
     ]
 
 
@@ -251,7 +255,7 @@ def _bind(lib: ctypes.CDLL) -> None:
         "hc_matvec_multi": ([c_int, p, p, p, p, i64, p, i64, p, f32, p, c_int], c_int),
         "hc_rms_norm": ([p, p, f32, i64, i64, p], None),
         "hc_layer_norm": ([p, p, p, f32, i64, i64, p], None),
-        "hc_moe_route": ([p, i64, i64, i64, p, p], None),
+        "hc_moe_route": ([p, i64, i64, i64, c_int, p, p], None),
         "hc_packed_nbytes": ([c_int, i64, i64], i64),
         "hc_pack": ([c_int, p, i64, i64, i64, p], c_int),
         "hc_screen_q8_0": ([c_int, p, i64, i64, i64, p, p, p, c_int], c_int),

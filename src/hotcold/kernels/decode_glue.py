@@ -48,19 +48,29 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
     return out
 
 
-def moe_route(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row of logits [T, E]: its k largest (largest first) and the softmax over them -> (ids [T, k] int64,
-    weights [T, k] float32). One C call (hc_moe_route: the routing of the one-call decode too) for float32 CPU
-    logits; torch's topk and softmax otherwise."""
+GATINGS = {"softmax": 0, "sigmoid": 1}  # hc_moe_route's gating codes
+SIGMOID_SUM_MIN = (
+    6.103515625e-5  # upstream clamps the sum of the chosen sigmoids below at F16's smallest normal
+)
+
+
+def moe_route(logits: torch.Tensor, k: int, gating: str = "softmax") -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row of logits [T, E]: its k largest (largest first) and the softmax over them, or (gating "sigmoid":
+    SmallThinker) their sigmoids over their sum (at least SIGMOID_SUM_MIN) -> (ids [T, k] int64, weights [T, k]
+    float32). One C call (hc_moe_route: the routing of the one-call decode too) for float32 CPU logits; torch's
+    topk, softmax and sigmoid otherwise."""
     lib = build.get_lib()
     if lib is None or not (logits.dim() == 2 and logits.is_cpu and logits.dtype == torch.float32):
         top, ids = torch.topk(logits, k, dim=-1)
+        if gating == "sigmoid":
+            chosen = torch.sigmoid(top.float())
+            return ids, chosen / chosen.sum(-1, keepdim=True).clamp(min=SIGMOID_SUM_MIN)
         return ids, torch.softmax(top, dim=-1)
     lg = logits.contiguous()
     t, e = lg.shape
     ids = torch.empty(t, k, dtype=torch.int64)
     weights = torch.empty(t, k, dtype=torch.float32)
-    lib.hc_moe_route(lg.data_ptr(), t, e, k, ids.data_ptr(), weights.data_ptr())
+    lib.hc_moe_route(lg.data_ptr(), t, e, k, GATINGS[gating], ids.data_ptr(), weights.data_ptr())
     return ids, weights
 
 

@@ -76,6 +76,10 @@ class LayerSpec:
             return "attention biases"
         if self.moe:
             return "experts"
+        if self.early_router:
+            return "a router on the residual before attention"
+        if self.nope:
+            return "attention without RoPE"
         if self.qk_norm:
             return "q/k norms"
         if self.post_norms or self.local_rope or self.attn_scale:
@@ -91,10 +95,6 @@ class LayerSpec:
             return "soft-capped attention scores"
         if self.oai_experts:
             return "gpt-oss's experts (router and expert biases, the clamped SwiGLU)"
-        if self.early_router:
-            return "a router on the residual before attention"
-        if self.nope:
-            return "attention without RoPE"
         return None
 
 

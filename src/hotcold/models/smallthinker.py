@@ -15,8 +15,9 @@ The LLaMA block (NeoX RoPE, as upstream's rope type for it) with:
 - the dense output head `output.weight` (or the tied embedding). The fork's `lm_head_profiler.*` (a low-rank
   predictor of the head's rows) is not used: the head is computed whole, and the load notes say so.
 
-The router before attention, NoPE layers and sigmoid routing are not in the fast decoders: SmallThinker decodes
-eagerly, layer by layer. Its ReLU experts compute only their live rows (sparse/moe.py)."""
+Its ReLU experts compute only their live rows (sparse/moe.py). On the CPU a decode token is one C call (cpu_step:
+the router on the layer's input before attention, sigmoid gating, NoPE layers with no rotation, the experts over
+their live rows: decode.c's relu_rows_ffn); the GPU step has no experts yet."""
 
 from __future__ import annotations
 

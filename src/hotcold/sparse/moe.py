@@ -18,16 +18,14 @@ import torch
 
 from hotcold.kernels import cpu
 from hotcold.kernels.build import HCWeight, hc_weight
+from hotcold.kernels.decode_glue import GATINGS as GATING_CODES
 from hotcold.ops import Norm, Weight, linear
 from hotcold.sparse.ffn import FFN, DenseFFN
 from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.state import Batch
 
 _WEIGHTS = ctypes.POINTER(HCWeight)
-GATINGS = ("softmax", "sigmoid")
-WEIGHTS_SUM_MIN = (
-    6.103515625e-5  # upstream clamps the sum of the chosen sigmoids below at F16's smallest normal
-)
+GATINGS = tuple(GATING_CODES)  # "softmax", "sigmoid"
 
 
 def relu_rows_apply(
@@ -95,15 +93,9 @@ class MoEFFN:
             logits = cpu.matmul(self.router, h)
             if self.router_bias is not None:
                 logits = logits + self.router_bias
-            if self.gating == "softmax":
-                return cpu.moe_route(logits, self.n_used)
         else:
             logits = linear(h, self.router, self.router_bias)  # [T, E]
-        top, ids = torch.topk(logits, self.n_used, dim=-1)
-        if self.gating == "sigmoid":
-            chosen = torch.sigmoid(top.float())
-            return ids, chosen / chosen.sum(-1, keepdim=True).clamp(min=WEIGHTS_SUM_MIN)
-        return ids, torch.softmax(top, dim=-1)
+        return cpu.moe_route(logits, self.n_used, self.gating)
 
     def __call__(
         self, x: torch.Tensor, ctx: Batch, routing: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -147,11 +139,13 @@ class MoEFFN:
         router_data = self.router if isinstance(self.router, torch.Tensor) else self.router.data
         if not self.norm.rms or router_data.device.type != "cpu":  # route multiplies a CPU router in C
             return None
-        if self.router_bias is not None or self.gating != "softmax":  # gpt-oss, SmallThinker: not in C yet
+        if self.router_bias is not None:  # gpt-oss: not in C yet
             return None
         tails = [e.c_tail(wo, dense=dense, norm=self.norm) for e in self.experts]  # the layer norms once
         if any(t is None for t in tails):
             return None
+        # ReLU experts over their live rows (relu_rows_ffn: relu_rows_apply's calls), as _expert runs them
+        relu_rows = not dense and all(self.relu_rows)
         fields = [t["fields"] for t in tails]
         shared = ("sparse", "kind", "act", "down_is_t")
         if any(any(f.get(k) != fields[0].get(k) for k in shared) or f.get("up_bias") for f in fields):
@@ -173,6 +167,6 @@ class MoEFFN:
         out = dict(fields[0])  # wo, the FFN norm and the shared fields; up (expert 0's) sizes the masks
         out.update(
             router=router, n_expert=len(self.experts), n_used=self.n_used, e_thr=thr.data_ptr(),
-            **{f"e_{k}": v for k, v in arrays.items()},
+            gating=GATING_CODES[self.gating], relu_rows=int(relu_rows), **{f"e_{k}": v for k, v in arrays.items()},
         )  # fmt: skip
         return dict(fields=out, keep=(tails, router, self.router, arrays, thr))

@@ -85,12 +85,18 @@ typedef struct {
     const float *attn_post_norm, *ffn_post_norm;
     float post_eps;
     int local_rope;
+    /* smallthinker: the router on the layer's raw input x before attention (early_router), sigmoid gating (1) or
+     * softmax (0), and ReLU-gated experts computed over their live rows (relu_rows: relu_rows_ffn) */
+    int early_router, gating, relu_rows;
 } hc_layer;
 
+#define HC_SIGMOID_SUM_MIN 6.103515625e-5f /* upstream clamps the sum of the chosen sigmoids below at F16's min */
+
 /* Each of T rows of logits [T, E]: its K largest, largest first (ties: the lower expert first) -> ids [T, K], and
- * weights [T, K] = the softmax over those K logits (the C kernels' exp). The routing of every CPU path (MoEFFN.route
- * and the one-call decode), so a row's experts and weights never depend on its path. */
-void hc_moe_route(const float *logits, int64_t T, int64_t E, int64_t K, int64_t *ids, float *weights) {
+ * weights [T, K] = the softmax over those K logits (gating 0), or their sigmoids over the sum of them, the sum at
+ * least HC_SIGMOID_SUM_MIN (gating 1: SmallThinker), with the C kernels' exp. The routing of every CPU path
+ * (MoEFFN.route and the one-call decode), so a row's experts and weights never depend on its path. */
+void hc_moe_route(const float *logits, int64_t T, int64_t E, int64_t K, int gating, int64_t *ids, float *weights) {
     for (int64_t t = 0; t < T; t++) {
         const float *lt = logits + t * E;
         int64_t *it = ids + t * K;
@@ -104,11 +110,40 @@ void hc_moe_route(const float *logits, int64_t T, int64_t E, int64_t K, int64_t 
             }
             it[s] = best;
         }
-        const float m = lt[it[0]];
         float sum = 0.0f;
-        for (int64_t s = 0; s < K; s++) sum += (wt[s] = exp_nofma(lt[it[s]] - m));
+        if (gating == 1) {
+            for (int64_t s = 0; s < K; s++) sum += (wt[s] = 1.0f / (1.0f + exp_nofma(-lt[it[s]])));
+            sum = sum < HC_SIGMOID_SUM_MIN ? HC_SIGMOID_SUM_MIN : sum;
+        } else {
+            const float m = lt[it[0]];
+            for (int64_t s = 0; s < K; s++) sum += (wt[s] = exp_nofma(lt[it[s]] - m));
+        }
         for (int64_t s = 0; s < K; s++) wt[s] /= sum;
     }
+}
+
+/* A ReLU-gated expert over its live rows (sparse/moe.py relu_rows_apply, the same calls so the same bits) for T rows
+ * of h [T, D]: every gate row, the up rows where relu(gate) != 0, a = act(gate) * up (hc_ffn_combine), then down over
+ * the rows where a != 0 (the axpy over down_t) or the whole product of a (down [D, F], its zeros included). mask
+ * [T, F] is left holding the live rows. Returns their count, or -1 if memory ran out. */
+static int64_t relu_rows_ffn(const hc_weight *up, const hc_weight *gate, const hc_weight *down, int down_is_t, int kind,
+                             int act, int64_t T, const float *h, uint8_t *mask, float *out, int nth) {
+    const int64_t D = up->cols, F = up->rows;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * F + 1));
+    if (!buf) return -1;
+    float *u = buf, *g = buf + T * F;
+    int rc = hc_gather_matvec(gate->wt, gate->data, gate->stride, F, D, h, T, NULL, g, nth);
+    for (int64_t j = 0; j < T * F && rc == 0; j++) mask[j] = !(g[j] <= 0.0f); /* torch.relu(g) != 0; NaN stays */
+    if (rc == 0) rc = hc_gather_matvec(up->wt, up->data, up->stride, F, D, h, T, mask, u, nth);
+    int64_t live = 0;
+    if (rc == 0) {
+        hc_ffn_combine(kind, act, u, g, NULL, T, F, u, nth);
+        for (int64_t j = 0; j < T * F; j++) live += (mask[j] = u[j] != 0.0f);
+        rc = down_is_t ? hc_sparse_axpy(down->wt, down->data, down->stride, F, D, u, T, mask, out, nth)
+                       : weight_matvec(down, u, T, out, nth);
+    }
+    free(buf);
+    return rc == 0 ? live : -1;
 }
 
 /* The tail of a mixture-of-experts layer: y1 = x + attn @ wo.T, h = rms_norm(y1), the experts of each row
@@ -116,8 +151,9 @@ void hc_moe_route(const float *logits, int64_t T, int64_t E, int64_t K, int64_t 
  * rows; a sparse expert predicts from y1's), each row's output times its weight added to that row's sum (from 0);
  * y2 = y1 + sum: MoEFFN's ops one by one. fired_rows[j]: row j's computed neurons over its experts; route_out[j]:
  * row j's experts. Returns 0, or -1 if memory ran out. */
-static int moe_tail(const hc_layer *a, const float *attn, const float *x, int64_t N, int64_t D,
-                    int64_t *const *route_out, int64_t *fired_rows, uint8_t *mask, float *y1, float *y2, int nth) {
+static int moe_tail(const hc_layer *a, const float *attn, const float *x, const float *early_logits, int64_t N,
+                    int64_t D, int64_t *const *route_out, int64_t *fired_rows, uint8_t *mask, float *y1, float *y2,
+                    int nth) {
     const int64_t E = a->n_expert, K = a->n_used, F = a->e_up[0]->rows;
     float *buf = (float *)malloc(sizeof(float) * (size_t)(5 * N * D + N * E + N * K + 1));
     int64_t *ids = (int64_t *)malloc(sizeof(int64_t) * (size_t)(3 * N * K + 1));
@@ -133,10 +169,13 @@ static int moe_tail(const hc_layer *a, const float *attn, const float *x, int64_
     if (rc == 0) {
         for (int64_t j = 0; j < N * D; j++) y1[j] = x[j] + o[j];
         hc_rms_norm(y1, a->ffn_norm, a->ffn_eps, N, D, h);
-        rc = weight_matvec(a->router, h, N, logits, nth);
+        if (early_logits) /* smallthinker: routed before attention, from the layer's input */
+            memcpy(logits, early_logits, sizeof(float) * (size_t)(N * E));
+        else
+            rc = weight_matvec(a->router, h, N, logits, nth);
     }
     if (rc == 0) {
-        hc_moe_route(logits, N, E, K, ids, wts);
+        hc_moe_route(logits, N, E, K, a->gating, ids, wts);
         memset(o, 0, sizeof(float) * (size_t)(N * D));
         for (int64_t j = 0; j < N; j++) fired_rows[j] = 0;
     }
@@ -150,7 +189,16 @@ static int moe_tail(const hc_layer *a, const float *attn, const float *x, int64_
             memcpy(hs + u * D, h + rows[u] * D, sizeof(float) * (size_t)D);
             memcpy(ps + u * D, y1 + rows[u] * D, sizeof(float) * (size_t)D);
         }
-        if (a->sparse) {
+        if (a->relu_rows) {
+            const int64_t got = relu_rows_ffn(a->e_up[e], a->e_gate[e], a->e_down[e], a->down_is_t, a->kind, a->act,
+                                              te, hs, mask, ys, nth);
+            rc = got < 0 ? -1 : 0;
+            for (int64_t u = 0; u < te && rc == 0; u++) {
+                int64_t c = 0;
+                for (int64_t i = 0; i < F; i++) c += mask[u * F + i] != 0;
+                fired_rows[rows[u]] += c;
+            }
+        } else if (a->sparse) {
             const int64_t got = hc_sparse_ffn(a->e_fc1[e], a->e_fc2[e], a->e_thr[e], ps, a->e_up[e], a->e_gate[e],
                                               a->e_down[e], NULL, a->kind, te, hs, NULL, 0.0f, mask, ys, nth);
             rc = got < 0 ? -1 : 0;
@@ -263,25 +311,32 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
                    const float *cos, const float *sin, const float *cos_l, const float *sin_l, int64_t *const *fired,
                    int nth) {
     const hc_layer *L = Ls[0];
-    int64_t qmax = 1, kvmax = 1, fmax = 1;
+    int64_t qmax = 1, kvmax = 1, fmax = 1, emax = 1;
     for (int l = 0; l < n; l++) {
         if (N > 1 && (L[l].sparse == 2 || L[l].qkv_t)) return -2;
+        emax = L[l].router && L[l].n_expert > emax ? L[l].n_expert : emax;
         qmax = L[l].Fs[0] > qmax ? L[l].Fs[0] : qmax;
         kvmax = L[l].Fs[1] > kvmax ? L[l].Fs[1] : kvmax;
         fmax = L[l].up->rows > fmax ? L[l].up->rows : fmax;
     }
     const int64_t smax = qmax > D ? qmax : D; /* an input-sparse product's input channels */
-    float *buf = (float *)malloc(sizeof(float) * (size_t)(N * (2 * qmax + 2 * kvmax + 3 * D) + smax));
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(N * (2 * qmax + 2 * kvmax + 3 * D + emax) + smax));
     uint8_t *mask = (uint8_t *)malloc((size_t)(N * fmax + smax));
     float **caches = (float **)malloc(sizeof(float *) * (size_t)(2 * N)); /* a layer's caches, row by row */
     int rc = buf && mask && caches ? 0 : -1;
     float *q = buf, *k = q + N * qmax, *v = k + N * kvmax, *attn = v + N * kvmax, *y1 = attn + N * qmax,
-          *y2 = y1 + N * D, *xn = y2 + N * D;
+          *y2 = y1 + N * D, *xn = y2 + N * D, *elog = xn + N * D + smax;
     uint8_t *smask = mask ? mask + N * fmax : NULL;
     for (int l = 0; l < n && rc == 0; l++) {
         const hc_layer *a = &L[l];
         float **kcs = caches, **vcs = caches + N;
         for (int64_t j = 0; j < N; j++) kcs[j] = Ls[j][l].kc, vcs[j] = Ls[j][l].vc;
+        const float *early = NULL; /* smallthinker: the router's logits of the layer's input, before attention */
+        if (a->router && a->early_router) {
+            rc = weight_matvec(a->router, x, N, elog, nth);
+            if (rc != 0) break;
+            early = elog;
+        }
         if (a->qkv_t) { /* q, k, v side by side in q's and k's buffers: q + k + v <= qmax + 2 * kvmax */
             rc = input_sparse_head(a, D, x, pos[0], kcs[0], vcs[0], cos, sin, xn, q, smask, attn, nth);
         } else {
@@ -309,7 +364,7 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
             int64_t **routes = (int64_t **)caches; /* the row pointers are free again after attention */
             for (int64_t j = 0; j < N; j++) routes[j] = Ls[j][l].route_out;
             int64_t *rowfired = (int64_t *)(void *)q; /* q's buffer (N * qmax floats >= N int64 counts) is free too */
-            got = moe_tail(a, attn, x, N, D, routes, rowfired, mask, y1, y2, nth);
+            got = moe_tail(a, attn, x, early, N, D, routes, rowfired, mask, y1, y2, nth);
             for (int64_t j = 0; j < N && got >= 0; j++) fired[j][l] = rowfired[j];
         } else if (a->attn_ln || a->ffn_ln || a->parallel || a->wo_bias || a->down_bias || a->attn_post_norm ||
                    a->ffn_post_norm) {
