@@ -65,11 +65,10 @@ def main() -> None:
             }
             for key, (a, b) in engines.items():
                 try:
-                    tps = (
-                        hotcold_tg(sparse, a, t, n, b)[0]
-                        if key.startswith("hotcold")
-                        else llama_tg(a, b, t, n)
-                    )
+                    if key.startswith("hotcold"):
+                        tps = hotcold_tg(sparse, a, t, n, b)[0]
+                    else:  # the original's llama-bench loads a CPU-only build's files only with -ngl 0
+                        tps = llama_tg(a, b, t, n, extra=("-ngl", "0") if key.startswith("original") else ())
                     runs.setdefault(key, []).append(tps)
                 except (subprocess.CalledProcessError, KeyError, IndexError, ValueError) as e:
                     print(f"{key}: failed ({e}) {(getattr(e, 'stderr', '') or '')[-300:]}", file=sys.stderr)

@@ -65,8 +65,23 @@ def hotcold_tg(path: str, mode: str, threads: int, n_gen: int, src: str | None, 
     return float(tg[0]["tokens_per_s"])
 
 
-def llama_tg(binary: str, path: str, threads: int, n_gen: int, depth: int = 0) -> float:
-    cmd = [binary, "-m", path, "-p", "0", "-n", str(n_gen), "-r", "1", "-t", str(threads), "-o", "json"]
+def llama_tg(binary: str, path: str, threads: int, n_gen: int, depth: int = 0, extra: tuple = ()) -> float:
+    cmd = [
+        binary,
+        "-m",
+        path,
+        "-p",
+        "0",
+        "-n",
+        str(n_gen),
+        "-r",
+        "1",
+        "-t",
+        str(threads),
+        "-o",
+        "json",
+        *extra,
+    ]
     cmd += ["-d", str(depth)] if depth else []
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
