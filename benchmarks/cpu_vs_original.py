@@ -1,5 +1,6 @@
 """CPU decode against the original PowerInfer and upstream llama.cpp, same files, same threads, one run: hotcold
-sparse and dense (greedy, with the head screen, and sparse with the whole head as the others compute it), the
+sparse (the PowerInfer file) and dense (the dense file), greedy, with the head screen, and sparse with the whole
+head as the others compute it, the
 original's llama-bench on the PowerInfer file (sparse) and on the dense file, llama.cpp's llama-bench on the dense
 file; interleaved rounds, medians and ranges, ratios. Issue #49's targets: F16 dense >= 1.0x the original's dense
 and llama.cpp's; F16 sparse >= 1.5x the original's sparse; Q4_0 sparse >= 2x the original's sparse.
@@ -61,12 +62,12 @@ def main() -> None:
                 f"llama.cpp dense {name}": (args.llama_bench, dense),
                 f"hotcold sparse {name}": ("sparse", True),
                 f"hotcold sparse full head {name}": ("sparse", False),
-                f"hotcold dense {name}": ("dense", True),
+                f"hotcold dense {name}": ("dense", True),  # on the dense file, as llama.cpp
             }
             for key, (a, b) in engines.items():
                 try:
                     if key.startswith("hotcold"):
-                        tps = hotcold_tg(sparse, a, t, n, b)[0]
+                        tps = hotcold_tg(dense if a == "dense" else sparse, a, t, n, b)[0]
                     else:  # the original's llama-bench loads a CPU-only build's files only with -ngl 0
                         tps = llama_tg(a, b, t, n, extra=("-ngl", "0") if key.startswith("original") else ())
                     runs.setdefault(key, []).append(tps)

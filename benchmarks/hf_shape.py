@@ -36,6 +36,32 @@ SHAPES = {
             eos_token_id=2,
         ),
     ),  # fmt: skip
+    # Qwen3-30B-A3B's layer (width 2048, 32 query / 4 KV heads of 128, 128 experts of 768, top-8 renormalised,
+    # untied 151,936 vocabulary) in 4 layers instead of 48: the per-token expert bytes of the real model a layer
+    "qwen3moe-30b-a3b-4l": (
+        "Qwen3Moe",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            moe_intermediate_size=768,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            head_dim=128,
+            num_experts=128,
+            num_experts_per_tok=8,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),  # fmt: skip
 }
 
 

@@ -243,8 +243,8 @@ def _bind(lib: ctypes.CDLL) -> None:
         "hc_simd": ([], ctypes.c_char_p),
         "hc_sparse_ffn": ([w, w, f32, p, w, w, w, p, c_int, i64, p, p, f32, p, p, c_int], i64),
         "hc_decode_tail": ([w, p, p, w, w, f32, w, w, w, p, c_int, i64, p, f32, p, p, p, c_int], i64),
-        "hc_thresholded_ffn": ([w, rule, p, f32, w, w, w, i64, p, p, f32, p, p, c_int], i64),
-        "hc_thresholded_tail": ([w, p, p, w, rule, p, f32, w, w, w, i64, p, f32, p, p, p, c_int], i64),
+        "hc_thresholded_ffn": ([w, rule, p, f32, c_int, w, w, w, i64, p, p, f32, p, p, c_int], i64),
+        "hc_thresholded_tail": ([w, p, p, w, rule, p, f32, c_int, w, w, w, i64, p, f32, p, p, p, c_int], i64),
         "hc_decode_head": (
             [c_int, *[p] * 4, c_int, i64, p, p, f32, *[p] * 3, *[i64] * 5, p, p, c_int, i64, p, c_int],
             c_int,

@@ -294,9 +294,16 @@ class ThresholdedPlan(_LayerTail):
         threshold: float,
         scale: torch.Tensor | None = None,
         score_in: tuple[torch.Tensor | None, float] | None = None,
+        activation: str = "silu",
     ):
         """score_in: (channel weights [D] or None, threshold): score is then gate_t [D, F], multiplied by
-        each token's input channels over the threshold only (sparsify --gate-probe inputs)."""
+        each token's input channels over the threshold only (sparsify --gate-probe inputs). activation: the
+        gate's, one of C_ACTIVATIONS (silu; gelu_tanh for Gemma's GeGLU), in the score and the product."""
+        if activation not in C_ACTIVATIONS:
+            raise ValueError(
+                f"activation {activation!r} has no C form (C_ACTIVATIONS: {sorted(C_ACTIVATIONS)})"
+            )
+        self.act = C_ACTIVATIONS[activation]
         self.weights = (score, up, gate, down_t)  # kept alive: the structs point into them
         self.score, self.up, self.gate, self.down_t = (hc_weight(w) for w in self.weights)
         self.f, self.d = self.up.rows, self.up.cols
@@ -334,7 +341,8 @@ class ThresholdedPlan(_LayerTail):
         out = torch.empty(t, self.d, dtype=torch.float32)
         score, up, gate, down_t = self._args
         kept = lib.hc_thresholded_ffn(
-            score, self._score_in_ref, ptr(self.scale), self.threshold, up, gate, down_t, t, h2.data_ptr(), ptr(norm_w), eps,
+            score, self._score_in_ref, ptr(self.scale), self.threshold, self.act, up, gate, down_t, t, h2.data_ptr(),
+            ptr(norm_w), eps,
             mask.data_ptr(), out.data_ptr(), nthreads(threads),
         )  # fmt: skip
         if kept < 0:
@@ -345,4 +353,4 @@ class ThresholdedPlan(_LayerTail):
 
     def _tail_ffn_args(self) -> tuple:
         score, up, gate, down_t = self._args
-        return score, self._score_in_ref, ptr(self.scale), self.threshold, up, gate, down_t
+        return score, self._score_in_ref, ptr(self.scale), self.threshold, self.act, up, gate, down_t

@@ -227,7 +227,7 @@ class ThresholdedFFN(FFN):
             score = self.gate_in.gate_t
         if (
             not self.gathers
-            or w.activation != "silu"  # the C step's score and product are SiLU's
+            or w.activation not in ffn_calls.C_ACTIVATIONS  # SiLU, Gemma's GELU (tanh), ...: the C step's act
             or not uses_c_kernels(score)
             or (self.scale is not None and self.scale.device.type != "cpu")
         ):
@@ -237,6 +237,7 @@ class ThresholdedFFN(FFN):
             return ffn_calls.ThresholdedPlan(
                 score, self.up_rows, self.gate_rows if self.probe is not None else None, w.down_t,
                 threshold=self.threshold, scale=self.scale, score_in=None if g is None else (g.scale, g.threshold),
+                activation=w.activation,
             )  # fmt: skip
         except ValueError:
             return None
@@ -348,7 +349,7 @@ class ThresholdedFFN(FFN):
             return None
         return self._c_tail_fields(
             wo, plan.d, plan, self.norm, score=plan.score, scale=cpu.ptr(plan.scale), thr=plan.threshold, up=plan.up,
-            gate=plan.gate, down=plan.down_t, sparse=2, score_in=plan.score_in,
+            gate=plan.gate, down=plan.down_t, sparse=2, score_in=plan.score_in, act=plan.act,
         )  # fmt: skip
 
     def _dense_down(self) -> tuple[Weight, bool]:

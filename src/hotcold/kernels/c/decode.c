@@ -284,18 +284,31 @@ static int input_sparse_head(const hc_layer *a, int64_t D, const float *x, int64
                                a->Dh, a->R, cos, sin, a->neox, a->window, out, nth);
 }
 
-/* The tail of an input-sparse thresholded layer for one token: y1 = x + o (o over wo_t), y2 = y1 +
- * hc_thresholded_ffn(y1, the RMS norm folded). Returns its kept count, or -1 if memory ran out. */
-static int64_t input_sparse_tail(const hc_layer *a, const float *attn, const float *x, int64_t D, uint8_t *smask,
-                                 uint8_t *mask, float *y1, float *y2, int nth) {
-    float *o = (float *)malloc(sizeof(float) * (size_t)D);
-    if (!o || hc_input_sparse_matvec(a->wo_t, a->wo_scale, a->wo_thr, attn, 1, smask, o, nth) != 0) {
-        free(o);
-        return -1;
+/* The tail of a thresholded layer for one token with what hc_thresholded_tail does not take: o over wo_t
+ * (input-sparse attention) or wo, and Gemma's sandwich norms (attn_post_norm on o, ffn_post_norm on the FFN's
+ * output, each before its add): y1 = x + norm(o), y2 = y1 + norm(hc_thresholded_ffn(y1, the RMS norm folded)). The
+ * ops the normed tail runs one by one (models/llama.py), so the same bits. Returns its kept count, or -1 if memory
+ * ran out. */
+static int64_t thresholded_tail_one(const hc_layer *a, const float *attn, const float *x, int64_t D, uint8_t *smask,
+                                    uint8_t *mask, float *y1, float *y2, int nth) {
+    float *o = (float *)malloc(sizeof(float) * (size_t)(2 * D));
+    if (!o) return -1;
+    float *f = o + D;
+    const int rc = a->wo_t ? hc_input_sparse_matvec(a->wo_t, a->wo_scale, a->wo_thr, attn, 1, smask, o, nth)
+                           : weight_matvec(a->wo, attn, 1, o, nth);
+    int64_t kept = -1;
+    if (rc == 0) {
+        if (a->attn_post_norm) hc_rms_norm(o, a->attn_post_norm, a->post_eps, 1, D, o);
+        for (int64_t j = 0; j < D; j++) y1[j] = x[j] + o[j];
+        kept = hc_thresholded_ffn(a->score, a->score_in, a->scale, a->thr, a->act, a->up, a->gate, a->down, 1, y1,
+                                  a->ffn_norm, a->ffn_eps, mask, f, nth);
     }
-    for (int64_t j = 0; j < D; j++) y1[j] = x[j] + o[j];
-    return thresholded_after_o(o, a->score, a->score_in, a->scale, a->thr, a->up, a->gate, a->down, 1, a->ffn_norm,
-                               a->ffn_eps, mask, y1, y2, nth);
+    if (kept >= 0) {
+        if (a->ffn_post_norm) hc_rms_norm(f, a->ffn_post_norm, a->post_eps, 1, D, f);
+        for (int64_t j = 0; j < D; j++) y2[j] = y1[j] + f[j];
+    }
+    free(o);
+    return kept;
 }
 
 /* A decode step through n layers: one token of each of N sequences (rows of x [N, D], the embeddings in, the last
@@ -338,7 +351,8 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
             early = elog;
         }
         if (a->qkv_t) { /* q, k, v side by side in q's and k's buffers: q + k + v <= qmax + 2 * kvmax */
-            rc = input_sparse_head(a, D, x, pos[0], kcs[0], vcs[0], cos, sin, xn, q, smask, attn, nth);
+            rc = input_sparse_head(a, D, x, pos[0], kcs[0], vcs[0], a->local_rope ? cos_l : cos,
+                                   a->local_rope ? sin_l : sin, xn, q, smask, attn, nth);
         } else {
             float *const qkv[3] = {q, k, v};
             const float *const bias[3] = {a->q_bias, a->k_bias, a->v_bias};
@@ -355,10 +369,10 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
         if (rc != 0) break;
         const int64_t F = a->up->rows;
         int64_t got = 0;
-        if (a->sparse == 2 && a->wo_t) {
-            got = fired[0][l] = input_sparse_tail(a, attn, x, D, smask, mask, y1, y2, nth);
+        if (a->sparse == 2 && (a->wo_t || a->attn_post_norm || a->ffn_post_norm)) {
+            got = fired[0][l] = thresholded_tail_one(a, attn, x, D, smask, mask, y1, y2, nth);
         } else if (a->sparse == 2) {
-            got = fired[0][l] = hc_thresholded_tail(a->wo, attn, x, a->score, a->score_in, a->scale, a->thr, a->up,
+            got = fired[0][l] = hc_thresholded_tail(a->wo, attn, x, a->score, a->score_in, a->scale, a->thr, a->act, a->up,
                                                     a->gate, a->down, 1, a->ffn_norm, a->ffn_eps, mask, y1, y2, nth);
         } else if (a->router) {
             int64_t **routes = (int64_t **)caches; /* the row pointers are free again after attention */

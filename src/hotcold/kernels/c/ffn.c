@@ -304,13 +304,14 @@ typedef struct {
 /* With norm_w the FFN input is h = hc_rms_norm(x), else x. s [T, F] = h @ score.T over every row (the
  * gate probe, or the gate itself when gate is NULL: weight_matvec, as the matmul of few tokens; with
  * score_in, score is gate_t [D, F] and s the gate of the kept input channels: hc_input_sparse_matvec); neuron i
- * of token t is kept (mask[t, i] = 1) iff |silu(s)| (times scale[i] if scale) > thr, all in float32 as
- * torch computes it. On the kept rows only: the exact gate (gate not NULL; else silu(s) is the activation)
- * and up (row gathers in one parallel pass, x quantized once for both), a = silu(gate) * up, 0 elsewhere,
+ * of token t is kept (mask[t, i] = 1) iff |act(s)| (times scale[i] if scale) > thr, all in float32 as
+ * torch computes it (act: ACT_SILU, or ACT_GELU_TANH for Gemma's GeGLU; act1). On the kept rows only: the exact
+ * gate (gate not NULL; else act(s) is the activation) and up (row gathers in one parallel pass, x quantized once
+ * for both), a = act(gate) * up, 0 elsewhere,
  * and out [T, D] = the axpy of a over down_t. Returns the number of kept (token, neuron) pairs, or -1 if
  * memory ran out. */
 int64_t hc_thresholded_ffn(const hc_weight *score, const hc_in_rule *score_in, const float *scale, float thr,
-                           const hc_weight *up, const hc_weight *gate, const hc_weight *down_t, int64_t T,
+                           int act_fn, const hc_weight *up, const hc_weight *gate, const hc_weight *down_t, int64_t T,
                            const float *x, const float *norm_w, float eps, uint8_t *mask, float *out, int nth) {
     const int64_t F = up->rows, D = up->cols;
     const int pth = T * F < (1 << 16) ? 1 : nth; /* a prompt chunk's passes over [T, F] on the step's threads */
@@ -339,7 +340,7 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const hc_in_rule *score_in, c
         for (int64_t t = 0; t < T; t++)
             for (int64_t i = 0; i < F; i++) {
                 const int64_t j = t * F + i;
-                act[j] = silu1(act[j]);
+                act[j] = act1(act_fn, act[j]);
                 const float a = fabsf(act[j]);
                 mask[j] = (scale ? a * scale[i] : a) > thr; /* NaN: not kept, as torch's comparison */
                 kept += mask[j];
@@ -357,7 +358,7 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const hc_in_rule *score_in, c
 #ifdef _OPENMP
 #pragma omp parallel for num_threads(pth) schedule(static)
 #endif
-            for (int64_t j = 0; j < T * F; j++) act[j] = silu1(act[j]); /* silu(0) = 0 where not kept */
+            for (int64_t j = 0; j < T * F; j++) act[j] = act1(act_fn, act[j]); /* act(0) = 0 where not kept */
         }
     } else if (rc == 0) {
         rc = gather_matvec_xq(up->wt, up->data, up->stride, F, D, x, T, mask, u, nth, xq.tok);
@@ -377,12 +378,12 @@ int64_t hc_thresholded_ffn(const hc_weight *score, const hc_in_rule *score_in, c
 /* The rest of a thresholded tail once y1 = x + o is made: y2 = y1 + hc_thresholded_ffn(y1, the RMS norm
  * folded), its output in o's buffer, which it frees. Returns the kept count, or -1 if memory ran out. */
 static int64_t thresholded_after_o(float *o, const hc_weight *score, const hc_in_rule *score_in, const float *scale,
-                                   float thr, const hc_weight *up, const hc_weight *gate, const hc_weight *down_t,
+                                   float thr, int act_fn, const hc_weight *up, const hc_weight *gate, const hc_weight *down_t,
                                    int64_t T, const float *norm_w, float eps, uint8_t *mask, const float *y1,
                                    float *y2, int nth) {
     const int64_t D = up->cols;
     const int64_t kept =
-        hc_thresholded_ffn(score, score_in, scale, thr, up, gate, down_t, T, y1, norm_w, eps, mask, o, nth);
+        hc_thresholded_ffn(score, score_in, scale, thr, act_fn, up, gate, down_t, T, y1, norm_w, eps, mask, o, nth);
     if (kept >= 0)
         for (int64_t j = 0; j < T * D; j++) y2[j] = y1[j] + o[j];
     free(o);
@@ -392,11 +393,11 @@ static int64_t thresholded_after_o(float *o, const hc_weight *score, const hc_in
 /* hc_decode_tail with the thresholded FFN: y1 = x + attn @ wo.T, y2 = y1 + hc_thresholded_ffn(y1, the RMS
  * norm folded). Returns its kept count, or -1 if memory ran out. */
 int64_t hc_thresholded_tail(const hc_weight *wo, const float *attn, const float *x, const hc_weight *score,
-                            const hc_in_rule *score_in, const float *scale, float thr, const hc_weight *up,
+                            const hc_in_rule *score_in, const float *scale, float thr, int act_fn, const hc_weight *up,
                             const hc_weight *gate, const hc_weight *down_t, int64_t T, const float *norm_w,
                             float eps, uint8_t *mask, float *y1, float *y2, int nth) {
     float *o = o_residual(wo, attn, x, T, y1, nth);
-    return o ? thresholded_after_o(o, score, score_in, scale, thr, up, gate, down_t, T, norm_w, eps, mask, y1, y2,
+    return o ? thresholded_after_o(o, score, score_in, scale, thr, act_fn, up, gate, down_t, T, norm_w, eps, mask, y1, y2,
                                    nth)
              : -1;
 }
