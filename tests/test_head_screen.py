@@ -15,6 +15,7 @@ from hotcold.head_screen import HeadScreen
 from hotcold.kernels import build
 from hotcold.quants import QuantTensor
 from hotcold.sampling import SamplingParams
+from hotcold.state import HeadNeed
 
 pytestmark = pytest.mark.skipif(build.get_lib() is None, reason="the screen needs the C kernels")
 
@@ -100,29 +101,59 @@ def test_greedy_generation_through_the_screen_equals_the_full_head():
     assert computed == total
 
 
-def test_only_plain_greedy_decode_steps_are_argmax_only():
+def test_what_each_decode_step_needs_of_the_head():
     llm = hotcold.load(None, threads=1)
     engine = Engine(llm.loaded.model, llm.tokenizer, 64)
 
-    def gen(**kw):
+    def need(**kw):
         logprobs = kw.pop("logprobs", None)
-        return Generation(engine, [1, 5, 9], max_tokens=4, params=SamplingParams(**kw), logprobs=logprobs)
-
-    g = gen(temperature=0.0)
-    assert not g.argmax_only  # the prompt's last logits may be shared with a request that samples
-    g.take(engine.forward(*g.want(), last_only=True)[-1])
-    assert g.argmax_only
-    for kw in (dict(temperature=0.7), dict(temperature=0.0, repeat_penalty=1.1), dict(logprobs=2)):
-        g = gen(**kw)
+        g = Generation(engine, [1, 5, 9], max_tokens=4, params=SamplingParams(**kw), logprobs=logprobs)
+        assert g.head_need is None  # the prompt's last logits may be shared with a request that samples
         g.take(engine.forward(*g.want(), last_only=True)[-1])
-        assert not g.argmax_only, kw
+        return g.head_need, g.tokens
+
+    assert need(temperature=0.0)[0] == HeadNeed(1, ((),))
+    assert need(temperature=0.8, top_k=40)[0] == HeadNeed(40, ((),))
+    got, tokens = need(temperature=0.0, repeat_penalty=1.1, repeat_last_n=2)
+    assert got == HeadNeed(1, (tuple(sorted(set(tokens[-2:]))),))  # the penalty's window, computed exactly
+    for kw in (dict(temperature=0.7), dict(temperature=0.7, top_p=0.9), dict(logprobs=2)):
+        assert need(**kw)[0] is None, kw  # the whole distribution (or its normaliser) is read
+
+
+def test_penalised_and_top_k_generation_through_the_screen_equals_the_full_head():
+    """The repeat penalty lowers rows the screen set aside (computed exactly), top-k reads the k largest: the
+    screened generation is the full head's, token for token."""
+    screened, full = hotcold.load(None, threads=1), hotcold.load(None, threads=1, head_screen=False)
+    prompt = "Once upon a time"
+    for kw in (
+        dict(temperature=0.0, repeat_penalty=1.3),
+        dict(temperature=0.8, top_k=20, seed=3),
+        dict(temperature=0.9, top_k=5, top_p=0.9, min_p=0.05, repeat_penalty=1.2, seed=4),
+    ):
+        a = screened.generate(prompt, max_tokens=24, ignore_eos=True, **kw)
+        assert a == full.generate(prompt, max_tokens=24, ignore_eos=True, **kw), kw
+    computed, total = screened.engine.seq.head_rows
+    assert computed < total / 4
+
+
+def test_keep_rows_and_top_k_are_always_candidates():
+    w, x = head(4096, 128, seed=5), inputs(2, 128, seed=6)
+    x[:, 5] /= 40.0
+    screen = HeadScreen.build(w)
+    exact = x.double() @ w.double().T
+    keep = ((int(exact[0].argmin()), 7), ())
+    mask = screen.candidates(x, top=8, keep=keep)
+    assert bool(mask[0, keep[0][0]]) and bool(mask[0, 7])
+    for t in range(2):
+        assert bool(mask[t, exact[t].topk(8).indices].all())
+    assert int(mask.sum()) < 2 * 4096 // 10
 
 
 def test_screened_logits_are_minus_inf_off_the_candidates():
     llm = hotcold.load(None, threads=1)
     engine = Engine(llm.loaded.model, llm.tokenizer, 64)
     engine.prefill([1, 5, 9])
-    logits = engine.forward([11], 3, last_only=True, argmax_only=True)[-1]
+    logits = engine.forward([11], 3, last_only=True, head_need=HeadNeed(1))[-1]
     finite = torch.isfinite(logits)
     assert 0 < int(finite.sum()) < logits.numel() // 10
     assert bool((logits[~finite] == float("-inf")).all())

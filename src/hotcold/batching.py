@@ -24,7 +24,7 @@ import torch
 
 from hotcold.generation import Generation, common_prefix
 from hotcold.kernels import cpu
-from hotcold.state import Batch
+from hotcold.state import Batch, HeadNeed
 
 MAX_ROWS = cpu.GEMM_MIN_TOKENS - 1  # rows per forward for which every row's bits are its own
 # Tokens of a start that an earlier prompt will compute, from which a prompt waits to copy them: computing 8
@@ -71,14 +71,14 @@ def run(model, group: Sequence[Generation]) -> None:
     wants = [g.want() for g in group]
     if len(group) == 1:  # one generation: its engine's own path (on a GPU, the fixed-shape decode step)
         ids, pos = wants[0]
-        group[0].take(group[0].engine.forward(ids, pos, last_only=True, argmax_only=group[0].argmax_only)[-1])
+        group[0].take(group[0].engine.forward(ids, pos, last_only=True, head_need=group[0].head_need)[-1])
         return
     tokens = torch.tensor([t for ids, _ in wants for t in ids], dtype=torch.long)
     ctx = Batch(
         [g.engine.seq for g in group],
         [pos for _, pos in wants],
         [len(ids) for ids, _ in wants],
-        argmax_only=all(g.argmax_only for g in group),
+        head_need=HeadNeed.of_rows([g.head_need for g in group]),
     )
     logits = model.forward(tokens, ctx, last_only=True)  # [len(group), V]
     for j, g in enumerate(group):

@@ -21,7 +21,7 @@ from hotcold.generation import (
 from hotcold.kernels import cpu
 from hotcold.ops import embed
 from hotcold.sampling import SamplingParams
-from hotcold.state import Batch, Observer, hot_masks
+from hotcold.state import Batch, HeadNeed, Observer, hot_masks
 from hotcold.structured import Constraint
 from hotcold.tokenizer import Tokenizer
 
@@ -66,13 +66,13 @@ class Engine:
         self.exact = min(self.exact, n)
 
     def forward(
-        self, ids: Sequence[int], pos: int, *, last_only: bool, argmax_only: bool = False
+        self, ids: Sequence[int], pos: int, *, last_only: bool, head_need: HeadNeed | None = None
     ) -> torch.Tensor:
         """The model over `ids` at positions pos, pos + 1, ... of this engine's sequence: their keys and values
         go into its cache (recorded here, the one place that says what the cache holds) and the logits come
         back, [len(ids), V] float32 (last_only: [1, V]). One token at a time goes through the decoder chosen at
-        load (hotcold.decoders); prompt chunks through the family's forward. argmax_only: the last logits are
-        read for their argmax only (Batch.argmax_only): the head may leave the rows that cannot win at -inf."""
+        load (hotcold.decoders); prompt chunks through the family's forward. head_need: what the last logits are
+        read for, where not all of them (state.HeadNeed): the head may leave rows that cannot matter at -inf."""
         tokens = torch.tensor(ids, dtype=torch.long)
         step = getattr(self.model, "static_step", None)  # a model all on the GPU: the CUDA-graph step
         seq = self.seq
@@ -91,13 +91,13 @@ class Engine:
                 # Triton cannot, the model decodes through the eager step from now on, and says why
                 step.failure = f"{type(exc).__name__}: {exc}"
                 decoders.fall_back(self.model, step.failure)
-                return self.forward(ids, pos, last_only=last_only, argmax_only=argmax_only)
+                return self.forward(ids, pos, last_only=last_only, head_need=head_need)
             for layer, (n, n_ff, sparse) in enumerate(zip(fired, step.n_ff, step.sparse, strict=True)):
                 computed = n if sparse else n_ff
                 seq.count(layer, computed, n_ff, computed if seq.hot_mask(layer, n_ff) is not None else 0)
             self.record(pos, ids)
             return logits[None]
-        ctx = Batch.single(self.seq, pos, len(ids), argmax_only=argmax_only)
+        ctx = Batch.single(self.seq, pos, len(ids), head_need=head_need)
         logits = self.model.forward(tokens, ctx, last_only=last_only)
         self.record(pos, ids)
         return logits
@@ -212,7 +212,7 @@ class Engine:
         while not gen.done:
             ids, pos = gen.want()
             with torch.inference_mode():
-                logits = self.forward(ids, pos, last_only=True, argmax_only=gen.argmax_only)[-1]
+                logits = self.forward(ids, pos, last_only=True, head_need=gen.head_need)[-1]
             try:
                 gen.take(logits)
             except NonFiniteLogits as exc:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hotcold.sampling import GREEDY_TEMPERATURE, SamplingParams, make_generator, sample
+from hotcold.state import HeadNeed
 from hotcold.structured import Constraint, Matcher
 from hotcold.tokenizer import StreamingDetokenizer
 
@@ -218,18 +219,21 @@ class Generation:
         return self._next < len(self.prompt)
 
     @property
-    def argmax_only(self) -> bool:
-        """Whether the next forward's logits are read for their argmax only (Batch.argmax_only): a decode step
-        (the prompt's last logits may be shared with other requests) sampled greedily with no repeat penalty,
-        logprobs or grammar, each of which reads other rows than the winner's."""
+    def head_need(self) -> HeadNeed | None:
+        """What the next forward's logits are read for (state.HeadNeed), or None where every one of them: a decode
+        step (the prompt's last logits may be shared with other requests) sampled greedily (its top 1) or with
+        top-k (its top k), the repeat penalty's window set aside; logprobs, a grammar, or sampling without top-k
+        read every logit."""
         p = self.params
-        return (
-            not self.prefilling
-            and p.temperature < GREEDY_TEMPERATURE
-            and p.repeat_penalty == 1.0
-            and self.logprobs is None
-            and self._matcher is None
-        )
+        if self.prefilling or self.logprobs is not None or self._matcher is not None:
+            return None
+        top = 1 if p.temperature < GREEDY_TEMPERATURE else p.top_k or 0
+        if top <= 0:
+            return None
+        keep = ()
+        if p.repeat_penalty != 1.0:  # sample()'s window, sliced the same way
+            keep = tuple(sorted(set(self._history[-p.repeat_last_n :])))
+        return HeadNeed(top, (keep,))
 
     def want(self) -> tuple[list[int], int]:
         """(token ids, first position) of the next forward this generation needs."""
@@ -272,7 +276,7 @@ class Generation:
 
     def _sample(self, logits: torch.Tensor) -> None:
         at = f"at generated token {self.stats.generated_tokens + 1}"
-        check_finite(logits, at, screened=self.argmax_only)
+        check_finite(logits, at, screened=self.head_need is not None)
         masked = logits
         if self._matcher is not None:
             masked = self._matcher.apply(logits)

@@ -1,23 +1,26 @@
-"""The output head of a greedy decode step: only the rows that can win, proven, not predicted.
+"""The output head of a decode step whose sampler reads only its largest logits: only the rows that can be among
+them, proven, not predicted.
 
-A decode step whose logits are read only for their argmax (greedy sampling with no penalty, logprobs,
-grammar or logit bias: `Batch.argmax_only`) need not read the whole head, which for the 150k-262k
-vocabularies of Qwen and Gemma is 10-25% of a token's bytes. The screen is a Q8_0 copy of a 16-bit head
-(53% of its bytes, made at load), with per row r the bounds err[r] >= |w_r - q_r| and qnorm[r] >= |q_r|.
-The screen's product s_r = q_r . x' (x' = x quantized to int8 in chunks of 32, as every block-weight
-kernel does) is within
+A greedy step reads the argmax, a top-k step (llama.cpp's default sampling: top-k 40, then temperature, top-p,
+min-p over those k) the k largest logits; neither needs the whole head, which for the 150k-262k vocabularies of
+Qwen and Gemma is 10-25% of a token's bytes (`state.HeadNeed`, from Generation.head_need: none for logprobs, a
+grammar, or sampling without top-k). The screen is a Q8_0 copy of a 16-bit head (53% of its bytes, made at load),
+with per row r the bounds err[r] >= |w_r - q_r| and qnorm[r] >= |q_r|. The screen's product s_r = q_r . x' (x' =
+x quantized to int8 in chunks of 32, as every block-weight kernel does) is within
 
     b_r = err[r] |x| + qnorm[r] |x - x'| + RELATIVE_SLACK qnorm[r] |x'|
 
-of the exact w_r . x (Cauchy-Schwarz twice; the last term covers float32 rounding in both products, far
-above it). So with lo = max_r (s_r - b_r), no row with s_r + b_r < lo can be the argmax; the others (tens
-of rows on the heads measured, in `timings` as head rows) are computed exactly from the head itself, by
-the kernel the full head uses (hc_gather_matvec: the same bits per row), and every other logit is -inf.
-Greedy tokens are therefore the full head's, for any weights and any input, with no training and no
-fallback; where the bounds are loose (a small margin between the best rows) more rows are computed.
+of the exact w_r . x (Cauchy-Schwarz twice; the last term covers float32 rounding in both products, far above
+it). With lo the k-th largest s_r - b_r over the rows the repeat penalty leaves alone, every row with s_r + b_r <
+lo is below k rows that are computed: never among the k largest, whatever the penalty does to the rows in its
+window (which are computed too). The others (tens of rows for greedy on the heads measured; `head_rows` in a
+sequence's counts) are computed exactly from the head itself by the row kernel (hc_gather_matvec) and every other
+logit is -inf. Greedy tokens are therefore the full head's, for any weights and input, with no training and no
+fallback; top-k sampling draws from the same k logits (computed by the row kernel, where the full head's packed
+product may differ in the last bit). Where the bounds are loose more rows are computed, never fewer than needed.
 
-Kept to float heads (F32/F16/BF16): for a head already in a block format a cheaper copy's bounds would
-be too loose to skip rows (Q4_0's error is ~15x Q8_0's).
+Kept to float heads (F32/F16/BF16): for a head already in a block format a cheaper copy's bounds would be too
+loose to skip rows (Q4_0's error is ~15x Q8_0's).
 """
 
 from __future__ import annotations
@@ -80,11 +83,26 @@ class HeadScreen:
     def nbytes(self) -> int:
         return self.packed.numel() + 8 * self.n_rows
 
-    def candidates(self, x: torch.Tensor, *, threads: int | None = None) -> torch.Tensor:
-        """bool [T, V]: the rows that may hold each row of x's argmax (x [T, D] float32, the normed input)."""
+    def takes(self, need, x: torch.Tensor) -> bool:
+        """Whether this screen serves `need` (state.HeadNeed) for x: CPU rows, and few enough rows wanted that
+        the screen's bytes buy something (a top-k over a sixteenth of the vocabulary reads the whole head)."""
+        return x.device.type == "cpu" and x.dim() == 2 and 1 <= need.top <= self.n_rows // 16
+
+    def candidates(
+        self, x: torch.Tensor, *, top: int = 1, keep=(), threads: int | None = None
+    ) -> torch.Tensor:
+        """bool [T, V]: the rows that may be among each row of x's `top` largest logits (x [T, D] float32, the
+        normed input), with the rows keep[j] of row j always in. The top-th largest lower bound over the rows not
+        kept is met or beaten by `top` rows that are in, and their exact logits are at least it, so a row left out
+        (its upper bound below it) is below all of them: not in the top, whatever the sampler does to the kept."""
         s, bound = self.bounds(x, threads=threads)
-        lo = (s - bound).amax(-1, keepdim=True)
-        return s + bound >= lo
+        low = s - bound
+        kept = torch.zeros(low.shape, dtype=torch.bool)
+        for j, ids in enumerate(keep):
+            if ids:
+                kept[j, torch.tensor(ids, dtype=torch.long)] = True
+        lo = low.masked_fill(kept, float("-inf")).topk(top, dim=-1).values[:, -1:]
+        return (s + bound >= lo) | kept
 
     def bounds(self, x: torch.Tensor, *, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the screen's products s, bounds b), float64 [T, V]: |w_r . x - s_r| <= b_r for every row r."""
@@ -111,12 +129,12 @@ class HeadScreen:
         return s.double(), bound
 
     def rows(
-        self, weight, x: torch.Tensor, *, threads: int | None = None
+        self, weight, x: torch.Tensor, *, top: int = 1, keep=(), threads: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(products [T, V] float32: the candidates' exact (hc_gather_matvec, as `matmul` of an unpacked head;
         0 elsewhere), the candidates bool [T, V]) for the head `weight` this screen was made from."""
         x = x.to(torch.float32).contiguous()
-        mask = self.candidates(x, threads=threads)
+        mask = self.candidates(x, top=top, keep=keep, threads=threads)
         return gather_matvec(weight, x, mask, threads=threads), mask
 
 

@@ -124,6 +124,25 @@ def hot_masks(hot_rows: Sequence[Sequence[int] | None], n_ff: int) -> list[torch
     return out if any(m is not None for m in out) else None
 
 
+@dataclass(frozen=True)
+class HeadNeed:
+    """What a decode step's last logits are read for when the sampler needs only some of them: each row's `top`
+    largest (1: greedy's argmax; k: top-k sampling's, which every later filter reads alone), once the tokens
+    keep[j] of row j are set aside (the repeat penalty's window: the sampler changes those logits, so they are
+    computed exactly whatever their bound). The head may leave every other logit at -inf (head_screen.py)."""
+
+    top: int
+    keep: tuple[tuple[int, ...], ...] = ()
+
+    @staticmethod
+    def of_rows(needs: Sequence[HeadNeed | None]) -> HeadNeed | None:
+        """One need for a batch's rows (each a one-row need): the largest top, each row's keep; None if a row
+        needs every logit."""
+        if not needs or any(n is None for n in needs):
+            return None
+        return HeadNeed(max(n.top for n in needs), tuple(n.keep[0] if n.keep else () for n in needs))
+
+
 class Batch:
     """What one forward runs: the input's rows in segments, segment j = `lengths[j]` tokens of sequence
     `seqs[j]` at positions `starts[j]`..; every segment attends over its own sequence's cache, and what
@@ -137,10 +156,9 @@ class Batch:
         starts: Sequence[int],
         lengths: Sequence[int],
         *,
-        argmax_only: bool = False,
+        head_need: HeadNeed | None = None,
     ):
-        """argmax_only: every segment's last logits are read for their argmax only (greedy decode steps with no
-        penalty, logprobs or grammar): the head may compute only the rows that can win (head_screen.py)."""
+        """head_need: what the segments' last logits are read for, where not all of them (HeadNeed)."""
         if not (len(seqs) == len(starts) == len(lengths)) or not seqs:
             raise ValueError("a batch needs one start and one length per sequence, and at least one sequence")
         self.seqs, self.starts, self.lengths = list(seqs), list(starts), list(lengths)
@@ -155,7 +173,7 @@ class Batch:
         first = self.seqs[0]
         self.dense, self.observe = first.dense, first.observe
         self.keep_masks = any(s.keep_masks for s in self.seqs)
-        self.argmax_only = argmax_only
+        self.head_need = head_need
         self._start_on: dict[torch.device, torch.Tensor] = {}
 
     def start_on(self, device: torch.device) -> torch.Tensor:
@@ -167,8 +185,8 @@ class Batch:
         return at
 
     @classmethod
-    def single(cls, seq: SequenceState, pos: int, n: int, *, argmax_only: bool = False) -> Batch:
-        return cls([seq], [pos], [n], argmax_only=argmax_only)
+    def single(cls, seq: SequenceState, pos: int, n: int, *, head_need: HeadNeed | None = None) -> Batch:
+        return cls([seq], [pos], [n], head_need=head_need)
 
     def segments(self):
         """(row0, row1, seq, pos) for every segment."""

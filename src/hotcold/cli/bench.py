@@ -15,6 +15,7 @@ import time
 import torch
 
 from hotcold import names
+from hotcold.state import HeadNeed
 
 
 def add_args(p) -> None:
@@ -136,7 +137,7 @@ def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float, float
             start = time.perf_counter()
             token = int(torch.argmax(logits))
             for pos in range(depth + 1, depth + n + 1):
-                logits = engine.forward([token], pos, last_only=True, argmax_only=True)[-1]
+                logits = engine.forward([token], pos, last_only=True, head_need=HeadNeed(1))[-1]
                 token = int(torch.argmax(logits))
             seconds = time.perf_counter() - start
     c1, t1 = _firing(llm)

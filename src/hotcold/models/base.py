@@ -122,14 +122,15 @@ class Head:
         return self.norm.weight.device
 
     def __call__(self, x: torch.Tensor, ctx: Batch, *, last_only: bool) -> torch.Tensor:
-        """Logits [rows, V] float32 on the CPU; for a forward whose last logits are read for their argmax only
-        (ctx.argmax_only) with a screen, the rows that can win exact and -inf in every other column."""
+        """Logits [rows, V] float32 on the CPU; for a forward whose last logits are read in part (ctx.head_need:
+        a greedy or top-k step) with a screen, the rows that can matter exact and -inf in every other column."""
         if last_only:  # each segment's last row
             x = x[-1:] if len(ctx.seqs) == 1 else x[ctx.last_rows()]
         x = self.norm(x.to(self.device))
-        screened = self.screen is not None and last_only and ctx.argmax_only and x.device.type == "cpu"
+        need = ctx.head_need if last_only else None
+        screened = self.screen is not None and need is not None and self.screen.takes(need, x)
         if screened:
-            logits, mask = self.screen.rows(self.weight, x)
+            logits, mask = self.screen.rows(self.weight, x, top=need.top, keep=need.keep)
         else:
             logits = linear(x, self.weight).float()
         if self.softcap:  # monotone: the rows that can win are the same
