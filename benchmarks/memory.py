@@ -1,10 +1,11 @@
 """Models larger than memory (issue #48), in one call: decode speed inside a memory cgroup with the page cache
 dropped before each run: hotcold with --ram-budget (sparse file) against llama.cpp's llama-bench (mmap, the dense
-file of the same weights), each also without a limit, and the disk's random-read rate at the queue depth hotcold
-reads at (HOTCOLD_READ_DEPTH, default 16) and at 1, and in 1 MiB sequential reads.
+file of the same weights) and the original PowerInfer's (mmap, the sparse file; where built), each also without a
+limit, and the disk's random-read rate at the queue depth hotcold reads at (HOTCOLD_READ_DEPTH, default 16) and at
+1, and in 1 MiB sequential reads.
 
     python benchmarks/memory.py [--model SPARSE.gguf] [--dense-model DENSE.gguf] [--llama-bench BIN] \
-        [--limit-gib 1.25] [--ram-budget 0.8] [-t 2] [-n 16] [-c 256] [--out JSON]
+        [--original-bench BIN] [--limit-gib 1.25] [--ram-budget 0.8] [-t 2] [-n 16] [-c 256] [--out JSON]
 
 Needs root (cgroup v2 `memory.max` or v1 `memory.limit_in_bytes`, /proc/sys/vm/drop_caches). Every timed run
 holds `flock /tmp/hotcold-bench.lock` (other people benchmark on the machine too). Prints JSON and writes it to
@@ -29,6 +30,7 @@ from pathlib import Path
 LOCK = "/tmp/hotcold-bench.lock"
 ROOT = Path(__file__).resolve().parent.parent  # the child runs `python -m benchmarks.memory` from here
 LLAMA_BENCH = Path.home() / ".cache/hotcold-anchors/llama.cpp/build/bin/llama-bench"
+ORIGINAL_BENCH = Path.home() / ".cache/hotcold-anchors/powerinfer/build/bin/llama-bench"
 PROMPT = "Once upon a time"
 
 
@@ -220,11 +222,27 @@ def llama_run(args, *, limit: int | None, name: str) -> dict:
     return {"engine": "llama.cpp llama-bench (mmap)", "limit_bytes": limit, **got}
 
 
+def original_run(args, *, limit: int | None, name: str) -> dict:
+    """The original PowerInfer's llama-bench on the sparse file (mmap, its predictors; -ngl 0: a CPU build loads
+    files only so)."""
+    cmd = [args.original_bench, "-m", args.model, "-p", "0", "-n", str(args.n_gen), "-r", "1", "-ngl", "0"]
+    cmd += ["-t", str(args.threads), "-o", "json"]
+    got = timed(cmd, limit_bytes=limit, name=name)
+    if "stdout" in got:
+        got["tg_tokens_per_s"] = float(json.loads(got.pop("stdout"))[0]["avg_ts"])
+    return {"engine": "original PowerInfer llama-bench (mmap)", "limit_bytes": limit, **got}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="/tmp/bench/synth-1b.powerinfer.gguf", help="sparse PowerInfer file")
     ap.add_argument("--dense-model", default="/tmp/bench/synth-1b.dense.gguf", help="the same weights, dense")
     ap.add_argument("--llama-bench", default=str(LLAMA_BENCH))
+    ap.add_argument(
+        "--original-bench",
+        default=str(ORIGINAL_BENCH),
+        help="the original PowerInfer's llama-bench (../shared/anchors/build-powerinfer-cpu.sh); absent: not run",
+    )
     ap.add_argument("--limit-gib", type=float, default=1.25, help="the cgroup's memory limit")
     ap.add_argument("--ram-budget", type=float, default=0.8, help="hotcold's --ram-budget inside it")
     ap.add_argument("-t", "--threads", type=int, default=2)
@@ -257,13 +275,18 @@ def main(argv=None) -> int:
         disk.append(sequential_rate(args.model, seconds=args.disk_seconds))
     runs = []
     have_llama = Path(args.llama_bench).is_file() and Path(args.dense_model).is_file()
+    have_original = Path(args.original_bench).is_file()
     if not args.skip_unlimited:
         runs.append(hotcold_run(args, budget=None, limit=None, name="hc-unlimited"))
         if have_llama:
             runs.append(llama_run(args, limit=None, name="llama-unlimited"))
+        if have_original:
+            runs.append(original_run(args, limit=None, name="original-unlimited"))
     runs.append(hotcold_run(args, budget=args.ram_budget, limit=limit, name="hc-budget"))
     if have_llama:
         runs.append(llama_run(args, limit=limit, name="llama-limited"))
+    if have_original:
+        runs.append(original_run(args, limit=limit, name="original-limited"))
     fraction_runs = []
     for item in args.fraction_model:
         sparse, _, dense = item.partition("=")
@@ -279,6 +302,7 @@ def main(argv=None) -> int:
                 fraction_runs.append({"fraction": f, **llama_run(sub, limit=cap, name="llama-fraction")})
     limited = {r["engine"]: r.get("tg_tokens_per_s") for r in runs if r["limit_bytes"]}
     hc, ll = limited.get("hotcold"), limited.get("llama.cpp llama-bench (mmap)")
+    orig = limited.get("original PowerInfer llama-bench (mmap)")
     result = {
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "machine": f"{platform.node()} {platform.processor() or platform.machine()}, {os.cpu_count()} cores "
@@ -293,6 +317,7 @@ def main(argv=None) -> int:
         "disk": disk,
         "runs": runs,
         "hotcold_vs_llama_limited": hc / ll if hc and ll else None,
+        "hotcold_vs_original_limited": hc / orig if hc and orig else None,
         "fraction_runs": fraction_runs,
     }
     text = json.dumps(result, indent=2)

@@ -157,3 +157,24 @@ def test_screened_logits_are_minus_inf_off_the_candidates():
     finite = torch.isfinite(logits)
     assert 0 < int(finite.sum()) < logits.numel() // 10
     assert bool((logits[~finite] == float("-inf")).all())
+
+
+def test_non_finite_products_are_reported_as_without_the_screen():
+    """An activation that overflows the head: the screened step's check still names it (a screened step whose
+    computed rows are not finite is redone whole; a -inf the screen left is not an error)."""
+    from hotcold.generation import NonFiniteLogits, check_finite
+    from hotcold.models.base import Head
+    from hotcold.ops import Norm
+    from hotcold.state import Batch, SequenceState
+
+    w = head(4096, 64)
+    h = Head(Norm(torch.ones(64), 1e-6, rms=True), w, screen=HeadScreen.build(w))
+    seq = SequenceState(None, [])
+    fine = h(inputs(1, 64), Batch([seq], [0], [1], head_need=HeadNeed(1)), last_only=True)
+    assert seq.head_screened and bool(torch.isinf(fine).any())
+    check_finite(fine[0], "here", screened=seq.head_screened)  # the screen's -inf: no error
+    x = inputs(1, 64)
+    x[0, 7] = float("inf")
+    bad = h(x, Batch([seq], [0], [1], head_need=HeadNeed(1)), last_only=True)
+    with pytest.raises(NonFiniteLogits):
+        check_finite(bad[0], "here", screened=seq.head_screened)

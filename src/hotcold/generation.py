@@ -276,7 +276,7 @@ class Generation:
 
     def _sample(self, logits: torch.Tensor) -> None:
         at = f"at generated token {self.stats.generated_tokens + 1}"
-        check_finite(logits, at, screened=self.head_need is not None)
+        check_finite(logits, at, screened=self.engine.seq.head_screened)
         masked = logits
         if self._matcher is not None:
             masked = self._matcher.apply(logits)

@@ -131,12 +131,16 @@ class Head:
         screened = self.screen is not None and need is not None and self.screen.takes(need, x)
         if screened:
             logits, mask = self.screen.rows(self.weight, x, top=need.top, keep=need.keep)
-        else:
+            # NaN / inf in a computed row: the whole head, so the caller's check sees every row as without it
+            screened = bool(torch.isfinite(logits[mask]).all())
+        if not screened:
             logits = linear(x, self.weight).float()
         if self.softcap:  # monotone: the rows that can win are the same
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if screened:
             logits.masked_fill_(~mask, float("-inf"))
+        for seq in ctx.seqs:
+            seq.head_screened = screened
         if last_only:
             v = logits.shape[-1]
             computed = mask.sum(-1).tolist() if screened else [v] * logits.shape[0]
