@@ -74,9 +74,8 @@ class HeadScreen:
         if lib.hc_pack(WT[build.Q.Q8_0], q8.data_ptr(), q8.shape[1], f, d, packed.data_ptr()) != 0:
             return None
         if isinstance(weight, QuantTensor) and weight.packed is not None:
-            page_out(
-                data.data_ptr(), f * stride
-            )  # the rows read here: out of RSS again, as cpu.pack left them
+            # the file's rows read here leave RSS again, as cpu.pack left them (its packed copy serves the head)
+            page_out(data.data_ptr(), f * stride)
         return cls(packed, err, qnorm, d)
 
     @property
