@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import statistics
 import subprocess
@@ -28,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.head_screen import hotcold_tg  # noqa: E402
 from benchmarks.kernel_bandwidth import cpu_name  # noqa: E402
-from benchmarks.quant_vs_llama import copy_gbps, llama_tg  # noqa: E402
+from benchmarks.quant_vs_llama import copy_gbps, emit, llama_tg  # noqa: E402
 
 
 def cases(items: list[str]) -> dict[str, tuple[str, str]]:
@@ -104,10 +103,7 @@ def main() -> None:
         "runs": runs,
         "ratios": ratios,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.kernel_bandwidth import cpu_name  # noqa: E402
-from benchmarks.quant_vs_llama import copy_gbps, llama_tg, pairs  # noqa: E402
+from benchmarks.quant_vs_llama import copy_gbps, emit, llama_tg, pairs  # noqa: E402
 
 
 def hotcold_tg(path: str, mode: str, threads: int, n_gen: int, screen: bool) -> tuple[float, float]:
@@ -95,10 +95,7 @@ def main() -> None:
         "head_rows_share": {k: round(statistics.mean(v), 6) for k, v in shares.items()},
         "ratios": ratios,
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

@@ -66,22 +66,7 @@ def hotcold_tg(path: str, mode: str, threads: int, n_gen: int, src: str | None, 
 
 
 def llama_tg(binary: str, path: str, threads: int, n_gen: int, depth: int = 0, extra: tuple = ()) -> float:
-    cmd = [
-        binary,
-        "-m",
-        path,
-        "-p",
-        "0",
-        "-n",
-        str(n_gen),
-        "-r",
-        "1",
-        "-t",
-        str(threads),
-        "-o",
-        "json",
-        *extra,
-    ]
+    cmd = [binary, "-m", path, *f"-p 0 -n {n_gen} -r 1 -t {threads} -o json".split(), *extra]
     cmd += ["-d", str(depth)] if depth else []
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     return float(json.loads(out)[0]["avg_ts"])
@@ -190,10 +175,15 @@ def main() -> None:
                 result["ratios"][f"hotcold sparse {name} / llama.cpp dense {dname}"] = round(
                     med[f"hotcold sparse {name}"] / base, 3
                 )
+    emit(result, args.out)
+
+
+def emit(result: dict, out: str | None) -> None:
+    """The benchmark's JSON on stdout, and in `out` where given."""
     text = json.dumps(result, indent=1)
     print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 if __name__ == "__main__":
