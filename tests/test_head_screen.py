@@ -178,3 +178,24 @@ def test_non_finite_products_are_reported_as_without_the_screen():
     bad = h(x, Batch([seq], [0], [1], head_need=HeadNeed(1)), last_only=True)
     with pytest.raises(NonFiniteLogits):
         check_finite(bad[0], "here", screened=seq.head_screened)
+
+
+def test_a_batch_through_the_screen_equals_each_request_alone(monkeypatch):
+    """Continuous batching: one forward for every sequence's next token, the head screened for all the rows
+    (HeadNeed.of_rows: the largest top, each row's own penalty window), each sequence's tokens as alone."""
+    llm = hotcold.load(None, threads=1)
+    rows_seen = []
+    screen_rows = HeadScreen.rows
+
+    def counting(self, weight, x, **kw):
+        rows_seen.append(x.shape[0])
+        return screen_rows(self, weight, x, **kw)
+
+    monkeypatch.setattr(HeadScreen, "rows", counting)
+    prompts = ["Once upon a time", "The cat", "In the beginning there was"]
+    for kw in (dict(temperature=0.0), dict(temperature=0.0, repeat_penalty=1.2)):
+        alone = [llm.generate(p, max_tokens=12, ignore_eos=True, **kw) for p in prompts]
+        assert llm.generate_batch(prompts, max_tokens=12, ignore_eos=True, **kw) == alone, kw
+    assert 3 in rows_seen  # the batch's steps went through the screen, all three rows at once
+    assert HeadNeed.of_rows([HeadNeed(1, ((3,),)), HeadNeed(40, ((),))]) == HeadNeed(40, ((3,), ()))
+    assert HeadNeed.of_rows([HeadNeed(1, ((),)), None]) is None
