@@ -137,9 +137,14 @@ class HeadScreen:
         return gather_matvec(weight, x, mask, threads=threads), mask
 
 
-def attach_screen(model, *, threads: int | None = None) -> None:
-    """Give the model's head a screen where one can be made (HeadScreen.build); at load."""
+def attach_screen(model, *, threads: int | None = None, notes: list[str] | None = None) -> None:
+    """Give the model's head a screen where one can be made (HeadScreen.build), saying so in `notes`; at load."""
     head = getattr(model, "head", None)
     screen = None if head is None else HeadScreen.build(head.weight, threads=threads)
     if screen is not None:
         model.head = replace(head, screen=screen)
+        if notes is not None:
+            notes.append(
+                f"head screen: a Q8_0 copy of the output head ({screen.nbytes / 2**20:.0f} MiB more memory); greedy "
+                "and top-k steps compute only the rows that can be chosen (--no-head-screen: the whole head)"
+            )

@@ -124,7 +124,7 @@ def load_model(
     )  # fmt: skip
     model = module.build(src, make_ffn)
     if opts.head_screen and storage is None:  # a RAM budget's plan does not count the screen's memory
-        attach_screen(model, threads=threads)
+        attach_screen(model, threads=threads, notes=notes)
     model.storage_stats = None if storage is None else storage.stats  # what a request read (generation.py)
     notes.extend(getattr(model, "load_notes", ()))  # what a family says of its file (SmallThinker's gating)
     decoders.choose_decoder(model, requested=opts.decoder, ctx_size=ctx, notes=notes)
