@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         measure(llm, "tg", 8)  # warm-up
         timers.seconds.clear()
-        seconds, firing = measure(llm, "tg", args.n_gen)
+        seconds, firing, _ = measure(llm, "tg", args.n_gen)
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
