@@ -28,6 +28,7 @@ import torch
 from hotcold import names
 from hotcold.device import place
 from hotcold.gguf_io import GGUFError
+from hotcold.kernels import cpu
 from hotcold.models.base import FFNMaker, Head, one_call_decode
 from hotcold.models.llama import Llama, LlamaLayer, attention_block
 from hotcold.models.mixtral import _expert_slice
@@ -128,7 +129,10 @@ def experts(src: TensorSource, i: int) -> list[FFNWeights]:
 
     def expert(t, e):
         rows = shapes[t][1]
-        return place(_expert_slice(stacked[t], e, rows), device)
+        w = place(_expert_slice(stacked[t], e, rows), device)
+        # the gate is only ever multiplied whole (relu_rows_apply gathers up and down rows): packed, ~2x the row
+        # kernel's rate for Q4_0 at one token
+        return cpu.pack(w) if t == names.FFN_GATE_EXPS else w
 
     down = names.FFN_DOWN_EXPS
     return [

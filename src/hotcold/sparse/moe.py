@@ -32,12 +32,13 @@ def relu_rows_apply(
     w: FFNWeights, h: torch.Tensor, *, threads: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A ReLU-gated expert over only its live rows: h [T, D] float32 on the CPU -> (out [T, D] without the down
-    bias, live [T, F] bool: the neurons whose activation is nonzero). Every gate row (the C gather GEMV), the up rows
+    bias, live [T, F] bool: the neurons whose activation is nonzero). Every gate row (matmul: the packed GEMV of a gate
+    packed at load, SmallThinker's), the up rows
     where relu(gate) != 0, the activation, then the down rows where it is nonzero: the axpy over down_t (the same
     kernel, ascending rows, the dense path runs over every row) or, for a file with ffn_down [D, F], the dense
     product of the activation (its zeros included). Skipped rows would add exact zeros, so the result is the dense
     expert's, bit for bit."""
-    gate = cpu.gather_matvec(w.gate, h, None, threads=threads)  # every row
+    gate = cpu.matmul(w.gate, h, threads=threads)  # every row (its packed copy where it has one)
     up = cpu.gather_matvec(w.up, h, torch.relu(gate) != 0, threads=threads)  # exactly 0 on the other rows
     a = w.combine(up, gate)  # relu(gate) * up: 0 wherever relu(gate) is 0
     live = a != 0  # dReLU: relu(up) zeroes more rows

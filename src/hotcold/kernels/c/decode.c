@@ -132,7 +132,7 @@ static int64_t relu_rows_ffn(const hc_weight *up, const hc_weight *gate, const h
     float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * F + 1));
     if (!buf) return -1;
     float *u = buf, *g = buf + T * F;
-    int rc = hc_gather_matvec(gate->wt, gate->data, gate->stride, F, D, h, T, NULL, g, nth);
+    int rc = weight_matvec(gate, h, T, g, nth); /* every row: the packed copy where the gate has one */
     for (int64_t j = 0; j < T * F && rc == 0; j++) mask[j] = !(g[j] <= 0.0f); /* torch.relu(g) != 0; NaN stays */
     if (rc == 0) rc = hc_gather_matvec(up->wt, up->data, up->stride, F, D, h, T, mask, u, nth);
     int64_t live = 0;
