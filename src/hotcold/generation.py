@@ -49,10 +49,9 @@ class NonFiniteLogits(RuntimeError):
 
 def check_finite(logits: torch.Tensor, at: str, *, screened: bool = False) -> None:
     """NonFiniteLogits when `logits` hold NaN or inf; one pass over [V] values, negligible beside a forward.
-    screened: a step whose head computed only the rows that can win (-inf elsewhere): those rows are checked."""
-    if bool(torch.isfinite(logits).all()):
-        return
-    if screened and not bool(torch.isnan(logits).any()) and bool(torch.isfinite(logits.max())):
+    screened: a step whose head computed only the rows that can matter (-inf elsewhere): the head checked those
+    rows already (it computes the whole head where one is not finite), so nothing is left to check."""
+    if screened or bool(torch.isfinite(logits).all()):
         return
     kind = "NaN" if bool(torch.isnan(logits).any()) else "infinite"
     raise NonFiniteLogits(

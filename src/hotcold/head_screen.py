@@ -46,7 +46,8 @@ class HeadScreen:
     """A head's Q8_0 screen and per-row bounds (see the module's docstring); `build` makes one or None."""
 
     def __init__(self, packed: torch.Tensor, err: torch.Tensor, qnorm: torch.Tensor, d: int):
-        self.packed, self.err, self.qnorm = packed, err, qnorm
+        # float64 once here: the bounds are summed in float64 every step
+        self.packed, self.err, self.qnorm = packed, err.double(), qnorm.double()
         self.n_rows, self.d = err.shape[0], d
 
     @classmethod
@@ -54,7 +55,7 @@ class HeadScreen:
         """The screen of a CPU float head [V, D], or None where there is none to make (no C kernels, a
         block-format or GPU head, D not a multiple of 32, too few rows, NaN/inf in the head)."""
         lib = build.get_lib()
-        if lib is None or isinstance(weight, QuantTensor) and weight.qtype.name not in ("F32", "F16", "BF16"):
+        if lib is None:
             return None
         try:
             qtype, data, stride, f, d = weight_view(weight)
@@ -80,7 +81,7 @@ class HeadScreen:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() + 8 * self.n_rows
+        return self.packed.numel() + 16 * self.n_rows
 
     def takes(self, need, x: torch.Tensor) -> bool:
         """Whether this screen serves `need` (state.HeadNeed) for x: CPU rows, and few enough rows wanted that
@@ -117,13 +118,14 @@ class HeadScreen:
             raise MemoryError("hc_packed_matvec failed (the head's screen)")
         # |x - x'| from each chunk's scale: an element is off by at most half a step (amax / 127 / 2; the
         # 1.001 covers the rounding of x * 127 / amax before it is rounded to an integer)
-        chunk_amax = x.double().reshape(t, -1, 32).abs().amax(-1)
+        x64 = x.double()
+        chunk_amax = x64.reshape(t, -1, 32).abs().amax(-1)
         x_off = (chunk_amax / 127 * 0.5 * 1.001).square().sum(-1).mul(32).sqrt()
-        x_norm = x.double().norm(dim=-1)
+        x_norm = x64.norm(dim=-1)
         x_quant_norm = x_norm + x_off  # |x'| <= |x| + |x - x'|
         bound = (
-            self.err.double()[None] * x_norm[:, None]
-            + self.qnorm.double()[None] * (x_off + RELATIVE_SLACK * x_quant_norm)[:, None]
+            self.err[None] * x_norm[:, None]
+            + self.qnorm[None] * (x_off + RELATIVE_SLACK * x_quant_norm)[:, None]
         )
         return s.double(), bound
 

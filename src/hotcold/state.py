@@ -85,9 +85,8 @@ class SequenceState:
     decode_plans: dict = field(default_factory=dict)
     # output-head rows computed and rows in the head, over the forwards so far (a screened step: fewer)
     head_rows: list[int] = field(default_factory=lambda: [0, 0])
-    head_screened: bool = (
-        False  # the last forward's head left the rows that cannot matter at -inf (head_screen.py)
-    )
+    # the last forward's head left the rows that cannot matter at -inf, its computed rows checked (head_screen.py)
+    head_screened: bool = False
 
     @classmethod
     def new(cls, config, devices: Sequence[torch.device], dtypes: Sequence[torch.dtype], n_ctx: int):

@@ -131,8 +131,9 @@ class Head:
         screened = self.screen is not None and need is not None and self.screen.takes(need, x)
         if screened:
             logits, mask = self.screen.rows(self.weight, x, top=need.top, keep=need.keep)
-            # NaN / inf in a computed row: the whole head, so the caller's check sees every row as without it
-            screened = bool(torch.isfinite(logits[mask]).all())
+            # NaN / inf in a computed row, or none computed (NaN bounds): the whole head, so the caller's check sees
+            # every row as without the screen
+            screened = bool(mask.any(-1).all()) and bool(torch.isfinite(logits[mask]).all())
         if not screened:
             logits = linear(x, self.weight).float()
         if self.softcap:  # monotone: the rows that can win are the same

@@ -1,3 +1,15 @@
+/* What the layers do to q, k and v [N, Fs[m]] between their product and RoPE: the biases (opt, qwen2) added, then
+ * the per-head RMS norms of q and k (qwen3), each head a row of Dh. */
+static void qkv_bias_norms(int64_t N, float *const *qkv, const int64_t *Fs, const float *const *bias,
+                           const float *q_norm, const float *k_norm, float qk_eps, int64_t H, int64_t Hkv, int64_t Dh) {
+    for (int m = 0; m < 3 && bias; m++)
+        if (bias[m])
+            for (int64_t j = 0; j < N; j++)
+                for (int64_t i = 0; i < Fs[m]; i++) qkv[m][j * Fs[m] + i] += bias[m][i];
+    if (q_norm) hc_rms_norm(qkv[0], q_norm, qk_eps, N * H, Dh, qkv[0]);
+    if (k_norm) hc_rms_norm(qkv[1], k_norm, qk_eps, N * Hkv, Dh, qkv[1]);
+}
+
 /* hc_decode_head (below) for N rows x [N, D], one decode token of each of N sequences: the q/k/v group over the rows,
  * then RoPE attention over each row's own caches kcs[j] / vcs[j] at pos[j] (cos / sin [N, R/2]). */
 static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws, const int64_t *strides,
@@ -9,13 +21,7 @@ static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws,
     const int rc = packed ? hc_packed_matvec_multi(3, wts, Ws, Fs, D, x, N, norm_w, eps, qkv, nth)
                           : hc_matvec_multi(3, wts, Ws, strides, Fs, D, x, N, norm_w, eps, qkv, nth);
     if (rc != 0) return rc;
-    for (int m = 0; m < 3 && bias; m++) /* q/k/v biases (opt), added as the layer's ops add them */
-        if (bias[m])
-            for (int64_t j = 0; j < N; j++)
-                for (int64_t i = 0; i < Fs[m]; i++) qkv[m][j * Fs[m] + i] += bias[m][i];
-    /* per-head RMS norms of q and k (qwen3), each head a row of Dh, before RoPE, as the layers apply them */
-    if (q_norm) hc_rms_norm(qkv[0], q_norm, qk_eps, N * H, Dh, qkv[0]);
-    if (k_norm) hc_rms_norm(qkv[1], k_norm, qk_eps, N * Hkv, Dh, qkv[1]);
+    qkv_bias_norms(N, qkv, Fs, bias, q_norm, k_norm, qk_eps, H, Hkv, Dh);
     return hc_attn_decode_rows(N, qkv[0], qkv[1], qkv[2], kcs, vcs, pos, H, Hkv, Dh, R, cos, sin, neox, window, out,
                                nth);
 }
@@ -169,13 +175,10 @@ static int moe_tail(const hc_layer *a, const float *attn, const float *x, const 
     if (rc == 0) {
         for (int64_t j = 0; j < N * D; j++) y1[j] = x[j] + o[j];
         hc_rms_norm(y1, a->ffn_norm, a->ffn_eps, N, D, h);
-        if (early_logits) /* smallthinker: routed before attention, from the layer's input */
-            memcpy(logits, early_logits, sizeof(float) * (size_t)(N * E));
-        else
-            rc = weight_matvec(a->router, h, N, logits, nth);
+        if (!early_logits) rc = weight_matvec(a->router, h, N, logits, nth); /* smallthinker's: before attention */
     }
     if (rc == 0) {
-        hc_moe_route(logits, N, E, K, a->gating, ids, wts);
+        hc_moe_route(early_logits ? early_logits : logits, N, E, K, a->gating, ids, wts);
         memset(o, 0, sizeof(float) * (size_t)(N * D));
         for (int64_t j = 0; j < N; j++) fired_rows[j] = 0;
     }
@@ -189,18 +192,12 @@ static int moe_tail(const hc_layer *a, const float *attn, const float *x, const 
             memcpy(hs + u * D, h + rows[u] * D, sizeof(float) * (size_t)D);
             memcpy(ps + u * D, y1 + rows[u] * D, sizeof(float) * (size_t)D);
         }
-        if (a->relu_rows) {
-            const int64_t got = relu_rows_ffn(a->e_up[e], a->e_gate[e], a->e_down[e], a->down_is_t, a->kind, a->act,
-                                              te, hs, mask, ys, nth);
-            rc = got < 0 ? -1 : 0;
-            for (int64_t u = 0; u < te && rc == 0; u++) {
-                int64_t c = 0;
-                for (int64_t i = 0; i < F; i++) c += mask[u * F + i] != 0;
-                fired_rows[rows[u]] += c;
-            }
-        } else if (a->sparse) {
-            const int64_t got = hc_sparse_ffn(a->e_fc1[e], a->e_fc2[e], a->e_thr[e], ps, a->e_up[e], a->e_gate[e],
-                                              a->e_down[e], NULL, a->kind, te, hs, NULL, 0.0f, mask, ys, nth);
+        if (a->relu_rows || a->sparse) { /* ReLU experts' live rows, or a sparse expert's predicted ones */
+            const int64_t got =
+                a->relu_rows ? relu_rows_ffn(a->e_up[e], a->e_gate[e], a->e_down[e], a->down_is_t, a->kind, a->act, te,
+                                             hs, mask, ys, nth)
+                             : hc_sparse_ffn(a->e_fc1[e], a->e_fc2[e], a->e_thr[e], ps, a->e_up[e], a->e_gate[e],
+                                             a->e_down[e], NULL, a->kind, te, hs, NULL, 0.0f, mask, ys, nth);
             rc = got < 0 ? -1 : 0;
             for (int64_t u = 0; u < te && rc == 0; u++) {
                 int64_t c = 0;
@@ -273,12 +270,8 @@ static int input_sparse_head(const hc_layer *a, int64_t D, const float *x, int64
     hc_rms_norm(x, a->attn_norm, a->attn_eps, 1, D, xn);
     if (hc_input_sparse_matvec(a->qkv_t, a->qkv_scale, a->qkv_thr, xn, 1, smask, qkv, nth) != 0) return -1;
     const float *const bias[3] = {a->q_bias, a->k_bias, a->v_bias};
-    float *part = qkv;
-    for (int m = 0; m < 3; part += a->Fs[m], m++)
-        if (bias[m])
-            for (int64_t i = 0; i < a->Fs[m]; i++) part[i] += bias[m][i];
-    if (a->q_norm) hc_rms_norm(qkv, a->q_norm, a->qk_eps, a->H, a->Dh, qkv);
-    if (a->k_norm) hc_rms_norm(qkv + a->Fs[0], a->k_norm, a->qk_eps, a->Hkv, a->Dh, qkv + a->Fs[0]);
+    float *const parts[3] = {qkv, qkv + a->Fs[0], qkv + a->Fs[0] + a->Fs[1]};
+    qkv_bias_norms(1, parts, a->Fs, bias, a->q_norm, a->k_norm, a->qk_eps, a->H, a->Hkv, a->Dh);
     float *kcs[1] = {kc}, *vcs[1] = {vc};
     return hc_attn_decode_rows(1, qkv, qkv + a->Fs[0], qkv + a->Fs[0] + a->Fs[1], kcs, vcs, &pos, a->H, a->Hkv,
                                a->Dh, a->R, cos, sin, a->neox, a->window, out, nth);
