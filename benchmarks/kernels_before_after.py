@@ -39,7 +39,7 @@ if (
         Path(__file__).resolve().parents[1]
     )  # sys.path (a sibling must never shadow a dependency)
 from benchmarks.kernel_bandwidth import FORMATS, make_weights  # noqa: E402
-from hotcold.kernels import build, cpu  # noqa: E402
+from hotcold.kernels import build, cabi, cpu  # noqa: E402
 
 F, D = 5632, 2048
 
@@ -61,7 +61,8 @@ def compile_before(src: Path) -> ctypes.CDLL:
         )
         if res.returncode == 0:
             lib = ctypes.CDLL(str(out))
-            build._bind(lib)
+            header = c_file.parent / "c" / "hotcold.h"  # older checkouts bound by hand: today's signatures
+            cabi.bind(lib, header.read_text() if header.is_file() else None)
             return lib
     raise SystemExit(f"error: {c_file} does not compile: {res.stderr.decode()[-2000:]}")
 

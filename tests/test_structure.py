@@ -72,13 +72,13 @@ MAX_C_LINES = 1200
 
 
 def test_c_kernels_are_one_unit_of_small_pieces():
-    """_cpu_kernels.c only #includes the pieces in kernels/c/ (one translation unit: inlining and the build
+    """_cpu_kernels.c only #includes the pieces in kernels/c/ and their header (one translation unit: inlining and the build
     cache work as one file), each piece at most MAX_C_LINES, every piece included once."""
     kernels = SRC / "kernels"
     unity = [ln for ln in (kernels / "_cpu_kernels.c").read_text().splitlines() if ln.startswith("#")]
     included = [ln.split('"')[1] for ln in unity]
     assert all(ln.startswith('#include "c/') for ln in unity), unity
-    pieces = sorted(p.name for p in (kernels / "c").glob("*.c"))
+    pieces = sorted(p.name for p in [*(kernels / "c").glob("*.c"), *(kernels / "c").glob("*.h")])
     assert sorted(i.removeprefix("c/") for i in included) == pieces
     long = {
         p.name: n for p in (kernels / "c").glob("*.c") if (n := len(p.read_text().splitlines())) > MAX_C_LINES

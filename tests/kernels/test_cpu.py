@@ -18,7 +18,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from hotcold import quants
-from hotcold.kernels import build, cpu
+from hotcold.kernels import build, cabi, cpu
 from hotcold.quants import QuantTensor
 from tests.fixtures import FP16_FIELDS, random_blocks
 
@@ -805,7 +805,7 @@ def test_vnni_kernels_give_the_bits_of_the_kernels_without_vnni(tmp_path):
     if not build._compile(cc, ["-O3", "-march=native", "-mno-avx512vnni", "-mno-avxvnni", "-fopenmp"], out):
         pytest.skip("the compiler does not take -mno-avx512vnni / -mno-avxvnni")
     plain = ctypes.CDLL(str(out))
-    build._bind(plain)
+    cabi.bind(plain)
     rng = np.random.default_rng(5)
     packable = {Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K}
     for fmt in [f for f in FORMATS if f not in FLOAT]:

@@ -1,6 +1,7 @@
 /* hotcold's CPU kernels, compiled as one translation unit (inlining across the pieces, one build cache
  * entry): the pieces in kernels/c/, in this order. The contract (determinism, layouts) opens c/base.c. */
 #include "c/base.c" /* the contract, includes, weight type codes, scalar helpers */
+#include "c/hotcold.h" /* what Python calls: every exported function and struct (bound by cabi.py) */
 #include "c/simd.c" /* the SIMD layer (AVX-512, AVX2, portable) and the block types decoded without SIMD code */
 #include "c/dots.c" /* dot products of weight rows with token vectors: float, and integer for block weights */
 #include "c/row_kernels.c" /* the gather (GEMV) tiles and the axpy blocks and batches over rows */

@@ -10,7 +10,8 @@ HOTCOLD_CFLAGS replaces the compiler flags (default: -O3 -march=native -fopenmp,
 HOTCOLD_CACHE_DIR the cache folder (default: $XDG_CACHE_HOME/hotcold or ~/.cache/hotcold); CC the
 compiler (default: cc, then gcc).
 
-The end of the file is the calling convention that `cpu.py` uses for the C functions (and its torch
+The functions and structs are bound from the header `c/hotcold.h` (kernels/cabi.py). The end of this file is
+the calling convention that `cpu.py` uses for the C functions (and its torch
 fallbacks for their checks): a weight as (type code, data pointer, row stride in bytes) or an `HCWeight`,
 tokens as a contiguous float32 [T, n], row masks as a contiguous bool [T, F] (bytes 0 / 1).
 """
@@ -32,9 +33,11 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
+from hotcold.kernels import cabi
+from hotcold.kernels.cabi import ABI_VERSION, HCInRule, HCLayer, HCWeight
 from hotcold.quants import QuantTensor, row_bytes
 
-__all__ = ["ABI_VERSION", "WT", "HCInRule", "HCWeight", "get_lib", "backend", "simd"]
+__all__ = ["ABI_VERSION", "WT", "HCInRule", "HCLayer", "HCWeight", "get_lib", "backend", "simd"]
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +49,10 @@ _PIECES = Path(__file__).with_name("c")
 
 def source_bytes() -> bytes:
     """The kernels' whole source (the unity file and every piece it includes), for the build cache's key."""
-    pieces = sorted(_PIECES.glob("*.c"))
+    pieces = sorted([*_PIECES.glob("*.c"), *_PIECES.glob("*.h")])
     return b"\0".join([_SRC.read_bytes(), *(p.name.encode() + b"\0" + p.read_bytes() for p in pieces)])
 
 
-ABI_VERSION = 32  # HC_ABI_VERSION in c/base.c: bump both when a signature changes
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
 WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
@@ -65,109 +67,6 @@ COMPILING += "they need a C compiler: without one (or if this fails) hotcold run
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _loaded = False
-
-
-class HCWeight(ctypes.Structure):
-    """hc_weight in _cpu_kernels.c: one [rows, cols] matrix, row i at data + i * stride bytes; packed:
-    its copy in the packed GEMV layout (kernels/cpu.pack) or NULL."""
-
-    _fields_ = [
-        ("wt", ctypes.c_int),
-        ("data", ctypes.c_void_p),
-        ("stride", ctypes.c_int64),
-        ("rows", ctypes.c_int64),
-        ("cols", ctypes.c_int64),
-        ("packed", ctypes.c_void_p),
-    ]
-
-
-class HCInRule(ctypes.Structure):
-    """hc_in_rule in _cpu_kernels.c: an input-sparse score's rule (channel i kept iff |h_i| (* scale[i]) >
-    thr)."""
-
-    _fields_ = [("scale", ctypes.c_void_p), ("thr", ctypes.c_float)]
-
-
-class HCLayer(ctypes.Structure):
-    """hc_layer in _cpu_kernels.c: one layer's arguments for hc_decode_step (its q/k/v group, attention norm, KV
-    cache and RoPE, then the sparse, thresholded or dense tail; LayerNorms, biases and a parallel residual)."""
-
-    _w = ctypes.POINTER(HCWeight)
-    _fields_ = [
-        ("wts", ctypes.c_int * 3),
-        ("Ws", ctypes.c_void_p * 3),
-        ("strides", ctypes.c_int64 * 3),
-        ("Fs", ctypes.c_int64 * 3),
-        ("packed", ctypes.c_int),
-        ("attn_norm", ctypes.c_void_p),
-        ("attn_eps", ctypes.c_float),
-        ("kc", ctypes.c_void_p),
-        ("vc", ctypes.c_void_p),
-        ("H", ctypes.c_int64),
-        ("Hkv", ctypes.c_int64),
-        ("Dh", ctypes.c_int64),
-        ("R", ctypes.c_int64),
-        ("neox", ctypes.c_int),
-        ("window", ctypes.c_int64),
-        ("wo", _w),
-        ("fc1", _w),
-        ("fc2", _w),
-        ("up", _w),
-        ("gate", _w),
-        ("down", _w),
-        ("thr", ctypes.c_float),
-        ("sparse", ctypes.c_int),
-        ("down_is_t", ctypes.c_int),
-        ("up_bias", ctypes.c_void_p),
-        ("kind", ctypes.c_int),
-        ("act", ctypes.c_int),
-        ("ffn_norm", ctypes.c_void_p),
-        ("ffn_eps", ctypes.c_float),
-        ("score", _w),
-        ("scale", ctypes.c_void_p),
-        ("qkv_t", _w),
-        ("wo_t", _w),
-        ("qkv_scale", ctypes.c_void_p),
-        ("wo_scale", ctypes.c_void_p),
-        ("qkv_thr", ctypes.c_float),
-        ("wo_thr", ctypes.c_float),
-        ("score_in", ctypes.POINTER(HCInRule)),
-        # LayerNorm families, biases and a parallel residual (falcon, opt); 0 / NULL for llama layers
-        ("attn_ln", ctypes.c_int),
-        ("ffn_ln", ctypes.c_int),
-        ("attn_norm_b", ctypes.c_void_p),
-        ("ffn_norm_b", ctypes.c_void_p),
-        ("q_bias", ctypes.c_void_p),
-        ("k_bias", ctypes.c_void_p),
-        ("v_bias", ctypes.c_void_p),
-        ("wo_bias", ctypes.c_void_p),
-        ("down_bias", ctypes.c_void_p),
-        ("parallel", ctypes.c_int),
-        # a mixture of experts (mixtral): router, experts' FFNs, the sequence's routing out
-        ("router", _w),
-        ("n_expert", ctypes.c_int64),
-        ("n_used", ctypes.c_int64),
-        ("e_up", ctypes.POINTER(_w)),
-        ("e_gate", ctypes.POINTER(_w)),
-        ("e_down", ctypes.POINTER(_w)),
-        ("e_fc1", ctypes.POINTER(_w)),
-        ("e_fc2", ctypes.POINTER(_w)),
-        ("e_thr", ctypes.c_void_p),
-        ("route_out", ctypes.c_void_p),
-        # per-head RMS norms of q and k (qwen3), or NULL
-        ("q_norm", ctypes.c_void_p),
-        ("k_norm", ctypes.c_void_p),
-        ("qk_eps", ctypes.c_float),
-        # gemma3: sandwich norms [D] or NULL, RoPE from the local tables
-        ("attn_post_norm", ctypes.c_void_p),
-        ("ffn_post_norm", ctypes.c_void_p),
-        ("post_eps", ctypes.c_float),
-        ("local_rope", ctypes.c_int),
-        # smallthinker: the router before attention, sigmoid gating (1), ReLU experts over their live rows
-        ("early_router", ctypes.c_int),
-        ("gating", ctypes.c_int),
-        ("relu_rows", ctypes.c_int),
-    ]
 
 
 def _cache_dir() -> Path:
@@ -230,49 +129,6 @@ def _compile(cc: str, flags: list[str], out: Path, *, announce: bool = False) ->
             os.unlink(tmp)
 
 
-def _bind(lib: ctypes.CDLL) -> None:
-    """The C signatures (keep in step with _cpu_kernels.c and ABI_VERSION)."""
-    i64, p, c_int, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
-    w = ctypes.POINTER(HCWeight)
-    rule = ctypes.POINTER(HCInRule)
-    kern = [c_int, p, i64, i64, i64, p, i64, p, p, c_int]
-    signatures = {
-        "hc_gather_matvec": (kern, c_int),
-        "hc_sparse_axpy": (kern, c_int),
-        "hc_dequantize": ([c_int, p, i64, p, i64, i64, p, c_int], c_int),
-        "hc_simd": ([], ctypes.c_char_p),
-        "hc_sparse_ffn": ([w, w, f32, p, w, w, w, p, c_int, i64, p, p, f32, p, p, c_int], i64),
-        "hc_decode_tail": ([w, p, p, w, w, f32, w, w, w, p, c_int, i64, p, f32, p, p, p, c_int], i64),
-        "hc_thresholded_ffn": ([w, rule, p, f32, c_int, w, w, w, i64, p, p, f32, p, p, c_int], i64),
-        "hc_thresholded_tail": ([w, p, p, w, rule, p, f32, c_int, w, w, w, i64, p, f32, p, p, p, c_int], i64),
-        "hc_decode_head": (
-            [c_int, *[p] * 4, c_int, i64, p, p, f32, *[p] * 3, *[i64] * 5, p, p, c_int, i64, p, c_int],
-            c_int,
-        ),
-        "hc_decode_step": ([c_int, i64, p, p, i64, p, p, p, p, p, p, c_int], c_int),
-        "hc_dense_tail": ([w, p, p, w, w, w, c_int, p, c_int, c_int, i64, p, f32, p, p, c_int], c_int),
-        "hc_ffn_combine": ([c_int, c_int, p, p, p, i64, i64, p, c_int], None),
-        "hc_matvec_multi": ([c_int, p, p, p, p, i64, p, i64, p, f32, p, c_int], c_int),
-        "hc_rms_norm": ([p, p, f32, i64, i64, p], None),
-        "hc_layer_norm": ([p, p, p, f32, i64, i64, p], None),
-        "hc_moe_route": ([p, i64, i64, i64, c_int, p, p], None),
-        "hc_packed_nbytes": ([c_int, i64, i64], i64),
-        "hc_pack": ([c_int, p, i64, i64, i64, p], c_int),
-        "hc_screen_q8_0": ([c_int, p, i64, i64, i64, p, p, p, c_int], c_int),
-        "hc_packed_matvec": ([c_int, p, i64, i64, p, i64, p, c_int], c_int),
-        "hc_packed_matvec_multi": ([c_int, p, p, p, i64, p, i64, p, f32, p, c_int], c_int),
-        "hc_attn_prefill": ([i64, p, p, p, i64, i64, i64, i64, p, c_int], c_int),
-        "hc_attn_decode_rows": (
-            [i64, p, p, p, p, p, p, i64, i64, i64, i64, p, p, c_int, i64, p, c_int],
-            c_int,
-        ),
-    }
-    for name, (argtypes, restype) in signatures.items():
-        fn = getattr(lib, name)
-        fn.argtypes = argtypes
-        fn.restype = restype
-
-
 def _build_and_load() -> ctypes.CDLL | None:
     if os.environ.get("HOTCOLD_NO_CEXT", "") not in ("", "0"):
         log.info("HOTCOLD_NO_CEXT is set: using the torch CPU kernels")
@@ -304,7 +160,8 @@ def _build_and_load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(path))
             if lib.hc_abi_version() != ABI_VERSION:
                 raise OSError(f"ABI version {lib.hc_abi_version()}, expected {ABI_VERSION}")
-            _bind(lib)
+            cabi.bind(lib)
+            cabi.check_layouts(lib)
         except (OSError, AttributeError) as e:
             log.debug("loading %s failed: %s", path, e)
             continue

@@ -31,7 +31,6 @@
 #include <immintrin.h>
 #endif
 
-#define HC_ABI_VERSION 32
 #ifndef HC_PF
 #define HC_PF 1 /* software prefetch of the next rows */
 #endif

@@ -40,62 +40,6 @@ int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int
                             &pos, H, Hkv, Dh, R, cos, sin, neox, window, out, nth);
 }
 
-/* One layer of a llama-family decode token, for hc_decode_step: the arguments of its hc_decode_head
- * call (q/k/v group, attention norm, the sequence's KV cache of this layer, RoPE) and of its tail
- * (hc_decode_tail with a predictor, or hc_dense_tail). Keep in step with build.HCLayer. */
-typedef struct {
-    int wts[3];
-    const uint8_t *Ws[3];
-    int64_t strides[3], Fs[3];
-    int packed;
-    const float *attn_norm;
-    float attn_eps;
-    float *kc, *vc;
-    int64_t H, Hkv, Dh, R;
-    int neox;
-    int64_t window;
-    const hc_weight *wo, *fc1, *fc2, *up, *gate, *down;
-    float thr;
-    int sparse;    /* 1: hc_decode_tail (fc1, fc2, thr, down = down_t), 2: hc_thresholded_tail (score, scale,
-                      thr, gate NULL or the exact gate, down = down_t), 0: hc_dense_tail */
-    int down_is_t; /* dense tail: down is down_t [F, D] */
-    const float *up_bias;
-    int kind, act;
-    const float *ffn_norm;
-    float ffn_eps;
-    const hc_weight *score; /* thresholded tail: the score matrix (probe or gate), per-neuron weights or NULL */
-    const float *scale;
-    /* thresholded layers with input-sparse attention (else NULL): q/k/v as hc_input_sparse_matvec over
-     * qkv_t [D, q + k + v] of the normed x, o over wo_t [H * Dh, D] of the attention output */
-    const hc_weight *qkv_t, *wo_t;
-    const float *qkv_scale, *wo_scale;
-    float qkv_thr, wo_thr;
-    const hc_in_rule *score_in; /* thresholded tail: an input-sparse score (score is gate_t), or NULL */
-    /* LayerNorm families, biases and a parallel residual (falcon, opt); 0 / NULL for llama layers */
-    int attn_ln, ffn_ln;      /* the norm is a LayerNorm (bias attn_norm_b / ffn_norm_b, or NULL), not RMS */
-    const float *attn_norm_b, *ffn_norm_b;
-    const float *q_bias, *k_bias, *v_bias, *wo_bias, *down_bias; /* or NULL */
-    int parallel;             /* the FFN reads the layer input x (x + attn + ffn), not the residual after attention */
-    /* a mixture of experts (mixtral): the router [E, D] and each expert's FFN (kind, act, sparse and down_is_t as
-     * above, up = expert 0's up); route_out [n_used]: this sequence's experts of its last decode token */
-    const hc_weight *router;
-    int64_t n_expert, n_used;
-    const hc_weight *const *e_up, *const *e_gate, *const *e_down, *const *e_fc1, *const *e_fc2;
-    const float *e_thr;
-    int64_t *route_out;
-    /* per-head RMS norms of q and k [Dh] (qwen3), or NULL */
-    const float *q_norm, *k_norm;
-    float qk_eps;
-    /* gemma3: RMS norms on attention's and the FFN's output before each add [D] (or NULL), RoPE from the local
-     * tables (cos_l / sin_l of hc_decode_step) */
-    const float *attn_post_norm, *ffn_post_norm;
-    float post_eps;
-    int local_rope;
-    /* smallthinker: the router on the layer's raw input x before attention (early_router), sigmoid gating (1) or
-     * softmax (0), and ReLU-gated experts computed over their live rows (relu_rows: relu_rows_ffn) */
-    int early_router, gating, relu_rows;
-} hc_layer;
-
 #define HC_SIGMOID_SUM_MIN 6.103515625e-5f /* upstream clamps the sum of the chosen sigmoids below at F16's min */
 
 /* Each of T rows of logits [T, E]: its K largest, largest first (ties: the lower expert first) -> ids [T, K], and

@@ -3,13 +3,6 @@
  * activation and the axpy in one call, so no interpreter work (and no cache-cold glue) runs in
  * between. It is built from the kernels above, so its results equal theirs bit for bit.
  * ---------------------------------------------------------------------------------------------- */
-typedef struct {
-    int wt;
-    const uint8_t *data; /* row i at data + i * stride */
-    int64_t stride, rows, cols;
-    const uint8_t *packed; /* the packed GEMV copy (hc_pack) or NULL */
-} hc_weight;
-
 /* out [T, rows] = x @ W.T over every row: the packed GEMV where W has a packed copy (the predictor's
  * matrices, always multiplied whole), else the row kernel; each as a matmul call would choose. */
 static int weight_matvec(const hc_weight *w, const float *x, int64_t T, float *out, int nth) {
@@ -136,9 +129,6 @@ int64_t hc_decode_tail(const hc_weight *wo, const float *attn, const float *x, c
     return fired;
 }
 
-int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *const *kcs, float *const *vcs,
-                        const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
-                        const float *sin, int neox, int64_t window, float *out, int nth);
 
 /* ------------------------------------------------------------------------------------------------
  * The dense FFN's activations, and a dense decode layer's tail in one call.
@@ -283,8 +273,8 @@ int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const 
  * token's input channels i kept iff |x[t, i]| (times scale[i] if scale) > thr, all in float32 as torch
  * computes it, the others 0: the axpy over w_t [Din, Fo] (row i = input channel i's output direction) of
  * the kept channels. mask [T, Din] receives them. Returns 0, or -1 if memory ran out. */
-int hc_input_sparse_matvec(const hc_weight *w_t, const float *scale, float thr, const float *x, int64_t T,
-                           uint8_t *mask, float *out, int nth) {
+static int hc_input_sparse_matvec(const hc_weight *w_t, const float *scale, float thr, const float *x,
+                                  int64_t T, uint8_t *mask, float *out, int nth) {
     const int64_t Din = w_t->rows;
     for (int64_t t = 0; t < T; t++)
         for (int64_t i = 0; i < Din; i++) {
@@ -293,13 +283,6 @@ int hc_input_sparse_matvec(const hc_weight *w_t, const float *scale, float thr, 
         }
     return hc_sparse_axpy(w_t->wt, w_t->data, w_t->stride, Din, w_t->cols, x, T, mask, out, nth);
 }
-
-/* The input rule of an input-sparse score (sparsify --gate-probe inputs): channel i of a token's FFN input
- * is kept iff |h_i| (times scale[i] if scale) > thr. */
-typedef struct {
-    const float *scale;
-    float thr;
-} hc_in_rule;
 
 /* With norm_w the FFN input is h = hc_rms_norm(x), else x. s [T, F] = h @ score.T over every row (the
  * gate probe, or the gate itself when gate is NULL: weight_matvec, as the matmul of few tokens; with

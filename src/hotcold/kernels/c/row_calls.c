@@ -74,6 +74,15 @@ int hc_abi_version(void) { return HC_ABI_VERSION; }
 
 const char *hc_simd(void) { return HC_SIMD; }
 
+int64_t hc_struct_size(int which) {
+    switch (which) {
+    case 0: return (int64_t)sizeof(hc_weight);
+    case 1: return (int64_t)sizeof(hc_in_rule);
+    case 2: return (int64_t)sizeof(hc_layer);
+    default: return -1;
+    }
+}
+
 /* The rows i that some token t wants, ascending, into idx [F]: (mask NULL or mask[t, i]) and (a NULL or
  * a[t, i] != 0), mask and a [T, F] (not both NULL). Their count, or -1 if memory ran out. */
 static int64_t union_rows(const uint8_t *mask, const float *a, int64_t T, int64_t F, int32_t *idx, int nth) {
@@ -155,9 +164,6 @@ int hc_gather_matvec(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_
                      const uint8_t *mask, float *out, int nth) {
     return gather_matvec_xq(wt, W, stride, F, D, x, T, mask, out, nth, NULL);
 }
-
-void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D, float *out);
-void hc_layer_norm(const float *x, const float *w, const float *b, float eps, int64_t T, int64_t D, float *out);
 
 /* With norm_w, *x replaced by hc_rms_norm(*x) in a new buffer *xn (the caller frees it; NULL without norm_w).
  * Returns 0, or -1 if memory ran out. */
