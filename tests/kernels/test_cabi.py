@@ -76,6 +76,7 @@ def test_the_layouts_match_the_compiler_and_every_function_binds():
     cabi.check_layouts(lib)  # raises on a mismatch
     assert lib.hc_abi_version() == cabi.ABI_VERSION
     for name, (argtypes, restype) in cabi.FUNCTIONS.items():
-        assert getattr(lib, name).argtypes == argtypes, name
+        fn = getattr(lib, name)
+        assert (fn.argtypes, fn.restype) == (argtypes, restype), name
     assert ctypes.sizeof(cabi.HCLayer) == lib.hc_struct_size(2)
     assert lib.hc_struct_size(99) == -1

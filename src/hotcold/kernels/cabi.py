@@ -70,7 +70,9 @@ def _ctype(base: str, depth: int, structs: dict, *, field: bool):
 
 
 @cache
-def parse(text: str | None = None) -> tuple[int, dict[str, type[ctypes.Structure]], dict[str, tuple[list, object]]]:
+def parse(
+    text: str | None = None,
+) -> tuple[int, dict[str, type[ctypes.Structure]], dict[str, tuple[list, object]]]:
     """(ABI version, struct name -> ctypes.Structure, function name -> (argtypes, restype)) of the header."""
     raw = HEADER.read_text() if text is None else text
     abi = re.search(r"#define\s+HC_ABI_VERSION\s+(\d+)", raw)
@@ -80,7 +82,9 @@ def parse(text: str | None = None) -> tuple[int, dict[str, type[ctypes.Structure
     structs: dict[str, type[ctypes.Structure]] = {}
     for m in re.finditer(r"typedef\s+struct\s*\w*\s*\{(.*?)\}\s*(\w+)\s*;", body, flags=re.S):
         fields_text, name = m.groups()
-        camel = "HC" + "".join(w.title() for w in name.removeprefix("hc_").split("_"))  # hc_in_rule -> HCInRule
+        camel = "HC" + "".join(
+            w.title() for w in name.removeprefix("hc_").split("_")
+        )  # hc_in_rule -> HCInRule
         cls = type(camel, (ctypes.Structure,), {"__doc__": f"{name} in c/hotcold.h"})
         structs[name] = cls  # before its fields: a struct may point at its own type
         fields = []
