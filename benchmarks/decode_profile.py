@@ -49,11 +49,11 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"this profile follows the llama forward; {type(model).__name__} is not one")
     timers = Timers()
     # model objects are immutable: time the steps through the classes and module functions they call
-    ffn_class = type(model.layers[0].ffn)
+    ffn_class, tail_class = type(model.layers[0].ffn), type(model.tails[0])  # tail: NoneType where op by op
     patches = [
         # a CPU decode token: q/k/v + RoPE + attention in one C call, then o + residual + FFN + residual in one
         (llama, "decode_attention", "q, k, v + rope + attention (one C call)"),
-        (ffn_class, "decode_tail", "o projection + ffn (one C call)"),
+        (tail_class, "__call__", "o projection + ffn (one C call)"),
         # the op-by-op path, where a layer takes it (prefill, or FFNs without a fused tail)
         (llama, "rope_attention_segments", "rope + attention (op by op)"),
         (llama, "linear", "attention output projection (op by op)"),

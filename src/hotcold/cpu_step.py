@@ -11,7 +11,7 @@ plan holds each layer's arguments for one sequence (its KV cache) and one kind o
 built on the first token that can use it and kept in that sequence's state; a batch's call takes each sequence's
 own plan (its caches; the weights are the same in all). It applies where every layer would have made those C calls itself: one new
 token a sequence, no profiling (observe, keep_masks) and no hot neurons on a GPU, every layer on the CPU with a C
-q/k/v group and a C tail (`FFN.c_tail`); a batch not over thresholded or input-sparse layers (their calls take one
+q/k/v group and a C tail (`model.tails`: sparse/tails.py); a batch not over thresholded or input-sparse layers (their calls take one
 token; the C call says so before computing anything), and below the GEMM size (where a dense tail's matrices run
 in C for any row count, as for one). Elsewhere `CPUDecoder` returns None and the layers run as before.
 """
@@ -59,7 +59,7 @@ def unsupported(model) -> str | None:
             )
         if group is None or group.rows != [h * dh, hkv * dh, hkv * dh]:
             return f"layer {i}: q/k/v not one C group"
-        if layer.ffn.c_tail(layer.wo, dense=False) is None:
+        if model.tails[i] is None or model.tails[i].c_fields(dense=False) is None:
             return f"layer {i}: its FFN has no C tail"
         if layer.spec.input_sparse and layer.inputs.c_fields() is None:
             return f"layer {i}: its input-sparse q/k/v and o have no C form"
@@ -186,8 +186,7 @@ class _Plan:
                 or vc.shape != kc.shape
             ):
                 return None
-            c_tail = getattr(layer.ffn, "c_tail", None)  # MoE layers have none
-            tail = c_tail(layer.wo, dense=dense) if c_tail is not None else None
+            tail = None if model.tails[i] is None else model.tails[i].c_fields(dense=dense)
             if tail is None:
                 return None
             attn_w = norm.weight.to(torch.float32).contiguous()

@@ -10,6 +10,7 @@ from hotcold.kernels import cpu, ffn_calls
 from hotcold.ops import Norm, rms_norm
 from hotcold.sparse.ffn import DenseFFN, SparseFFN, sparse_step
 from hotcold.sparse.predictor import Predictor
+from hotcold.sparse.tails import DenseTail, SparseTail
 from tests.fixtures import ffn_state, ffn_weights
 
 F, D = 1280, 96
@@ -184,8 +185,8 @@ def test_one_call_decode_equals_the_layer_ops(
     halves = run()
     assert len(calls["attend"]) >= 5 * 2 and all(calls["attend"])  # every decode forward, every layer
     assert len(calls["tail"]) > 10 and all(calls["tail"])  # prefill (few tokens) and decode, every layer
-    monkeypatch.setattr(SparseFFN, "decode_tail", lambda self, *a: None)
-    monkeypatch.setattr(DenseFFN, "decode_tail", lambda self, *a: None)
+    monkeypatch.setattr(SparseTail, "__call__", lambda self, *a: None)
+    monkeypatch.setattr(DenseTail, "__call__", lambda self, *a: None)
     monkeypatch.setattr(llama, "decode_attention", lambda *a, **k: None)
     ops = run()
     for got in (whole, halves):

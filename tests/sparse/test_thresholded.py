@@ -14,6 +14,7 @@ from gguf.quants import dequantize
 import hotcold
 from hotcold import names
 from hotcold.ops import linear
+from hotcold.sparse.tails import ThresholdedTail
 from hotcold.sparse.thresholded import ThresholdedFFN, threshold_at
 from hotcold.state import Batch, FFNCounts, SequenceState
 from tests.fixtures import ffn_state, ffn_weights
@@ -291,10 +292,10 @@ def test_one_call_decode_equals_the_layer_ops(tiny_swiglu, tmp_path, monkeypatch
     assert len(tails) > 10 and all(
         t is not None for t in tails
     )  # prefill (few tokens) and decode, every layer
-    monkeypatch.setattr(ThresholdedFFN, "decode_tail", lambda self, *a: None)
+    monkeypatch.setattr(ThresholdedTail, "__call__", lambda self, *a: None)
     monkeypatch.setattr(llama, "decode_attention", lambda *a, **k: None)
     steps = run()  # the FFN step still one C call (the plan), the rest op by op
-    monkeypatch.setattr(ThresholdedFFN, "_plan_for", lambda self, x, ctx: None)
+    monkeypatch.setattr(ThresholdedFFN, "plan_for", lambda self, x, ctx: None)
     ops = run()
     for got in (whole, halves, steps):
         assert torch.equal(got[0], ops[0])

@@ -27,6 +27,7 @@ from hotcold.ops import (
     rope_attention,
     rope_attention_rows,
 )
+from hotcold.sparse.tails import layer_tail
 from hotcold.state import Batch, SequenceState
 
 # make_ffn(layer, weights, predictor or None, norm or None, expert=None) -> an FFN: ffn(x, ctx) / ffn.apply(h, p, ctx)
@@ -311,6 +312,12 @@ def per_sequence(ctx: Batch, attend) -> torch.Tensor:
     if len(ctx.seqs) == 1:
         return attend(0, ctx.rows, ctx.seqs[0], ctx.starts[0])
     return torch.cat([attend(a, b, seq, pos) for a, b, seq, pos in ctx.segments()])
+
+
+def layer_tails(layers) -> list:
+    """Each layer's tail (o, residuals and the FFN as one C call: sparse/tails.py), chosen once at load from its
+    FFN and o projection; None where the layer runs them op by op."""
+    return [layer_tail(layer.ffn, layer.wo) for layer in layers]
 
 
 def new_sequence(config: ModelConfig, plan: DevicePlan, n_ctx: int) -> SequenceState:

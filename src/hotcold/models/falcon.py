@@ -19,6 +19,7 @@ from hotcold.models.base import (
     FFNMaker,
     Head,
     LayerSpec,
+    layer_tails,
     new_sequence,
     one_call_decode,
     rope_attention_segments,
@@ -48,6 +49,7 @@ class Falcon:
         self.head = head
         self.plan = plan
         self.rope = RopeTables(config, [layer.device for layer in layers])
+        self.tails = layer_tails(layers)  # the one-call decode's layer tails (sparse/tails.py), or None
         self.decoder, self.static_step, self.cpu_decode = "eager", None, None  # chosen at load (decoders.py)
 
     def new_sequence(self, n_ctx: int) -> SequenceState:

@@ -24,6 +24,7 @@ from hotcold.models.base import (
     Head,
     LayerSpec,
     decode_attention,
+    layer_tails,
     new_sequence,
     one_call_decode,
     rope_attention_segments,
@@ -97,21 +98,24 @@ class LayerOps:
     the general op runs that forward: the one fallback contract (ARCHITECTURE.md)."""
 
     decode_attention: bool  # q/k/v, RoPE and attention of a decode token: one C call (two fused GPU launches)
-    tail: str  # "fused": o, residuals and the FFN in one C call; "normed": each branch normed before its add
-    # (Gemma's sandwich norms) or the input-sparse o; "plain": o, then the FFN, op by op
+    tail: (
+        str  # "fused": o, residuals and the FFN in one C call (`fused`); "normed": each branch normed before
+    )
+    # its add (Gemma's sandwich norms) or the input-sparse o; "plain": o, then the FFN, op by op
+    fused: object = None  # the layer's tail (sparse/tails.py) where tail is "fused"
 
 
-def choose_ops(layer: LlamaLayer, *, dense: bool) -> LayerOps:
-    """The ops of `layer` for sparse forwards, or (dense) for the dense reference, where input sparsity is off."""
+def choose_ops(layer: LlamaLayer, tail, *, dense: bool) -> LayerOps:
+    """The ops of `layer` (whose tail is `tail`: tails.layer_tail, or None) for sparse forwards, or (dense) for
+    the dense reference, where input sparsity is off."""
     spec, input_sparse = layer.spec, layer.inputs is not None and not dense
     plain_qkv = not (spec.attn_bias or spec.qk_norm or spec.attn_scale or spec.sinks or spec.attn_softcap)
+    decode_attention = plain_qkv and not input_sparse
     if spec.post_norms or input_sparse:
-        tail = "normed"
-    elif layer.o_bias is None and hasattr(layer.ffn, "decode_tail"):  # MoE layers have none
-        tail = "fused"
-    else:
-        tail = "plain"
-    return LayerOps(decode_attention=plain_qkv and not input_sparse, tail=tail)
+        return LayerOps(decode_attention, "normed")
+    if layer.o_bias is None and tail is not None and tail.eager:  # MoE tails run in the one-call decode only
+        return LayerOps(decode_attention, "fused", tail)
+    return LayerOps(decode_attention, "plain")
 
 
 class Llama:
@@ -142,7 +146,11 @@ class Llama:
         rules = ARCH_RULES.get(config.arch, LLAMA_RULES)
         self.embed_scale = math.sqrt(config.n_embd) if rules.embed_scale else None
         # each layer's ops for sparse forwards and for the dense reference (they differ where input is sparse)
-        self.ops = {dense: [choose_ops(layer, dense=dense) for layer in layers] for dense in (False, True)}
+        self.tails = layer_tails(layers)  # each layer's tail as one C call, or None
+        self.ops = {
+            dense: [choose_ops(layer, tail, dense=dense) for layer, tail in zip(layers, self.tails)]
+            for dense in (False, True)
+        }
         # the decoder, chosen at load (decoders.choose_decoder): a fast one, or None for these layers one by one
         self.decoder, self.static_step, self.cpu_decode = "eager", None, None
 
@@ -173,7 +181,7 @@ class Llama:
                 f = layer.ffn(x, ctx)
                 x = x + (layer.post_ffn_norm(f) if post else f)
                 continue
-            if ops.tail == "fused" and (y := layer.ffn.decode_tail(attn, x, layer.wo, ctx)) is not None:
+            if ops.tail == "fused" and (y := ops.fused(attn, x, ctx)) is not None:
                 x = y  # one C call, CPU decode
                 continue
             x = x + linear(attn, layer.wo, layer.o_bias)

@@ -24,6 +24,7 @@ from hotcold.models.base import (
     FFNMaker,
     Head,
     LayerSpec,
+    layer_tails,
     new_sequence,
     one_call_decode,
     rope_attention_segments,
@@ -69,6 +70,7 @@ class OPT:
         self.rope = RopeTables(
             config, [layer.device for layer in layers], rope_dim=0
         )  # positions are learned
+        self.tails = layer_tails(layers)  # the one-call decode's layer tails (sparse/tails.py), or None
         self.decoder, self.static_step, self.cpu_decode = "eager", None, None  # chosen at load (decoders.py)
 
     @property

@@ -12,19 +12,16 @@ its gate rows, then only the up rows where relu(gate) != 0 and only the down row
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from hotcold.kernels import cpu
-from hotcold.kernels.build import HCWeight, hc_weight
 from hotcold.kernels.decode_glue import GATINGS as GATING_CODES
 from hotcold.ops import Norm, Weight, linear
+from hotcold.sparse import tails
 from hotcold.sparse.ffn import FFN, DenseFFN
 from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.state import Batch
 
-_WEIGHTS = ctypes.POINTER(HCWeight)
 GATINGS = tuple(GATING_CODES)  # "softmax", "sigmoid"
 
 
@@ -64,6 +61,8 @@ def runs_relu_rows(expert: FFN) -> bool:
 
 
 class MoEFFN:
+    tail_type = tails.MoETail  # the one-call decode's layer tail; eager forwards run the experts op by op
+
     def __init__(self, router: Weight, experts: list[FFN], n_used: int, *, layer: int, norm: Norm,
                  router_bias: torch.Tensor | None = None, gating: str = "softmax", threads: int | None = None):  # fmt: skip
         if gating not in GATINGS:
@@ -132,42 +131,3 @@ class MoEFFN:
             rows.count(self.layer, live)
             return expert.weights.add_down_bias(y)
         return expert.apply(h, x, rows)
-
-    def c_tail(self, wo: Weight, *, dense: bool) -> dict | None:
-        """The fields of this layer's tail in the one-call C decode (build.HCLayer: the router and every expert's
-        FFN, as their own c_tail gives them; cpu_step adds the sequence's routing buffer), or None where an expert
-        has no C tail, the experts differ in kind, or the norm is not RMS."""
-        router_data = self.router if isinstance(self.router, torch.Tensor) else self.router.data
-        if not self.norm.rms or router_data.device.type != "cpu":  # route multiplies a CPU router in C
-            return None
-        if self.router_bias is not None:  # gpt-oss: not in C yet
-            return None
-        tails = [e.c_tail(wo, dense=dense, norm=self.norm) for e in self.experts]  # the layer norms once
-        if any(t is None for t in tails):
-            return None
-        # ReLU experts over their live rows (relu_rows_ffn: relu_rows_apply's calls), as _expert runs them
-        relu_rows = not dense and all(self.relu_rows)
-        fields = [t["fields"] for t in tails]
-        shared = ("sparse", "kind", "act", "down_is_t")
-        if any(any(f.get(k) != fields[0].get(k) for k in shared) or f.get("up_bias") for f in fields):
-            return None
-        router = hc_weight(self.router)
-        if router.cols != wo.shape[0] or router.rows != len(self.experts):
-            return None
-
-        def column(name):
-            structs = [f.get(name) for f in fields]
-            return (
-                None
-                if structs[0] is None
-                else (_WEIGHTS * len(structs))(*[ctypes.pointer(s) for s in structs])
-            )
-
-        arrays = {k: column(k) for k in ("up", "gate", "down", "fc1", "fc2")}
-        thr = torch.tensor([float(f.get("thr", 0.0)) for f in fields], dtype=torch.float32)
-        out = dict(fields[0])  # wo, the FFN norm and the shared fields; up (expert 0's) sizes the masks
-        out.update(
-            router=router, n_expert=len(self.experts), n_used=self.n_used, e_thr=thr.data_ptr(),
-            gating=GATING_CODES[self.gating], relu_rows=int(relu_rows), **{f"e_{k}": v for k, v in arrays.items()},
-        )  # fmt: skip
-        return dict(fields=out, keep=(tails, router, self.router, arrays, thr))

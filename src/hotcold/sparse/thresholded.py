@@ -30,6 +30,7 @@ from hotcold.device import place
 from hotcold.gguf_io import GGUFError, ModelFile
 from hotcold.kernels import cpu, ffn_calls
 from hotcold.ops import Norm, Weight, linear, uses_c_kernels
+from hotcold.sparse import tails
 from hotcold.sparse.ffn import FFN
 from hotcold.sparse.ffn_weights import ACTIVATIONS, FFNWeights
 from hotcold.state import Batch
@@ -188,9 +189,11 @@ class ThresholdedFFN(FFN):
     weights.up and weights.gate serve only the dense products and may be packed.
 
     For a few tokens on the CPU the step is one C call (`ffn_calls.ThresholdedPlan`, the norm folded in),
-    and a decode layer's o projection, residuals and this step another (`decode_tail`; `c_tail` for the
+    and a decode layer's o projection, residuals and this step another (tails.ThresholdedTail, also for the
     one-call decode token), each with the bits of the ops one by one; a dense forward takes the dense
     tail."""
+
+    tail_type = tails.ThresholdedTail
 
     def __init__(
         self,
@@ -242,7 +245,7 @@ class ThresholdedFFN(FFN):
         except ValueError:
             return None
 
-    def _plan_for(self, x: torch.Tensor, ctx: Batch) -> ffn_calls.ThresholdedPlan | None:
+    def plan_for(self, x: torch.Tensor, ctx: Batch) -> ffn_calls.ThresholdedPlan | None:
         """The one-call step where it has the op-by-op bits: a few CPU rows (below GEMM_MIN_TOKENS `matmul`
         multiplies every weight of the C kernels' types in C, the score matrix included)."""
         t = x.shape[0] if x.dim() == 2 else 0
@@ -251,19 +254,19 @@ class ThresholdedFFN(FFN):
         return self.plan
 
     def __call__(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor:
-        plan = self._plan_for(x, ctx)
+        plan = self.plan_for(x, ctx)
         if (
             plan is None
             or self.norm is None
             or not self.norm.folds_into_c(x)
-            or self._prompt_rows(x, ctx) is not None
+            or self.prompt_rows_of(x, ctx) is not None
         ):
             return super().__call__(x, ctx)
         out, mask, kept = plan(x, norm=self.norm.c_args, threads=self.threads)
-        self._record(ctx, x, mask, kept)
+        self.record(ctx, x, mask, kept)
         return out
 
-    def _prompt_rows(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor | None:
+    def prompt_rows_of(self, x: torch.Tensor, ctx: Batch) -> torch.Tensor | None:
         """The rows of prompt chunks that take the masked dense path (prompt_rows), where the row kernels run.
         Not with a gate probe that gathers from the gate itself: that gate stays in the row layout, and the dense
         products of row-layout matrices lost to the row kernels (a 52-token prompt 94 against 103 t/s, 1B F16)."""
@@ -280,7 +283,7 @@ class ThresholdedFFN(FFN):
                 ctx.observe(self.layer, h, p, a)
             ctx.count_all(self.layer, a)
             return self._down_dense(a, h.device)
-        chunk = self._prompt_rows(h, ctx)
+        chunk = self.prompt_rows_of(h, ctx)
         if chunk is None:
             out, mask, kept = self._step(h, rows=self.gathers and h.shape[0] < cpu.GEMM_MIN_TOKENS, ctx=ctx)
         else:  # prompt chunks' rows through the dense products, the others (decode rows) through the row kernels
@@ -290,7 +293,7 @@ class ThresholdedFFN(FFN):
             for sel, rows in ((chunk, False), (~chunk, True)):
                 if bool(sel.any()):
                     out[sel], mask[sel], _ = self._step(h[sel].contiguous(), rows=rows, ctx=ctx)
-        self._record(ctx, p, mask, kept)
+        self.record(ctx, p, mask, kept)
         return out
 
     def _step(
@@ -299,7 +302,7 @@ class ThresholdedFFN(FFN):
         """(out, mask, kept count or None) of h's rows: the row kernels (rows; the C step where it applies),
         else the masked input and activations through the dense products."""
         w = self.weights
-        if rows and (plan := self._plan_for(h, ctx)) is not None:
+        if rows and (plan := self.plan_for(h, ctx)) is not None:
             return plan(h, threads=self.threads)
         probe = self.probe is not None
         if self.gate_in is not None:  # the gate of the kept input channels: score and activation
@@ -322,37 +325,7 @@ class ThresholdedFFN(FFN):
             out = self._down_dense(a, h.device)
         return out, mask, None
 
-    def decode_tail(self, attn: torch.Tensor, x: torch.Tensor, wo: Weight, ctx: Batch) -> torch.Tensor | None:
-        """x + o + ffn(x + o) with o = linear(attn, wo), for a few CPU rows, in one C call (the same bits as
-        the layer's ops one by one); None where it does not apply. A dense forward takes the dense tail."""
-        if ctx.dense:
-            return self._dense_tail(attn, x, wo, ctx)
-        plan = self._plan_for(x, ctx)
-        if plan is None or not self._tail_ready(wo) or not self.norm.folds_into_c(x):
-            return None
-        if self._prompt_rows(x, ctx) is not None:
-            return None
-        y1, y2, mask, kept = plan.tail(wo, attn, x, norm=self.norm.c_args, threads=self.threads)
-        self._record(ctx, y1, mask, kept)
-        return y2
-
-    def _tail_ready(self, wo: Weight) -> bool:
-        """An RMS norm to fold and a wo `matmul` multiplies in C (a float32 wo goes to torch)."""
-        return self.norm is not None and self.norm.rms and uses_c_kernels(wo)
-
-    def c_tail(self, wo: Weight, *, dense: bool, norm: Norm | None = None) -> dict | None:
-        """As FFN.c_tail: the thresholded tail, or the dense one for a dense forward."""
-        if dense:
-            return self._dense_c_tail(wo, self._tail_norm(norm))
-        plan = self.plan
-        if plan is None or norm is not None or not self._tail_ready(wo):
-            return None
-        return self._c_tail_fields(
-            wo, plan.d, plan, self.norm, score=plan.score, scale=cpu.ptr(plan.scale), thr=plan.threshold, up=plan.up,
-            gate=plan.gate, down=plan.down_t, sparse=2, score_in=plan.score_in, act=plan.act,
-        )  # fmt: skip
-
-    def _dense_down(self) -> tuple[Weight, bool]:
+    def dense_down(self) -> tuple[Weight, bool]:
         return (self.down, False) if self.down is not None else (self.weights.down_t, True)
 
     def _down_dense(self, a: torch.Tensor, device: torch.device) -> torch.Tensor:

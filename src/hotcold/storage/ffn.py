@@ -38,6 +38,7 @@ class StoredFFN(SparseFFN):
     for a model with such layers and says why)."""
 
     reads_storage = True
+    tail_type = None  # no one-call tail: the predictor's rows come from storage between its calls
 
     def __init__(
         self, weights: FFNWeights, predictor, store: LayerStore, *, layer: int, norm=None, threads=None,
@@ -59,14 +60,8 @@ class StoredFFN(SparseFFN):
     def apply(self, h: torch.Tensor, p: torch.Tensor, ctx) -> torch.Tensor:
         return self._apply(h.to(CPU), p, ctx, fuses=False, norm=None).to(h.device)
 
-    def decode_tail(self, attn, x, wo, ctx):
-        return None
-
     def step_parts(self, device):
         return None  # the GPU step would take the whole mapped matrices: a stored layer has none resident
-
-    def c_tail(self, wo, *, dense: bool, norm=None):
-        return None
 
     def _rows(self, sel: np.ndarray) -> FFNWeights:
         """FFNWeights over the rows of neurons `sel` only (row k = neuron sel[k])."""
@@ -94,7 +89,7 @@ class StoredFFN(SparseFFN):
             out = parts[0] if len(parts) == 1 else torch.cat(parts)
         else:
             out = self._step(h, mask)
-        self._record(ctx, p, mask, int(mask.sum()))
+        self.record(ctx, p, mask, int(mask.sum()))
         return self.weights.add_down_bias(out)
 
     def _step(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
