@@ -19,6 +19,7 @@ in C for any row count, as for one). Elsewhere `CPUDecoder` returns None and the
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 
@@ -48,8 +49,6 @@ def unsupported(model) -> str | None:
         return "hot neurons on the fast device: hybrid layers run one by one"
     h, hkv, dh = c.n_head, c.n_head_kv, c.head_dim
     for i, layer in enumerate(model.layers):
-        if layer.spec.attn_scale:
-            return f"layer {i}: a q.k scale of its own (not in the C layer yet)"
         if layer.device.type != "cpu":
             return f"layer {i} is on {layer.device}"
         group = layer.qkv.c_group
@@ -211,6 +210,7 @@ class _Plan:
             fields.update(
                 attn_ln=int(not norm.rms), parallel=int(spec.residual == "parallel"), qk_eps=qk_eps,
                 post_eps=post_eps, local_rope=int(spec.local_rope), early_router=int(spec.early_router),
+                q_scale=spec.attn_scale * math.sqrt(dh) if spec.attn_scale else 0.0, attn_softcap=spec.attn_softcap,
             )  # fmt: skip
             if spec.moe:  # this sequence's experts of its last token land in its plan's row of routes
                 fields["route_out"] = routes[i].data_ptr()

@@ -5,6 +5,7 @@ others in a sliding window with RoPE base 10000."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -75,6 +76,32 @@ def test_family_runner(converted):
     tables, GELU-tanh in C) equal to the eager one on the F16 copy."""
     hf, path = converted
     run_family_checks(path, hf)
+
+
+def test_a_qk_scale_of_its_own_in_the_one_call_decoder(converted):
+    """Gemma 3 27B scales q.k by 1 / sqrt(width / heads), not 1 / sqrt(head_dim) (upstream derives it from its 62
+    layers, so a tiny file cannot carry it): with that scale in every layer's description the one-call decoder
+    (q times the scale in C after its norms) gives the eager layers' bits, and the scale changes the logits."""
+    from dataclasses import replace
+
+    from tests.fixtures import decode_logits, random_ids
+
+    hf, path = converted
+    f16 = Path(path).with_suffix(".decoder-f16.gguf")  # run_family_checks' F16 copy
+    if not f16.exists():
+        from hotcold.convert.quantize import quantize_file
+
+        quantize_file(path, f16, "f16")
+    fast, eager = hotcold.load(f16, device="cpu"), hotcold.load(f16, device="cpu", decoder="eager")
+    ids = random_ids(16, seed=4)
+    plain = decode_logits(eager, ids, 6)
+    for llm in (fast, eager):
+        for layer in llm.loaded.model.layers:
+            object.__setattr__(layer, "spec", replace(layer.spec, attn_scale=1 / math.sqrt(24.0)))
+    got, want = decode_logits(fast, ids, 6), decode_logits(eager, ids, 6)
+    assert fast.decoder == "cpu_one_call" and fast.loaded.model.cpu_decode.steps == len(ids) - 6
+    assert torch.equal(got, want)
+    assert (want - plain).abs().max() > 1e-3
 
 
 def test_file_layout_follows_upstream(converted):

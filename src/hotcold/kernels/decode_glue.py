@@ -6,6 +6,7 @@ instead of a dozen small tensor ops per row, with their torch fallbacks.
 from __future__ import annotations
 
 import ctypes
+import math
 
 import torch
 import torch.nn.functional as F
@@ -98,10 +99,12 @@ def attention_decode(
     *,
     neox: bool,
     sliding_window: int | None = None,
+    softcap: float = 0.0,
     threads: int | None = None,
 ) -> torch.Tensor:
     """One token's attention: RoPE on q [1, H, Dh] and k [1, Hkv, Dh] (cos/sin [1, R/2], R <= Dh), k and v
-    stored at row pos of the caches [S, Hkv, Dh], softmax(q k^T / sqrt(Dh)) v over rows 0..pos (the last
+    stored at row pos of the caches [S, Hkv, Dh], softmax(cap(q k^T / sqrt(Dh))) v (cap(s) = softcap *
+    tanh(s / softcap) where softcap is set: Gemma 2) over rows 0..pos (the last
     `sliding_window` of them when given; query head h reads kv head h // (H / Hkv)) -> [1, H*Dh]. q and k
     are rotated in place. attention_decode_rows of one row: one C call when everything is float32 and
     contiguous on the CPU, else torch (scaled_dot_product_attention). ValueError('context overflow: ...')
@@ -117,12 +120,16 @@ def attention_decode(
         sin,
         neox=neox,
         sliding_window=sliding_window,
+        softcap=softcap,
         threads=threads,
     )
 
 
-def _torch_attention_decode(q, k, v, k_cache, v_cache, pos, cos, sin, neox, window) -> torch.Tensor:
-    """attention_decode in torch: the models' torch attention for one token (the window as a slice)."""
+def _torch_attention_decode(
+    q, k, v, k_cache, v_cache, pos, cos, sin, neox, window, softcap=0.0
+) -> torch.Tensor:
+    """attention_decode in torch: the models' torch attention for one token (the window as a slice; a soft-cap
+    on the scores as the models' explicit attention applies it)."""
     cos, sin = cos.reshape(1, -1), sin.reshape(1, -1)
     qr, kr = apply_rope(q, cos, sin, neox=neox), apply_rope(k, cos, sin, neox=neox)
     q.copy_(qr)
@@ -133,7 +140,14 @@ def _torch_attention_decode(q, k, v, k_cache, v_cache, pos, cos, sin, neox, wind
     keys = k_cache[lo : pos + 1].to(qr.dtype).transpose(0, 1)[None]  # [1, Hkv, S, Dh]
     values = v_cache[lo : pos + 1].to(qr.dtype).transpose(0, 1)[None]
     _, h, dh = q.shape
-    out = F.scaled_dot_product_attention(qr.transpose(0, 1)[None], keys, values, enable_gqa=h != k.shape[1])
+    if softcap:
+        keys, values = (t.repeat_interleave(h // k.shape[1], dim=1) for t in (keys, values))
+        scores = qr.transpose(0, 1)[None] @ keys.transpose(-1, -2) / math.sqrt(dh)
+        out = torch.softmax(torch.tanh(scores / softcap) * softcap, dim=-1) @ values
+    else:
+        out = F.scaled_dot_product_attention(
+            qr.transpose(0, 1)[None], keys, values, enable_gqa=h != k.shape[1]
+        )
     return out[0].transpose(0, 1).reshape(1, h * dh)
 
 
@@ -149,6 +163,7 @@ def attention_decode_rows(
     *,
     neox: bool,
     sliding_window: int | None = None,
+    softcap: float = 0.0,
     threads: int | None = None,
 ) -> torch.Tensor:
     """attention_decode for N tokens of N different sequences (a batched decode step): row n of q [N, H, Dh],
@@ -190,6 +205,7 @@ def attention_decode_rows(
                     sin[j : j + 1],
                     neox,
                     window,
+                    softcap,
                 )
                 for j in range(n)
             ]
@@ -199,7 +215,7 @@ def attention_decode_rows(
     vcs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in v_caches])
     pos = (ctypes.c_int64 * n)(*positions)
     tensors = (q.data_ptr(), k.data_ptr(), v.data_ptr(), kcs, vcs, pos)
-    rope = (r, cos.data_ptr(), sin.data_ptr(), int(neox), window)
+    rope = (r, cos.data_ptr(), sin.data_ptr(), int(neox), window, float(softcap))
     rc = lib.hc_attn_decode_rows(n, *tensors, h, hkv, dh, *rope, out.data_ptr(), nthreads(threads))
     if rc != 0:
         raise MemoryError("hc_attn_decode_rows: out of memory")

@@ -85,6 +85,8 @@ class LayerSpec:
             return "q/k norms"
         if self.post_norms or self.local_rope or self.attn_scale:
             return "sandwich norms, a local RoPE base or a scale of its own"
+        if self.attn_softcap:
+            return "soft-capped attention scores"
         return self.beyond_fast_decoders()
 
     def beyond_fast_decoders(self) -> str | None:
@@ -92,8 +94,6 @@ class LayerSpec:
         layers decode eagerly, layer by layer (decoders.choose_decoder)."""
         if self.sinks:
             return "attention sinks"
-        if self.attn_softcap:
-            return "soft-capped attention scores"
         if self.oai_experts:
             return "gpt-oss's experts (router and expert biases, the clamped SwiGLU)"
         return None
@@ -168,10 +168,11 @@ def rope_attention_segments(
 ) -> torch.Tensor:
     """RoPE attention of every segment over its own sequence's layer cache (q [T, H, Dh], k/v [T, Hkv, Dh])
     -> [T, H*Dh]. A batch on the CPU whose segments are decode tokens, or prompt chunks that rope_attention
-    runs as decode rows (`attends_in_rows`), is one call for all rows: each row as its segment alone. With
-    sinks [H] (gpt-oss) or a softcap (Gemma 2) each segment on its own, in torch (the C attention has neither)."""
+    runs as decode rows (`attends_in_rows`), is one call for all rows: each row as its segment alone (scores
+    soft-capped where softcap is set: Gemma 2). With sinks [H] (gpt-oss) each segment on its own (in torch: the C
+    attention has none)."""
     rows = None
-    if len(ctx.seqs) > 1 and device.type == "cpu" and sinks is None and not softcap:
+    if len(ctx.seqs) > 1 and device.type == "cpu" and sinks is None:
         if ctx.rows == len(ctx.seqs):  # a decode step: one token a sequence
             rows = ctx.starts, [s.kv.k[layer] for s in ctx.seqs], [s.kv.v[layer] for s in ctx.seqs]
         elif all(
@@ -187,7 +188,7 @@ def rope_attention_segments(
         positions, kcs, vcs = rows
         cos, sin = rope.rows(positions, device)
         return rope_attention_rows(
-            q, k, v, kcs, vcs, positions, cos, sin, neox=neox, sliding_window=sliding_window
+            q, k, v, kcs, vcs, positions, cos, sin, neox=neox, sliding_window=sliding_window, softcap=softcap
         )
 
     def attend(a, b, seq, pos):

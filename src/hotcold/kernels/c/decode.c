@@ -1,13 +1,16 @@
 /* What the layers do to q, k and v [N, Fs[m]] between their product and RoPE: the biases (opt, qwen2) added, then
- * the per-head RMS norms of q and k (qwen3), each head a row of Dh. */
+ * the per-head RMS norms of q and k (qwen3), each head a row of Dh, then q times q_scale where it is not 0. */
 static void qkv_bias_norms(int64_t N, float *const *qkv, const int64_t *Fs, const float *const *bias,
-                           const float *q_norm, const float *k_norm, float qk_eps, int64_t H, int64_t Hkv, int64_t Dh) {
+                           const float *q_norm, const float *k_norm, float qk_eps, float q_scale, int64_t H, int64_t Hkv,
+                           int64_t Dh) {
     for (int m = 0; m < 3 && bias; m++)
         if (bias[m])
             for (int64_t j = 0; j < N; j++)
                 for (int64_t i = 0; i < Fs[m]; i++) qkv[m][j * Fs[m] + i] += bias[m][i];
     if (q_norm) hc_rms_norm(qkv[0], q_norm, qk_eps, N * H, Dh, qkv[0]);
     if (k_norm) hc_rms_norm(qkv[1], k_norm, qk_eps, N * Hkv, Dh, qkv[1]);
+    if (q_scale != 0.0f) /* a q.k scale of its own (Gemma's query_pre_attn_scalar): q carries it, as the layers do */
+        for (int64_t i = 0; i < N * H * Dh; i++) qkv[0][i] *= q_scale;
 }
 
 /* hc_decode_head (below) for N rows x [N, D], one decode token of each of N sequences: the q/k/v group over the rows,
@@ -15,15 +18,15 @@ static void qkv_bias_norms(int64_t N, float *const *qkv, const int64_t *Fs, cons
 static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws, const int64_t *strides,
                             const int64_t *Fs, int packed, int64_t D, const float *x, const float *norm_w, float eps,
                             float *const *qkv, const float *const *bias, const float *q_norm, const float *k_norm,
-                            float qk_eps, float *const *kcs, float *const *vcs, const int64_t *pos, int64_t H,
-                            int64_t Hkv, int64_t Dh, int64_t R, const float *cos, const float *sin, int neox,
-                            int64_t window, float *out, int nth) {
+                            float qk_eps, float q_scale, float *const *kcs, float *const *vcs, const int64_t *pos,
+                            int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos, const float *sin, int neox,
+                            int64_t window, float softcap, float *out, int nth) {
     const int rc = packed ? hc_packed_matvec_multi(3, wts, Ws, Fs, D, x, N, norm_w, eps, qkv, nth)
                           : hc_matvec_multi(3, wts, Ws, strides, Fs, D, x, N, norm_w, eps, qkv, nth);
     if (rc != 0) return rc;
-    qkv_bias_norms(N, qkv, Fs, bias, q_norm, k_norm, qk_eps, H, Hkv, Dh);
-    return hc_attn_decode_rows(N, qkv[0], qkv[1], qkv[2], kcs, vcs, pos, H, Hkv, Dh, R, cos, sin, neox, window, out,
-                               nth);
+    qkv_bias_norms(N, qkv, Fs, bias, q_norm, k_norm, qk_eps, q_scale, H, Hkv, Dh);
+    return hc_attn_decode_rows(N, qkv[0], qkv[1], qkv[2], kcs, vcs, pos, H, Hkv, Dh, R, cos, sin, neox, window, softcap,
+                               out, nth);
 }
 
 /* The attention half of a decode layer for one token of one sequence: q, k, v = the group's matvecs of
@@ -36,8 +39,8 @@ int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int
                    const float *sin, int neox, int64_t window, float *out, int nth) {
     if (nmat != 3) return -1;
     float *kcs[1] = {kc}, *vcs[1] = {vc};
-    return decode_head_rows(1, wts, Ws, strides, Fs, packed, D, x, norm_w, eps, qkv, NULL, NULL, NULL, 0.0f, kcs, vcs,
-                            &pos, H, Hkv, Dh, R, cos, sin, neox, window, out, nth);
+    return decode_head_rows(1, wts, Ws, strides, Fs, packed, D, x, norm_w, eps, qkv, NULL, NULL, NULL, 0.0f, 0.0f, kcs, vcs,
+                            &pos, H, Hkv, Dh, R, cos, sin, neox, window, 0.0f, out, nth);
 }
 
 #define HC_SIGMOID_SUM_MIN 6.103515625e-5f /* upstream clamps the sum of the chosen sigmoids below at F16's min */
@@ -215,10 +218,10 @@ static int input_sparse_head(const hc_layer *a, int64_t D, const float *x, int64
     if (hc_input_sparse_matvec(a->qkv_t, a->qkv_scale, a->qkv_thr, xn, 1, smask, qkv, nth) != 0) return -1;
     const float *const bias[3] = {a->q_bias, a->k_bias, a->v_bias};
     float *const parts[3] = {qkv, qkv + a->Fs[0], qkv + a->Fs[0] + a->Fs[1]};
-    qkv_bias_norms(1, parts, a->Fs, bias, a->q_norm, a->k_norm, a->qk_eps, a->H, a->Hkv, a->Dh);
+    qkv_bias_norms(1, parts, a->Fs, bias, a->q_norm, a->k_norm, a->qk_eps, a->q_scale, a->H, a->Hkv, a->Dh);
     float *kcs[1] = {kc}, *vcs[1] = {vc};
     return hc_attn_decode_rows(1, qkv, qkv + a->Fs[0], qkv + a->Fs[0] + a->Fs[1], kcs, vcs, &pos, a->H, a->Hkv,
-                               a->Dh, a->R, cos, sin, a->neox, a->window, out, nth);
+                               a->Dh, a->R, cos, sin, a->neox, a->window, a->attn_softcap, out, nth);
 }
 
 /* The tail of a thresholded layer for one token with what hc_thresholded_tail does not take: o over wo_t
@@ -299,9 +302,9 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
                 xin = xn, norm_w = NULL;
             }
             rc = decode_head_rows(N, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, xin, norm_w, a->attn_eps, qkv,
-                                  bias, a->q_norm, a->k_norm, a->qk_eps, kcs, vcs, pos, a->H, a->Hkv, a->Dh, a->R,
-                                  a->local_rope ? cos_l : cos, a->local_rope ? sin_l : sin, a->neox, a->window, attn,
-                                  nth);
+                                  bias, a->q_norm, a->k_norm, a->qk_eps, a->q_scale, kcs, vcs, pos, a->H, a->Hkv, a->Dh,
+                                  a->R, a->local_rope ? cos_l : cos, a->local_rope ? sin_l : sin, a->neox, a->window,
+                                  a->attn_softcap, attn, nth);
         }
         if (rc != 0) break;
         const int64_t F = a->up->rows;

@@ -9,7 +9,7 @@
 #define HOTCOLD_H
 #include <stdint.h>
 
-#define HC_ABI_VERSION 33 /* the library's calling convention; cabi.py reads it and refuses another library */
+#define HC_ABI_VERSION 34 /* the library's calling convention; cabi.py reads it and refuses another library */
 
 /* One [rows, cols] matrix as the kernels read it: weight type code (build.WT), rows at data + i * stride. */
 typedef struct {
@@ -80,6 +80,9 @@ typedef struct hc_layer {
     /* smallthinker: the router on the layer's raw input x before attention (early_router), sigmoid gating (1) or
      * softmax (0), and ReLU-gated experts computed over their live rows (relu_rows: relu_rows_ffn) */
     int early_router, gating, relu_rows;
+    /* gemma: q times q_scale after its norms (query_pre_attn_scalar; 0: none), attention scores soft-capped at
+     * attn_softcap (Gemma 2; 0: none) */
+    float q_scale, attn_softcap;
 } hc_layer;
 
 /* the library */
@@ -137,7 +140,7 @@ void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D
 void hc_layer_norm(const float *x, const float *w, const float *b, float eps, int64_t T, int64_t D, float *out);
 int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *const *kcs, float *const *vcs,
                         const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
-                        const float *sin, int neox, int64_t window, float *out, int nth);
+                        const float *sin, int neox, int64_t window, float softcap, float *out, int nth);
 int hc_attn_prefill(int64_t T, const float *q, const float *kc, const float *vc, int64_t pos, int64_t H, int64_t Hkv,
                     int64_t Dh, float *out, int nth);
 

@@ -53,8 +53,11 @@ HC_INLINE void rope_head(float *h, int64_t R, const float *cos, const float *sin
     }
 }
 
+/* A score s soft-capped at cap (Gemma 2): cap * tanh(s / cap), the order torch's attention computes it in. */
+HC_INLINE float softcap1(float s, float cap) { return tanhf(s / cap) * cap; }
+
 /* Query head qh (rotated here) of one token over cache rows lo..lo+S-1 of its kv head: out oh [Dh] =
- * softmax(q k^T / sqrt(Dh)) v; s: S floats of scratch. */
+ * softmax(cap(q k^T / sqrt(Dh))) v (cap: the soft-cap, or 0 for none); s: S floats of scratch. */
 #define ATTN_MAXV 8 /* head sizes up to 8 vectors (128 floats with AVX-512, 64 with AVX2) take the vector path */
 #define ATTN_GROUP 8 /* query heads sharing a pass over their kv head's cache */
 #define ATTN_VBLOCK 32 /* v rows a block (even) */
@@ -73,8 +76,8 @@ HC_INLINE vf attn_dot_lanes(const int nv, const vf *q, const float *kr) {
  * so the cache is read once for the group, not once a query head (GQA: 4-8 query heads a kv head).
  * Each head's arithmetic is its own: the same for any G. s: G * S floats, acc: G * 2 * Dh floats. */
 HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const float *kc, const float *vc,
-                              int64_t lo, int64_t S, int64_t Hkv, int64_t kvh, int64_t Dh, float scale, float *s,
-                              float *acc, float *const *ohs) {
+                              int64_t lo, int64_t S, int64_t Hkv, int64_t kvh, int64_t Dh, float scale, float cap,
+                              float *s, float *acc, float *const *ohs) {
     const int64_t ks = Hkv * Dh;
     const float *k0 = kc + (lo * Hkv + kvh) * Dh, *v0 = vc + (lo * Hkv + kvh) * Dh;
     vf vmx[ATTN_GROUP];
@@ -86,8 +89,12 @@ HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const
             vf q[ATTN_MAXV], a[VL];
             for (int i = 0; i < nv; i++) q[i] = vloadu(qs[g] + i * VL);
             for (int p = 0; p < VL; p++) a[p] = attn_dot_lanes(nv, q, k0 + (j + p) * ks);
-            const vf sc = vmul(vsum_rows(a), vset1(scale));
+            vf sc = vmul(vsum_rows(a), vset1(scale));
             vstoreu(s + g * S + j, sc);
+            if (cap != 0.0f) { /* Gemma 2's soft-cap, one score at a time as the scalar tail below */
+                for (int p = 0; p < VL; p++) s[g * S + j + p] = softcap1(s[g * S + j + p], cap);
+                sc = vloadu(s + g * S + j);
+            }
             vmx[g] = vmaxv(sc, vmx[g]); /* a NaN score stays out of the max, as in the scalar comparisons */
         }
     for (int g = 0; g < G; g++) {
@@ -97,6 +104,7 @@ HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const
         float mx = vhmax(vmx[g]);
         for (int64_t t = j; t < S; t++) {
             sg[t] = vhsum(attn_dot_lanes(nv, q, k0 + t * ks)) * scale;
+            if (cap != 0.0f) sg[t] = softcap1(sg[t], cap);
             mx = sg[t] > mx ? sg[t] : mx;
         }
         const vf vm = vset1(mx);
@@ -147,13 +155,15 @@ HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const
 #endif
 
 HC_INLINE void attn_head(float *qh, const float *kc, const float *vc, int64_t lo, int64_t S, int64_t Hkv, int64_t kvh,
-                         int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, float *s, float *oh) {
+                         int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, float cap, float *s,
+                         float *oh) {
     const float scale = 1.0f / sqrtf((float)Dh);
     rope_head(qh, R, cos, sin, neox);
     float mx = -INFINITY;
     for (int64_t j = 0; j < S; j++) {
         const float *kr = kc + ((lo + j) * Hkv + kvh) * Dh;
         s[j] = dot_f32(qh, kr, Dh) * scale;
+        if (cap != 0.0f) s[j] = softcap1(s[j], cap);
         mx = s[j] > mx ? s[j] : mx;
     }
     float sum = 0.0f;
@@ -173,12 +183,13 @@ HC_INLINE void attn_head(float *qh, const float *kc, const float *vc, int64_t lo
 /* N decode tokens, token n of its own sequence at position pos[n] (the rows of a batched decode step):
  * rotates q [N, H, Dh] and k [N, Hkv, Dh] in place, stores row n's k and v at row pos[n] of the float32
  * caches kcs[n] / vcs[n] ([n_ctx, Hkv, Dh] each), and writes out [N, H, Dh] = softmax(q k^T / sqrt(Dh)) v
- * over cache rows lo..pos[n] (lo = pos - window + 1 with a sliding window, else 0); query head h reads kv
+ * over cache rows lo..pos[n] (lo = pos - window + 1 with a sliding window, else 0), each score soft-capped
+ * (cap * tanh(score / cap)) where softcap is not 0 (Gemma 2); query head h reads kv
  * head h / (H / Hkv); cos/sin [N, R/2]. (token, head) pairs are split among threads; each is computed as
  * for the token alone. Returns 0, or -1 if memory ran out. */
 int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *const *kcs, float *const *vcs,
                         const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
-                        const float *sin, int neox, int64_t window, float *out, int nth) {
+                        const float *sin, int neox, int64_t window, float softcap, float *out, int nth) {
     int64_t smax = 1, work = 0;
     for (int64_t n = 0; n < N; n++) {
         const int64_t R2 = R / 2;
@@ -220,7 +231,7 @@ int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *co
             const int64_t lo = (window > 0 && pos[n] - window + 1 > 0) ? pos[n] - window + 1 : 0, S = pos[n] + 1 - lo;
             const float *cs = cos + n * (R / 2), *sn = sin + n * (R / 2);
             if (!vec) { /* one head */
-                attn_head(q + (n * H + h0) * Dh, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, R, cs, sn, neox, s,
+                attn_head(q + (n * H + h0) * Dh, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, R, cs, sn, neox, softcap, s,
                           out + (n * H + h0) * Dh);
                 continue;
             }
@@ -235,11 +246,12 @@ int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *co
             const float scale = 1.0f / sqrtf((float)Dh);
             float *acc = s + smax * per;
             switch (Dh / VL) { /* a constant vector count: q and the accumulators stay in registers */
-            case 1: attn_group_vec(1, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs); break;
-            case 2: attn_group_vec(2, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs); break;
-            case 4: attn_group_vec(4, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs); break;
-            case 8: attn_group_vec(8, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs); break;
-            default: attn_group_vec((int)(Dh / VL), (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, s, acc, ohs);
+            case 1: attn_group_vec(1, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc, ohs); break;
+            case 2: attn_group_vec(2, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc, ohs); break;
+            case 4: attn_group_vec(4, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc, ohs); break;
+            case 8: attn_group_vec(8, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc, ohs); break;
+            default: attn_group_vec((int)(Dh / VL), (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc,
+                                    ohs);
             }
 #endif
         }
