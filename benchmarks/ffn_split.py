@@ -30,11 +30,11 @@ from pathlib import Path
 import torch
 
 import hotcold
-from hotcold import batching
-from hotcold.engine import Engine
-from hotcold.generation import Generation
 from hotcold.kernels import build, cpu
 from hotcold.kernels.build import WT, Q, weight_view
+from hotcold.runtime import batching
+from hotcold.runtime.engine import Engine
+from hotcold.runtime.generation import Generation
 
 if not __package__:  # run as `python benchmarks/ffn_split.py`: the checkout, not benchmarks/, goes first on
     sys.path[0] = str(

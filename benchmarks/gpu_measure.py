@@ -70,7 +70,7 @@ def gpu_bandwidth(n_bytes: int = GIB) -> dict:
 def vram_budget_gib(sparse_path: Path, ctx: int) -> tuple[float, dict]:
     """A budget that holds attention + KV (at ctx) + predictors + output + scratch + a third of the FFN."""
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.placement.budget import layer_tensor_groups, plan_budget
 
     mf = ModelFile(sparse_path)
@@ -87,7 +87,7 @@ def equal_bytes(sparse_path: Path, budget_gib: float, ctx: int) -> dict:
     the original spends before them, and how many it would hold at hotcold's own budget."""
     from benchmarks.gpu_pi import equal_bytes_budget, hotcold_hot_neurons, pi_capacity, pi_spending
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.placement.budget import plan_budget
 
     mf = ModelFile(sparse_path)
@@ -108,7 +108,7 @@ def equal_bytes(sparse_path: Path, budget_gib: float, ctx: int) -> dict:
 def ngl_for(dense_path: Path, budget_gib: float, ctx: int) -> int:
     """Layers of the dense file that fit the same budget (hotcold's -ngl walk; n_layer + 1: the head too)."""
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.placement.budget import dense_layers_fitting
 
     mf = ModelFile(dense_path)
@@ -174,8 +174,8 @@ def step_check(llm, decoder, n: int = 4) -> dict:
     engines, n greedy tokens, one through the step (a fresh cache: a new capture), one eagerly with the
     fused kernels off (torch ops only); the worst logit difference relative to the logit scale, and whether
     every argmax agrees."""
-    from hotcold.engine import Engine
     from hotcold.kernels.triton_decode import FusedPaths as switch
+    from hotcold.runtime.engine import Engine
 
     was_on = switch.enabled
     model = llm.loaded.model

@@ -1,4 +1,4 @@
-"""The output head's screen (hotcold.head_screen), side by side: greedy decode with the screen and with the whole
+"""The output head's screen (hotcold.runtime.head_screen), side by side: greedy decode with the screen and with the whole
 head (--no-head-screen), on dense and `hotcold sparsify` files, against llama-bench on the dense file, in
 interleaved rounds, medians and ranges.
 

@@ -28,8 +28,8 @@ import gguf
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from hotcold.gguf.quants import QuantTensor, row_bytes
 from hotcold.kernels import cpu, ffn_calls
-from hotcold.quants import QuantTensor, row_bytes
 
 SHAPES = {"1b": (5632, 2048, 22), "7b": (11008, 4096, 6)}  # rows, columns, matrices
 F, D, LAYERS = SHAPES["1b"]  # machine_bandwidth's torch mv reference

@@ -55,8 +55,8 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType
 
-from hotcold import names
-from hotcold.gguf_io import FLOAT_TYPES, ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf import names
+from hotcold.gguf.io import FLOAT_TYPES, ModelFile, TensorSpec, metadata_items, write_model_file
 
 REPO = Path(__file__).resolve().parents[1]
 DEMO = REPO / "src" / "hotcold" / "data" / "demo.powerinfer.gguf"

@@ -46,7 +46,7 @@ def copy_gbps(threads: int, rounds: int = 5) -> float:
 
 def weight_bytes(path: str) -> int:
     """Bytes a decode step reads: every tensor but the embedding (one row of it is read)."""
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
 
     mf = ModelFile(path)
     tied = "output.weight" not in mf.tensors  # then the embedding is the head, read whole

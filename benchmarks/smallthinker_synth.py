@@ -46,7 +46,7 @@ def synthesize(out: Path, *, seed: int = 0, n_layer: int, n_embd: int, n_head: i
     from scipy.stats import norm as normal
 
     from benchmarks.synth import vocab_metadata
-    from hotcold.gguf_io import TensorSpec, write_model_file
+    from hotcold.gguf.io import TensorSpec, write_model_file
 
     arch, D, F, E = "smallthinker", n_embd, n_ff, n_expert
     rng = np.random.default_rng(seed)

@@ -31,8 +31,8 @@ import hotcold
 from hotcold.cli.perplexity import chunk_nll, perplexity, scoring_chunks
 from hotcold.convert.quantize import quantize_file
 from hotcold.convert.sparsify import sparsify_file
-from hotcold.engine import Engine
 from hotcold.placement.profile import corpus_tokens, read_corpus
+from hotcold.runtime.engine import Engine
 
 
 def stepwise_ppl(llm, ids, ctx: int, piece: int) -> float:

@@ -40,8 +40,8 @@ if (
     )  # sys.path (a sibling must never shadow a dependency)
 from benchmarks.quant_vs_llama import copy_gbps, hotcold_tg, llama_tg, weight_bytes  # noqa: E402
 from benchmarks.synth import SHAPES, synthesize  # noqa: E402
-from hotcold import names  # noqa: E402
-from hotcold.gguf_io import ModelFile  # noqa: E402
+from hotcold.gguf import names  # noqa: E402
+from hotcold.gguf.io import ModelFile  # noqa: E402
 
 LEVELS = (0.1, 0.2, 0.3, 0.4, 0.6, 0.7, 0.8, 0.9)  # the curve compared: Q(s) / Q(0.5)
 

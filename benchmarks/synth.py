@@ -34,7 +34,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from hotcold.gguf_io import TensorSpec, write_model_file
+from hotcold.gguf.io import TensorSpec, write_model_file
 
 SHAPES = {
     # n_embd, n_ff, n_layer, n_head, n_head_kv, predictor rank

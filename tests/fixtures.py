@@ -117,7 +117,7 @@ def assert_logits_match(llm, hf, ids: list[int], rel: float = 1e-4) -> None:
 
 def assert_greedy_matches(llm, hf, prompt_text: str = "Line 3: the quick brown fox", n: int = 32) -> None:
     """n greedy tokens from the KV-cached engine equal transformers' generate."""
-    from hotcold.sampling import SamplingParams
+    from hotcold.runtime.sampling import SamplingParams
 
     prompt = llm.tokenize(prompt_text)
     with torch.no_grad():
@@ -168,7 +168,7 @@ class _FFNState:
     sequence's per-layer neuron counts."""
 
     def __new__(cls, n_layer: int = 1, *, dense: bool = False, observe=None):
-        from hotcold.state import Batch, FFNCounts, SequenceState
+        from hotcold.runtime.state import Batch, FFNCounts, SequenceState
 
         seq = SequenceState(None, [FFNCounts() for _ in range(n_layer)], dense=dense, observe=observe)
         batch = Batch.single(seq, 0, 0)
@@ -211,7 +211,7 @@ def check_cache_split_batch(llm, prompt: list[int], *, tokens: int, atol: float,
     """Cached decode == one full forward (within atol x the logit scale); a generation of `tokens` from `prompt`
     split in two == the same in one go (the second half reuses the cached prefix); a batch of sequences (one
     forward for all, each over its own cache) == each alone."""
-    from hotcold.sampling import SamplingParams
+    from hotcold.runtime.sampling import SamplingParams
 
     ids = random_ids(24, seed=2)
     full = llm.logits(ids)
@@ -354,8 +354,8 @@ def tiny_gguf(path: Path, *, sparse: bool) -> Path:
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFValueType as V
 
-    from hotcold import quants
-    from hotcold.gguf_io import TensorSpec, write_model_file
+    from hotcold.gguf import quants
+    from hotcold.gguf.io import TensorSpec, write_model_file
 
     rng = torch.Generator().manual_seed(1 + sparse)
     D, F, H, HKV, L = 32, 64, 4, 2, 2

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from benchmarks import perplexity_vs_llama as ppl
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from tests.fixtures import tiny_gguf
 
 

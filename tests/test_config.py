@@ -1,12 +1,12 @@
 """config: hyper-parameters from metadata, refused with the key named when they cannot be a model's
-(found by tests/test_fuzz_gguf.py: each of these crashed, hung or allocated tens of GB before)."""
+(found by tests/gguf/test_fuzz.py: each of these crashed, hung or allocated tens of GB before)."""
 
 from __future__ import annotations
 
 import pytest
 
 from hotcold.config import config_from_file
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf.io import GGUFError, ModelFile
 from tests.fixtures import gguf_layout, set_field, tiny_gguf
 
 

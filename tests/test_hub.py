@@ -349,7 +349,7 @@ def test_run_drops_the_oldest_turns_when_the_context_is_full(tiny_dense_gguf):
 
 def test_split_model_pulls_every_part_and_loads(hub_site, tmp_path, tiny_dense_gguf):
     import hotcold
-    from tests.test_gguf_split import split_with_upstream_writer
+    from tests.gguf.test_split import split_with_upstream_writer
 
     made = tmp_path / "made"
     made.mkdir()
@@ -371,7 +371,7 @@ def test_run_goes_on_in_plain_text_when_the_template_fails(monkeypatch, capsys, 
     """#44: a template that raises is named in a warning, and the chat falls back to plain text."""
     from gguf import GGUFValueType
 
-    from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+    from hotcold.gguf.io import ModelFile, TensorSpec, metadata_items, write_model_file
 
     mf = ModelFile(tiny_dense_gguf)
     meta = [m for m in metadata_items(mf) if m[0] != "tokenizer.chat_template"]
@@ -409,7 +409,7 @@ def test_an_etag_that_is_not_a_hash_never_becomes_a_path(hub_site, tmp_path):
 
 
 def test_a_commit_pushed_during_a_pull_leaves_every_part_in_one_snapshot(hub_site, tmp_path, tiny_dense_gguf):
-    from tests.test_gguf_split import split_with_upstream_writer
+    from tests.gguf.test_split import split_with_upstream_writer
 
     made = tmp_path / "made"
     made.mkdir()
@@ -432,7 +432,7 @@ def test_a_commit_pushed_during_a_pull_leaves_every_part_in_one_snapshot(hub_sit
 
 
 def test_rm_of_a_tag_after_an_interrupted_split_pull(hub_site, tmp_path, tiny_dense_gguf):
-    from tests.test_gguf_split import split_with_upstream_writer
+    from tests.gguf.test_split import split_with_upstream_writer
 
     made = tmp_path / "made"
     made.mkdir()

@@ -47,8 +47,8 @@ def requantize_embedding(src: Path, dst: Path) -> None:
     (every other tensor and key as is)."""
     from gguf import GGMLQuantizationType
 
-    from hotcold import quants
-    from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+    from hotcold.gguf import quants
+    from hotcold.gguf.io import ModelFile, TensorSpec, metadata_items, write_model_file
 
     mf = ModelFile(src)
     qtype = GGMLQuantizationType[EMBEDDING_TYPE]

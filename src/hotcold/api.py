@@ -14,12 +14,12 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from hotcold import batching
-from hotcold.engine import Chunk, Engine
-from hotcold.generation import Generation
 from hotcold.load_options import LoadOptions
 from hotcold.loader import LoadedModel, load_model
-from hotcold.sampling import SamplingParams
+from hotcold.runtime import batching
+from hotcold.runtime.engine import Chunk, Engine
+from hotcold.runtime.generation import Generation
+from hotcold.runtime.sampling import SamplingParams
 from hotcold.structured import compile_constraint
 
 

@@ -29,7 +29,7 @@ import re
 from collections.abc import Sequence
 
 from hotcold.chat_sandbox import ChatTemplateError, Watched, render_template, render_watched
-from hotcold.tokenizer import Tokenizer
+from hotcold.tokenizer.vocab import Tokenizer
 
 __all__ = ["ChatInputError", "ChatTemplateError", "render_chat"]
 

@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from hotcold import names
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError, ModelFile
 
 THRESHOLD_ENV_VARS = ("HOTCOLD_SPARSE_THRESHOLD", "LLAMA_SPARSE_PRED_THRESHOLD")
 MAX_CONTEXT = 1 << 24  # 16M tokens: above every model's training context; more is a corrupt key

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels.triton_args import QTYPES as HOT_BLOCK_TYPES
-from hotcold.quants import QuantTensor
 
 CPU = torch.device("cpu")
 FLOAT_TYPE_NAMES = ("F32", "F16", "BF16")

@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hotcold import cores, decoders, hub, registry
+from hotcold import cores, hub, registry
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import CPU, DevicePlan
-from hotcold.gguf_io import GGUFError, ModelFile
-from hotcold.head_screen import attach_screen
+from hotcold.gguf.io import GGUFError, ModelFile
 from hotcold.load_options import LoadOptions
 from hotcold.placement.budget import (
     DEFAULT_CTX,
@@ -27,10 +26,11 @@ from hotcold.placement.budget import (
     plan_offload,
 )
 from hotcold.placement.gpuidx import resolve_placement  # the .gpuidx cache: found, or solved and written
+from hotcold.runtime import decoders, head_screen
 from hotcold.sparse.ffn import DenseFFN, SparseFFN
 from hotcold.storage.model import open_storage
 from hotcold.storage.plan import process_rss
-from hotcold.tokenizer import Tokenizer
+from hotcold.tokenizer.vocab import Tokenizer
 from hotcold.weights import TensorSource
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,7 @@ def load_model(
     )  # fmt: skip
     model = module.build(src, make_ffn)
     if opts.head_screen and storage is None:  # a RAM budget's plan does not count the screen's memory
-        attach_screen(model, threads=threads, notes=notes)
+        head_screen.attach_screen(model, threads=threads, notes=notes)
     model.storage_stats = None if storage is None else storage.stats  # what a request read (generation.py)
     notes.extend(getattr(model, "load_notes", ()))  # what a family says of its file (SmallThinker's gating)
     decoders.choose_decoder(model, requested=opts.decoder, ctx_size=ctx, notes=notes)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import cpu
 from hotcold.kernels.cpu import apply_rope  # the one torch RoPE (the C attention's fallback uses it too)
-from hotcold.quants import QuantTensor
 
 Weight = torch.Tensor | QuantTensor
 

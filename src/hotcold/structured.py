@@ -41,8 +41,8 @@ import torch
 
 from hotcold.grammar_rules import close_inline_schemas, endless_rules
 from hotcold.schema_rules import closed_objects, infinite_subschemas
-from hotcold.tokenizer import Tokenizer
-from hotcold.tokenizer_types import CONTROL, USER_DEFINED
+from hotcold.tokenizer.types import CONTROL, USER_DEFINED
+from hotcold.tokenizer.vocab import Tokenizer
 
 MAX_SPEC_CHARS = 64 * 1024  # schema or grammar text per request
 _LIMITS = dict(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=100_000)

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
-from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan, place, place_vector
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError, ModelFile
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import cpu
 from hotcold.ops import Norm, Weight
-from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.predictor import Predictor
 

@@ -26,7 +26,7 @@ def test_bad_numbers(tiny_dense_gguf, capsys):
 def test_depth_times_decode_after_that_many_cached_tokens(tiny_dense_gguf, capsys, monkeypatch):
     """-d as llama-bench's: the timed tg tokens decode at positions depth + 1 onwards (the context's prefill is
     not timed), one row per depth, labelled as llama-bench labels it."""
-    from hotcold.engine import Engine
+    from hotcold.runtime.engine import Engine
 
     positions = []
     forward = Engine.forward

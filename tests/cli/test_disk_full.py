@@ -111,7 +111,7 @@ def test_sparsify(tmp_path, spm_model_file, monkeypatch, capsys):
 def test_the_progress_bar_ends_its_line_before_the_error(tmp_path, tiny_dense_gguf, monkeypatch):
     """The writer closes its progress bar when a write fails, so the error starts a line of its own (an open
     tqdm bar on a terminal would have the error printed after it, on the same line)."""
-    from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+    from hotcold.gguf.io import ModelFile, TensorSpec, metadata_items, write_model_file
 
     class Bar:
         def __init__(self, items):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hotcold.cli import main
-from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf.io import ModelFile, TensorSpec, metadata_items, write_model_file
 
 
 def rewrite(src, dst, *, meta_change=None, drop=None, reshape=None):

@@ -6,7 +6,7 @@ import json
 
 from hotcold.cli import main
 from hotcold.config import config_from_file
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from hotcold.placement.budget import GIB, plan_budget, plan_offload
 
 

@@ -111,7 +111,7 @@ def test_the_loaders_plan_reuses_the_cache_place_wrote(placed_model, capsys):
     """The plan is chosen by value in plan_budget itself, so the loader (which calls it as here) and `place`
     agree on the bytes left for hot rows, which key the cache."""
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.placement.budget import GIB, plan_budget
     from hotcold.placement.gpuidx import resolve_placement
 

@@ -15,10 +15,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
 import hotcold
-from hotcold import names, quants
 from hotcold.cli import main
 from hotcold.convert.quantize import quantize_file, tensor_types
-from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf import names, quants
+from hotcold.gguf.io import ModelFile, TensorSpec, metadata_items, write_model_file
 
 IDS = list(range(3, 35))
 

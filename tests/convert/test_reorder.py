@@ -9,7 +9,7 @@ import torch
 import hotcold
 from hotcold.cli import main
 from hotcold.convert.reorder import reorder_file
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from hotcold.loader import load_model
 from tests.fixtures import with_activation_stats
 

@@ -13,9 +13,9 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize as gguf_quantize
 
 import hotcold
-from hotcold import names
 from hotcold.convert.sparsify import check_target, sparsify_file
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf import names
+from hotcold.gguf.io import ModelFile
 from hotcold.kernels import cpu
 from hotcold.placement.profile import corpus_tokens, read_corpus, token_windows, window_ctx
 

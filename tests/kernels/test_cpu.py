@@ -17,9 +17,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from hotcold import quants
+from hotcold.gguf import quants
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import build, cabi, cpu
-from hotcold.quants import QuantTensor
 from tests.fixtures import FP16_FIELDS, random_blocks
 
 FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]

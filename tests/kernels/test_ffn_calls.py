@@ -7,8 +7,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import cpu, ffn_calls
-from hotcold.quants import QuantTensor
 from tests.kernels.test_cpu import D_QUANT
 
 

@@ -115,7 +115,7 @@ def check_case(case: dict, matvec: torch.Tensor, axpy: torch.Tensor) -> None:
 def test_reference_reads_the_layout_hotcold_quants_writes():
     from gguf import GGMLQuantizationType as Q
 
-    from hotcold import quants
+    from hotcold.gguf import quants
 
     gen = torch.Generator().manual_seed(5)
     values = torch.randn(6, 96, generator=gen)

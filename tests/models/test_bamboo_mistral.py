@@ -13,7 +13,7 @@ import torch
 import hotcold
 from hotcold.cli.info import describe
 from hotcold.convert import convert
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from tests.fixtures import (
     TOKENIZER_VOCAB,
     hf_logits,

@@ -11,7 +11,7 @@ import hotcold
 from hotcold.cli.info import describe
 from hotcold.convert import convert
 from hotcold.convert.falcon import jploski
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from tests.fixtures import (
     TOKENIZER_VOCAB,
     hf_logits,

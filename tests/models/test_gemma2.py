@@ -11,7 +11,7 @@ import pytest
 
 import hotcold
 from hotcold.convert import convert
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from tests.fixtures import run_family_checks
 from tests.models.test_gemma3 import make_gemma
 
@@ -65,7 +65,7 @@ def test_soft_caps_are_read_and_change_the_logits(converted, tmp_path):
 
 
 def test_bad_softcap_key_is_refused(converted, tmp_path):
-    from hotcold.gguf_io import GGUFError
+    from hotcold.gguf.io import GGUFError
     from tests.models.test_gpt_oss import rewrite
 
     _, path = converted

@@ -13,7 +13,7 @@ import torch
 
 import hotcold
 from hotcold.convert import convert
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from tests.fixtures import TOKENIZER_VOCAB, run_family_checks, save_checkpoint, scale_matrices
 
 CASES = {

@@ -22,7 +22,7 @@ import torch
 import hotcold
 from hotcold.convert import convert
 from hotcold.convert.checkpoint import ConvertError
-from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf.io import ModelFile, TensorSpec, metadata_items, write_model_file
 from tests.fixtures import (
     TOKENIZER_VOCAB,
     hf_logits,
@@ -275,7 +275,7 @@ def rewrite(src: ModelFile, out: Path, *, drop: str | None = None, meta: dict | 
     ],
 )
 def test_bad_files_are_refused_by_name(converted, tmp_path, drop, meta, message):
-    from hotcold.gguf_io import GGUFError
+    from hotcold.gguf.io import GGUFError
 
     _, path = converted
     bad = rewrite(ModelFile(path), tmp_path / "bad.gguf", drop=drop, meta=meta)
@@ -401,8 +401,8 @@ def test_o200k_pre_tokenizer_is_written_as_gpt_4o(tmp_path):
     (the merge b+A crosses the gpt-4o split of "abAB" into "ab" and "AB", not the default split's one word)."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
-    from hotcold.tokenizer import Tokenizer as HotcoldTokenizer
-    from hotcold.tokenizer_bpe import GPT4O_REGEX
+    from hotcold.tokenizer.bpe import GPT4O_REGEX
+    from hotcold.tokenizer.vocab import Tokenizer as HotcoldTokenizer
 
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     vocab["bA"] = len(vocab)

@@ -77,7 +77,7 @@ def test_llama3_rope_factors_are_upstreams(tmp_path, spm_model_file):
     factors the logits would be those of plain RoPE, which transformers' llama3 model does not give."""
     import math
 
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
 
     case = CASES["silu-gqa-llama3-scaling"]
     hf = make_llama(tmp_path / "hf", spm_model_file, **case)

@@ -11,7 +11,7 @@ import hotcold
 from hotcold.cli.info import describe
 from hotcold.convert import convert
 from hotcold.convert.checkpoint import ConvertError
-from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf.io import ModelFile, TensorSpec, metadata_items, write_model_file
 from tests.fixtures import (
     TOKENIZER_VOCAB,
     hf_logits,

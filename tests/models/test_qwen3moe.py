@@ -13,7 +13,7 @@ import torch
 import hotcold
 from hotcold.convert import convert
 from hotcold.convert.checkpoint import ConvertError
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from tests.fixtures import (
     TOKENIZER_VOCAB,
     hf_logits,

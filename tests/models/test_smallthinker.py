@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import hotcold
-from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf.io import GGUFError, ModelFile, TensorSpec, metadata_items, write_model_file
 from tests.fixtures import TOKENIZER_VOCAB, random_ids, write_tokenizer
 from tests.models.test_upstream_files import BIN, CONVERTER, SOURCE
 

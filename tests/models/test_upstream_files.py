@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import hotcold
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from tests.fixtures import hf_logits, make_llama, random_ids
 
 SOURCE = Path(os.environ.get("HOTCOLD_LLAMA_CPP", Path.home() / ".cache" / "hotcold-anchors" / "llama.cpp"))

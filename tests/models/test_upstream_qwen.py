@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import hotcold
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from tests.fixtures import hf_logits, scale_matrices
 from tests.models.test_upstream_files import SOURCE, upstream_convert
 

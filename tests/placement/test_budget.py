@@ -11,10 +11,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from hotcold import names
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import DevicePlan, placed_nbytes
-from hotcold.gguf_io import ModelFile, TensorEntry, tensor_nbytes
+from hotcold.gguf import names
+from hotcold.gguf.io import ModelFile, TensorEntry, tensor_nbytes
 from hotcold.loader import hot_rows_bytes, offload_device_plan, sparse_device_plan
 from hotcold.placement import budget as budget_mod
 from hotcold.placement.budget import (
@@ -310,7 +310,7 @@ def test_kv_cache_dtype_follows_each_layers_device():
 def test_scratch_covers_the_prefill_temporaries():
     """The reserve covers a prefill chunk's temporaries at the context size (the old fixed 152 MB for 7B
     did not: attention scores alone are 128 MiB at 2048)."""
-    from hotcold import generation
+    from hotcold.runtime import generation
 
     assert budget_mod.PREFILL_CHUNK == generation.PREFILL_CHUNK
     mf, c = fake_model("7B")

@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf.io import GGUFError, ModelFile
 from hotcold.placement.gpuidx import Placement, read_gpuidx, write_gpuidx
 
 
@@ -45,7 +45,7 @@ def test_inconsistent_file_rejected(tmp_path):
     from gguf import GGMLQuantizationType as Q
     from gguf import GGUFValueType as V
 
-    from hotcold.gguf_io import TensorSpec, write_model_file
+    from hotcold.gguf.io import TensorSpec, write_model_file
 
     idx = np.zeros(256, dtype=np.int32)
     idx[:3] = 1

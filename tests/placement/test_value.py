@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from hotcold import names
 from hotcold.config import config_from_file
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf import names
+from hotcold.gguf.io import ModelFile
 from hotcold.loader import demo_model_path
 from hotcold.placement.budget import GIB, default_ctx, kv_bytes_per_layer, plan_budget
 from hotcold.placement.profile import default_activation_dir, read_activation_files
@@ -127,7 +127,7 @@ def test_disable_gpu_index_plans_without_hot_rows():
     """--disable-gpu-index places no hot rows, so the plan must not trade attention or the head for them: it is
     the plan of a model without statistics (today's order), whatever the statistics say."""
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.loader import demo_model_path, load_model
     from hotcold.placement.budget import plan_budget
 

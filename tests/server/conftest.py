@@ -94,7 +94,7 @@ def hybrid_llm(tmp_path_factory, tiny_sparse_gguf):
 
     import hotcold
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.loader import load_model
     from hotcold.placement.budget import scratch_bytes
     from hotcold.placement.profile import write_activation_files

@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from hotcold.engine import Engine
+from hotcold.runtime.engine import Engine
 from hotcold.server.app import Limits, create_app
 from hotcold.server.scheduler import Scheduler
 from tests.server.conftest import SlowModel, off_main_thread, openai_client, running

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from hotcold.engine import Engine
+from hotcold.runtime.engine import Engine
 from hotcold.server.app import create_app
 from hotcold.server.scheduler import Scheduler
 from tests.server.conftest import SlowModel, off_main_thread, running

@@ -12,8 +12,8 @@ import httpx
 import pytest
 import torch
 
-from hotcold.engine import Engine
-from hotcold.sampling import SamplingParams
+from hotcold.runtime.engine import Engine
+from hotcold.runtime.sampling import SamplingParams
 from hotcold.server.app import create_app
 from hotcold.server.scheduler import GenerationRequest, QueueFull, Scheduler
 from tests.server.conftest import SlowModel, off_main_thread, openai_client, running

@@ -15,8 +15,8 @@ import httpx
 import pytest
 import torch
 
-from hotcold.engine import Engine
-from hotcold.generation import Generation, GenerationStats
+from hotcold.runtime.engine import Engine
+from hotcold.runtime.generation import Generation, GenerationStats
 from hotcold.server.app import create_app
 from hotcold.server.figures import timings
 from hotcold.server.scheduler import Scheduler

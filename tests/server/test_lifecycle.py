@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-from hotcold.engine import Engine
+from hotcold.runtime.engine import Engine
 from hotcold.server.app import create_app
 from hotcold.server.lifecycle import Lifecycle
 from hotcold.server.scheduler import Scheduler

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import hotcold
-from hotcold.engine import Engine
-from hotcold.sampling import SamplingParams
+from hotcold.runtime.engine import Engine
+from hotcold.runtime.sampling import SamplingParams
 from hotcold.server.scheduler import GenerationRequest, QueueFull, RequestFailed, Scheduler, SchedulerClosed
 from hotcold.structured import Constraint
 

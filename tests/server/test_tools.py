@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from hotcold.chat import TOOLS_PROMPT, render_chat
-from hotcold.generation import GenerationStats
+from hotcold.runtime.generation import GenerationStats
 from hotcold.server import tools
 from hotcold.server.protocol import ApiError
 from tests.server.conftest import openai_client, running

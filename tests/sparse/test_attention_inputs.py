@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.quants import dequantize
 
 import hotcold
-from hotcold import names
+from hotcold.gguf import names
 from hotcold.sparse.attention_inputs import OUT, QKV
 from tests.sparse.test_thresholded import PROMPT
 
@@ -270,7 +270,7 @@ def test_attention_inputs_change_the_output_and_follow_the_sparsity(attn_files, 
 
 @pytest.mark.parametrize("outtype", ["f16", "q8_0", "gate", "auto", "probe"])
 def test_one_call_decode_batches_and_threads_give_the_ops_bits(attn_files, monkeypatch, outtype):
-    from hotcold.cpu_step import CPUDecoder
+    from hotcold.runtime.cpu_step import CPUDecoder
 
     path = attn_files[outtype]
     prompts = [PROMPT, "The quick brown fox", "Line 12: 84 jumps over"]
@@ -307,9 +307,9 @@ class _ctx:
 def test_prompt_chunks_beside_decode_rows_give_each_alone(attn_files, tiny_swiglu, monkeypatch, name):
     """A prompt chunk of PROMPT_DENSE_ROWS rows or more runs the dense products, the decode rows of the same
     forward the row kernels: every generation's tokens equal its own run alone (the rule follows the chunk)."""
-    from hotcold import batching
-    from hotcold.engine import Engine
-    from hotcold.generation import Generation
+    from hotcold.runtime import batching
+    from hotcold.runtime.engine import Engine
+    from hotcold.runtime.generation import Generation
     from hotcold.sparse import thresholded
 
     path = attn_files["gate"] if name == "gate" else tiny_swiglu.sparse["f16"]
@@ -342,7 +342,7 @@ def test_mixed_forward_rows_have_their_own_bits(attn_files, tiny_swiglu, name):
     bit for bit those of its own forward alone, so neither rule depends on the other rows."""
     import torch
 
-    from hotcold.state import Batch
+    from hotcold.runtime.state import Batch
 
     path = attn_files[name] if name != "ffn" else tiny_swiglu.sparse["f16"]
     model = hotcold.load(path, threads=2, sparsity=0.5).loaded.model
@@ -363,7 +363,7 @@ def test_mixed_forward_rows_have_their_own_bits(attn_files, tiny_swiglu, name):
 
 @pytest.mark.parametrize("dropped", ["blk.1.attn_qkv_t.weight", names.SPARSIFY_ATTN_SCALE_O])
 def test_a_damaged_file_is_refused_naming_what_is_missing(attn_files, tmp_path, dropped):
-    from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, metadata_items, write_model_file
+    from hotcold.gguf.io import GGUFError, ModelFile, TensorSpec, metadata_items, write_model_file
 
     mf = ModelFile(attn_files["f16"])
     specs = [

@@ -151,8 +151,8 @@ def test_one_call_decode_equals_the_layer_ops(
     counts the timings report."""
     import hotcold
     from hotcold.convert.quantize import quantize_file
-    from hotcold.cpu_step import CPUDecoder
     from hotcold.models import llama
+    from hotcold.runtime.cpu_step import CPUDecoder
 
     src = tiny_dense_gguf if mode == "dense file" else tiny_sparse_gguf
     path = quantize_file(src, tmp_path / f"m.{outtype}.gguf", outtype)  # weights in the C kernels' types

@@ -70,7 +70,7 @@ IDS = list(range(3, 40))
 def budget_gib(path, extra_bytes: int) -> float:
     """Scratch space plus the dense parts of the tiny model (~0.9 MB) plus extra_bytes for hot rows."""
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.placement.budget import scratch_bytes
 
     return (scratch_bytes(config_from_file(ModelFile(path))) + 900_000 + extra_bytes) / 2**30
@@ -153,7 +153,7 @@ def test_hot_rows_of_types_the_gpu_kernels_lack_go_over_as_f16():
     other block type (a Q4_K_M file's Q4_K and Q6_K) goes over dequantized to F16, at load."""
     from gguf import GGMLQuantizationType as Q
 
-    from hotcold.quants import QuantTensor
+    from hotcold.gguf.quants import QuantTensor
     from hotcold.sparse.hybrid import _rows_to
     from tests.fixtures import random_blocks
 
@@ -218,8 +218,8 @@ def test_hybrid_layer_waits_for_the_host_once():
 def test_hybrid_on_gpu_equals_cpu_sparse_and_waits_once_a_layer(model_with_stats):
     """On a real GPU: a budget that holds part of the FFN gives the CPU-only logits (the KV cache and the
     attention run in fp16 there, hence the tolerance) and a decode token waits for the host once a layer."""
-    from hotcold.engine import Engine
     from hotcold.kernels.launches import LaunchCounter
+    from hotcold.runtime.engine import Engine
 
     ref = hotcold.load(model_with_stats, device="cpu").logits(IDS)
     loaded = load_model(model_with_stats, device="cuda", vram_budget=budget_gib(model_with_stats, 800_000))
@@ -284,7 +284,7 @@ ONE_TOKEN = textwrap.dedent(
     from gguf import GGMLQuantizationType as Q
     from hotcold.kernels.launches import LaunchCounter
     from hotcold.ops import Norm
-    from hotcold.quants import QuantTensor
+    from hotcold.gguf.quants import QuantTensor
     from hotcold.sparse.ffn import SparseFFN
     from hotcold.sparse.hybrid import HybridFFN
     from hotcold.sparse.predictor import Predictor

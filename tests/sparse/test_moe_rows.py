@@ -10,8 +10,8 @@ from dataclasses import replace
 import pytest
 import torch
 
+from hotcold.gguf.quants import QuantTensor, quantize
 from hotcold.ops import LinearGroup, Norm
-from hotcold.quants import QuantTensor, quantize
 from hotcold.sparse.ffn import DenseFFN, dense_step
 from hotcold.sparse.moe import MoEFFN, relu_rows_apply, runs_relu_rows
 from tests.fixtures import ffn_state, ffn_weights

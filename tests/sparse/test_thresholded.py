@@ -12,11 +12,11 @@ from gguf import GGUFReader
 from gguf.quants import dequantize
 
 import hotcold
-from hotcold import names
+from hotcold.gguf import names
 from hotcold.ops import linear
+from hotcold.runtime.state import Batch, FFNCounts, SequenceState
 from hotcold.sparse.tails import ThresholdedTail
 from hotcold.sparse.thresholded import ThresholdedFFN, threshold_at
-from hotcold.state import Batch, FFNCounts, SequenceState
 from tests.fixtures import ffn_state, ffn_weights
 
 PROMPT = "Line 3: the quick brown fox 21 jumps over 3 lazy dogs."
@@ -190,7 +190,7 @@ def test_gate_probe_scores_and_the_exact_gate_computes(T):
     """With a probe the mask comes from the probe's score, the kept neurons' activation from the exact gate."""
     from gguf import GGMLQuantizationType as Q
 
-    from hotcold import quants
+    from hotcold.gguf import quants
     from hotcold.kernels import cpu
 
     F_, D = 512, 64
@@ -214,7 +214,7 @@ def test_gate_probe_scores_and_the_exact_gate_computes(T):
 
 def test_sparsified_with_a_gate_probe(tiny_swiglu, tmp_path):
     from hotcold.convert.sparsify import sparsify_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
 
     out = tmp_path / "probe.gguf"
     r = sparsify_file(
@@ -257,9 +257,9 @@ def test_one_call_decode_equals_the_layer_ops(tiny_swiglu, tmp_path, monkeypatch
     dense tail), as two C calls a layer (attention; the o projection, residuals and the FFN step) and as the
     ops one by one: the same logits, greedy tokens and computed-neuron counts."""
     from hotcold.convert.sparsify import sparsify_file
-    from hotcold.cpu_step import CPUDecoder
     from hotcold.kernels import ffn_calls
     from hotcold.models import llama
+    from hotcold.runtime.cpu_step import CPUDecoder
 
     path = tiny_swiglu.sparse.get(outtype)
     if path is None:  # a Q4_0 gate probe: the score from the probe, the exact gate gathered

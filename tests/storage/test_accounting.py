@@ -6,7 +6,7 @@ import pytest
 import hotcold
 from hotcold.cli.generate import _storage_text
 from hotcold.config import config_from_file
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from hotcold.placement.walk import GIB
 from hotcold.server.figures import timings
 from hotcold.server.metrics import Metrics

@@ -11,9 +11,9 @@ import torch
 
 import hotcold
 from hotcold.config import config_from_file
-from hotcold.engine import Engine
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf.io import GGUFError, ModelFile
 from hotcold.placement.walk import GIB
+from hotcold.runtime.engine import Engine
 from hotcold.storage.plan import plan_ram
 
 CTX = 128

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf.io import GGUFError, ModelFile
 from hotcold.storage.ffn import StoredMatrix
 from hotcold.storage.reader import Job, RowReader, runs, tensor_offset
 

@@ -9,7 +9,7 @@ import torch
 
 import hotcold
 from hotcold.cli import main
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from hotcold.placement.profile import corpus_tokens, run_windows, token_windows
 from hotcold.training.predictors import SPARSE_THRESHOLD, pack_mask, unpack_mask
 from tests.fixtures import training_text

@@ -14,8 +14,8 @@ import time
 
 import torch
 
-from hotcold import names
-from hotcold.state import HeadNeed
+from hotcold.gguf import names
+from hotcold.runtime.state import HeadNeed
 
 
 def add_args(p) -> None:
@@ -148,19 +148,17 @@ def measure(llm, test: str, n: int, depth: int = 0) -> tuple[float, float, float
 
 def measure_batch(llm, n: int, batch: int) -> tuple[float, float, float, float]:
     """B sequences (different random prompts of 2 tokens) decoding n tokens each in one forward per step
-    (hotcold.batching): seconds, the firing rate per token, the union firing rate per step (the share
+    (hotcold.runtime.batching): seconds, the firing rate per token, the union firing rate per step (the share
     of each layer's neurons fired by any token of the batch: the rows the sparse kernels read), and the share
     of the output head's rows computed (greedy steps: a screened head computes the rows that can win)."""
-    from hotcold import batching
-    from hotcold.engine import Engine
-    from hotcold.generation import Generation
+    from hotcold.runtime import batching, engine, generation
 
     model = llm.loaded.model
     gen = torch.Generator().manual_seed(batch)
     bos = llm.tokenizer.bos_id or 1
-    engines = [Engine(model, llm.tokenizer, n + 4) for _ in range(batch)]
+    engines = [engine.Engine(model, llm.tokenizer, n + 4) for _ in range(batch)]
     prompts = [[bos, int(t)] for t in torch.randint(3, llm.config.n_vocab, (batch,), generator=gen)]
-    gens = [Generation(e, p, max_tokens=n, ignore_eos=True) for e, p in zip(engines, prompts)]
+    gens = [generation.Generation(e, p, max_tokens=n, ignore_eos=True) for e, p in zip(engines, prompts)]
     batching.step(model, gens)  # the prefills (untimed) and the first token
     before = [e.seq.neuron_totals() for e in engines]
     head0 = [list(e.seq.head_rows) for e in engines]
@@ -174,7 +172,7 @@ def measure_batch(llm, n: int, batch: int) -> tuple[float, float, float, float]:
     total = sum(a[1] - b[1] for a, b in zip(after, before))
     # the union, measured apart (recording masks costs time): a few more steps with masks kept
     union = []
-    gens = [Generation(e, p, max_tokens=4, ignore_eos=True) for e, p in zip(engines, prompts)]
+    gens = [generation.Generation(e, p, max_tokens=4, ignore_eos=True) for e, p in zip(engines, prompts)]
     for e in engines:
         e.seq.keep_masks = True
     while any(not g.done for g in gens):
@@ -338,7 +336,9 @@ def run_bench(
                     "effective_gb_s": tps / batch * bytes_per_step / 1e9 if test.startswith("tg") else None,
                     "threads": threads or torch.get_num_threads(),
                     "device": device_name,
-                    "decoder": decoder_of[m],  # "eager", "cpu_one_call" or "cuda_graph" (hotcold.decoders)
+                    "decoder": decoder_of[
+                        m
+                    ],  # "eager", "cpu_one_call" or "cuda_graph" (hotcold.runtime.decoders)
                 }
             )
     return rows

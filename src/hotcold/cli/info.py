@@ -43,7 +43,7 @@ def describe(
     ram_budget: float | None = None,
 ) -> dict:
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.loader import demo_model_path
     from hotcold.registry import require
 
@@ -200,7 +200,7 @@ def _sparsify(mf, c) -> str | None:
     """The `hotcold sparsify` assets in one line: method, target, thresholds, statistics, ffn_down_t type."""
     if not c.sparsified:
         return None
-    from hotcold import names
+    from hotcold.gguf import names
     from hotcold.sparse.thresholded import SparsifyAssets
 
     a = SparsifyAssets.from_file(mf, c.n_layer, c.n_ff)
@@ -222,7 +222,7 @@ def _sparsify(mf, c) -> str | None:
 
 def _row_copies(mf) -> str:
     """The row copies the decode gathers from (names.FFN_UP_ROWS), as a clause, or ""."""
-    from hotcold import names
+    from hotcold.gguf import names
 
     kinds = [n for n in (names.FFN_UP_ROWS, names.FFN_GATE_ROWS) if names.tensor(n, 0) in mf.tensors]
     if not kinds:
@@ -238,7 +238,7 @@ def run(args) -> int:
     )  # fmt: skip
     if getattr(args, "load", False):
         llm = load_for_info(args)
-        info["decoder"] = llm.decoder  # chosen at load (hotcold.decoders)
+        info["decoder"] = llm.decoder  # chosen at load (hotcold.runtime.decoders)
         decode_note = next((n for n in llm.loaded.notes if n.startswith("decode: ")), None)
         failure = getattr(llm.loaded.model, "decoder_failure", None)
         info["decoder_why"] = failure or (decode_note[len("decode: ") :] if decode_note else None)
@@ -268,7 +268,7 @@ def run(args) -> int:
 def _placement(gpuidx: Path) -> str | None:
     if not gpuidx.exists():
         return None
-    from hotcold.gguf_io import GGUFError
+    from hotcold.gguf.io import GGUFError
     from hotcold.placement.gpuidx import read_gpuidx
 
     try:

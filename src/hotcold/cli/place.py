@@ -32,7 +32,7 @@ def run(args) -> int:
     import torch
 
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.loader import AUTO_BUDGET_STEP, DEFAULT_CTX, demo_model_path
     from hotcold.placement.budget import GIB, default_budget_bytes, plan_budget
     from hotcold.placement.gpuidx import gpuidx_path, resolve_placement
@@ -111,7 +111,7 @@ def run(args) -> int:
 
 
 def _written(cache: Path, hot) -> bool:
-    from hotcold.gguf_io import GGUFError
+    from hotcold.gguf.io import GGUFError
     from hotcold.placement.gpuidx import read_gpuidx
 
     try:

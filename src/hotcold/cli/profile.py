@@ -98,7 +98,7 @@ def plot_existing(args) -> int:
     """--plot without a corpus: the statistics in the output folder (default: where the loader looks)."""
     from hotcold import plots
     from hotcold.config import config_from_file
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
     from hotcold.loader import demo_model_path, load_activations
     from hotcold.placement.profile import default_activation_dir
 

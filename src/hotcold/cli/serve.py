@@ -18,7 +18,7 @@ from hotcold.cli import add_model_args, load_from_args
 
 # llama-server's -np default is -1, "auto": 4 slots (tools/server/server.cpp). Its 4 share one KV pool of
 # the context size; here each slot has its own, which on the CPU costs memory only as it fills (an anonymous
-# map, hotcold.state), and on a GPU is charged to the VRAM budget at load.
+# map, hotcold.runtime.state), and on a GPU is charged to the VRAM budget at load.
 AUTO_PARALLEL = 4
 
 

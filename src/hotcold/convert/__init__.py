@@ -11,10 +11,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from tqdm import tqdm
 
-from hotcold import names
 from hotcold.atomic import check_output
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, Encoded, read_config, read_predictors
-from hotcold.gguf_io import TensorSpec, write_model_file
+from hotcold.gguf import names
+from hotcold.gguf.io import TensorSpec, write_model_file
 
 OUTTYPES = {"f32": Q.F32, "f16": Q.F16, "bf16": Q.BF16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 # general.file_type as llama.cpp numbers it (LlamaFileType)
@@ -71,7 +71,7 @@ def encode(values: torch.Tensor, qtype: Q) -> np.ndarray:
         return values.to(torch.float16).numpy()
     if qtype == Q.BF16:
         return values.to(torch.bfloat16).view(torch.uint8).numpy()
-    from hotcold import quants
+    from hotcold.gguf import quants
 
     return quants.quantize(values.to(torch.float32), qtype)
 

@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from gguf import GGUFValueType as V
 
-from hotcold import names
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling, rope_theta
+from hotcold.gguf import names
 
 MODEL_TYPES = ("falcon", "RefinedWeb", "RefinedWebModel")
 

@@ -12,9 +12,9 @@ from typing import Any
 
 from gguf import GGUFValueType as V
 
-from hotcold import names
 from hotcold.convert import llama
 from hotcold.convert.checkpoint import Checkpoint, ConvertError
+from hotcold.gguf import names
 
 MODEL_TYPES = ("gemma3_text", "gemma2")
 LOCAL_ROPE_BASE = 10000.0  # upstream llama.cpp's base for gemma3's sliding-window layers

@@ -19,8 +19,8 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf import GGUFValueType as V
 
-from hotcold import names
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, Encoded, rope_scaling_params, rope_theta
+from hotcold.gguf import names
 
 MODEL_TYPES = ("gpt_oss",)
 

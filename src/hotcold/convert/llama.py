@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from gguf import GGUFValueType as V
 
-from hotcold import names
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, llama3_rope_factors, rope_scaling, rope_theta
+from hotcold.gguf import names
 
 MODEL_TYPES = ("llama", "mistral", "bamboo")
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from gguf import GGUFValueType as V
 
-from hotcold import names
 from hotcold.convert.checkpoint import Checkpoint, ConvertError
+from hotcold.gguf import names
 
 MODEL_TYPES = ("opt",)
 LAYER_NORM_EPS = 1e-5  # nn.LayerNorm's default, what OPT uses

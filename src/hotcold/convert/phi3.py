@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from gguf import GGUFValueType as V
 
-from hotcold import names
 from hotcold.convert import llama
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling_params
+from hotcold.gguf import names
 
 MODEL_TYPES = ("phi3",)
 LONGROPE = ("longrope", "su")  # "su": the name the first 128k checkpoints gave it

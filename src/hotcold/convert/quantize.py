@@ -29,11 +29,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from tqdm import tqdm
 
-from hotcold import names, quants
 from hotcold.atomic import check_output
 from hotcold.convert import encode
 from hotcold.convert.statistics import CARRY, StatisticsPlan, plan_statistics
-from hotcold.gguf_io import ModelFile, TensorEntry, TensorSpec, as_torch, metadata_items, write_model_file
+from hotcold.gguf import names, quants
+from hotcold.gguf.io import ModelFile, TensorEntry, TensorSpec, as_torch, metadata_items, write_model_file
 from hotcold.kernels import cpu
 from hotcold.placement.profile import activation_dir_writer
 

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from hotcold import names
 from hotcold.convert import llama
 from hotcold.convert.checkpoint import Checkpoint
+from hotcold.gguf import names
 
 MODEL_TYPES = ("qwen2", "qwen3")
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 from gguf import GGUFValueType as V
 
-from hotcold import names
 from hotcold.convert import llama, qwen
 from hotcold.convert.checkpoint import Checkpoint, ConvertError
+from hotcold.gguf import names
 
 MODEL_TYPES = ("qwen3_moe",)
 

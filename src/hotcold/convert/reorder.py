@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from hotcold import names
 from hotcold.atomic import check_output
 from hotcold.config import config_from_file
-from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf import names
+from hotcold.gguf.io import ModelFile, TensorSpec, metadata_items, write_model_file
 from hotcold.placement.profile import (
     activation_dir_writer,
     check_activation_dir,

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from gguf import GGUFValueType as V
 
-from hotcold import names
 from hotcold.convert import llama
 from hotcold.convert.checkpoint import Checkpoint, ConvertError, rope_scaling, rope_theta
+from hotcold.gguf import names
 
 MODEL_TYPES = ("smallthinker",)
 GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # llama_expert_gating_func_type

@@ -42,7 +42,6 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 from tqdm import tqdm
 
-from hotcold import names, quants
 from hotcold.atomic import check_output
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.convert.sparsify_inputs import (
@@ -55,7 +54,8 @@ from hotcold.convert.sparsify_inputs import (
     transpose_type,
     transposed,
 )
-from hotcold.gguf_io import ModelFile, TensorEntry, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf import names, quants
+from hotcold.gguf.io import ModelFile, TensorEntry, TensorSpec, metadata_items, write_model_file
 from hotcold.kernels import cpu
 from hotcold.ops import linear
 from hotcold.sparse.thresholded import METHODS

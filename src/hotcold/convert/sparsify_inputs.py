@@ -20,10 +20,10 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from hotcold import names, quants
 from hotcold.config import ModelConfig
 from hotcold.convert import encode
-from hotcold.gguf_io import ModelFile, TensorSpec, as_torch
+from hotcold.gguf import names, quants
+from hotcold.gguf.io import ModelFile, TensorSpec, as_torch
 from hotcold.kernels import cpu
 from hotcold.sparse.attention_inputs import attention_scales, column_norms
 from hotcold.sparse.thresholded import input_scores

@@ -63,7 +63,7 @@ def _same_files(a: list[Path], folder: Path) -> bool:
 
 def plan_statistics(src: Path, dst: Path, *, n_layer: int, n_ff: int) -> StatisticsPlan:
     """What quantize does with src's statistics when it writes dst (nothing is written here)."""
-    from hotcold.gguf_io import GGUFError
+    from hotcold.gguf.io import GGUFError
     from hotcold.placement.gpuidx import gpuidx_candidates
 
     source, target = default_activation_dir(src), default_activation_dir(dst)

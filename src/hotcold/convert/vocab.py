@@ -17,8 +17,16 @@ from typing import Any
 
 import gguf
 
-from hotcold.tokenizer import CONTROL, GPT2_REGEX, LLAMA3_REGEX, NORMAL, QWEN2_REGEX, UNUSED, USER_DEFINED
-from hotcold.tokenizer_bpe import GPT4O_REGEX  # o200k (gpt-oss): upstream's converter names it "gpt-4o"
+from hotcold.tokenizer.bpe import GPT4O_REGEX  # o200k (gpt-oss): upstream's converter names it "gpt-4o"
+from hotcold.tokenizer.vocab import (
+    CONTROL,
+    GPT2_REGEX,
+    LLAMA3_REGEX,
+    NORMAL,
+    QWEN2_REGEX,
+    UNUSED,
+    USER_DEFINED,
+)
 
 logger = logging.getLogger(__name__)
 

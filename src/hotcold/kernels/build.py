@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 from gguf import GGMLQuantizationType
 
+from hotcold.gguf.quants import QuantTensor, row_bytes
 from hotcold.kernels import cabi
 from hotcold.kernels.cabi import ABI_VERSION, HCInRule, HCLayer, HCWeight
-from hotcold.quants import QuantTensor, row_bytes
 
 __all__ = ["ABI_VERSION", "WT", "HCInRule", "HCLayer", "HCWeight", "get_lib", "backend", "simd"]
 

@@ -21,6 +21,7 @@ import ctypes
 import torch
 from gguf import GGMLQuantizationType
 
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import build
 from hotcold.kernels.build import WT as _WT
 from hotcold.kernels.build import _reset_for_tests as _reset_for_tests  # re-exported for tests
@@ -48,7 +49,6 @@ from hotcold.kernels.dequant import torch_gather as _torch_gather
 from hotcold.kernels.pages import anonymous as _anonymous
 from hotcold.kernels.pages import page_out as _page_out
 from hotcold.kernels.pages import prefetch_pages, rows_in_order
-from hotcold.quants import QuantTensor
 
 __all__ = [
     "Weight",

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import torch
 
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import build
 from hotcold.kernels.build import WT as _WT
 from hotcold.kernels.build import f32_contiguous, nthreads, ptr, weight_view
-from hotcold.quants import QuantTensor
 
 Weight = torch.Tensor | QuantTensor
 

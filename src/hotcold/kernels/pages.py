@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from hotcold.quants import QuantTensor
+from hotcold.gguf.quants import QuantTensor
 
 Weight = torch.Tensor | QuantTensor
 

@@ -14,13 +14,13 @@
     reduce_residual  then x + the splits' sum, added in split order: deterministic, no atomics
 
 Everything the host would otherwise read (the position, the mask, the firing count) stays on the
-device, so a step has no host sync and fixed shapes: `hotcold.decode_step` captures it in a CUDA graph.
+device, so a step has no host sync and fixed shapes: `hotcold.runtime.decode_step` captures it in a CUDA graph.
 Weights are F16, BF16 or F32 `[rows, D]` row-major; activations and accumulations are fp32, so the
 predictor's logits meet the threshold in fp32, as on the CPU. The row kernels' column loops are software-pipelined
 (`tl.range(num_stages=)`: weight tiles loaded stages ahead of the sums).
 
 Every kernel is launched through `launches.launch`, so `LaunchCounter` counts it (and on the `meta`
-device skips it). Tested under TRITON_INTERPRET=1 against torch in float64 (tests/test_decode_step.py).
+device skips it). Tested under TRITON_INTERPRET=1 against torch in float64 (tests/runtime/test_decode_step.py).
 """
 
 from __future__ import annotations

@@ -27,8 +27,8 @@ from hotcold.ops import (
     rope_attention,
     rope_attention_rows,
 )
+from hotcold.runtime.state import Batch, SequenceState
 from hotcold.sparse.tails import layer_tail
-from hotcold.state import Batch, SequenceState
 
 # make_ffn(layer, weights, predictor or None, norm or None, expert=None) -> an FFN: ffn(x, ctx) / ffn.apply(h, p, ctx)
 FFNMaker = Callable[..., Callable]

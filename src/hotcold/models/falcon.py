@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hotcold import names
 from hotcold.config import ModelConfig
+from hotcold.gguf import names
 from hotcold.models.base import (
     FFNMaker,
     Head,
@@ -25,7 +25,7 @@ from hotcold.models.base import (
     rope_attention_segments,
 )
 from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear
-from hotcold.state import Batch, SequenceState
+from hotcold.runtime.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
 

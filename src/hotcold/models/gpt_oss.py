@@ -10,7 +10,7 @@ The LLaMA block with:
   the clamped SwiGLU (sparse/ffn_weights.swiglu_oai, alpha 1.702, limit 7).
 
 Expert matrices come as upstream's converter writes them: MXFP4 (ggml type 39) from the original checkpoint,
-expanded to BF16 at load (gguf_io.expand_mxfp4: exact; no C kernel reads MXFP4 yet), or any float / block type.
+expanded to BF16 at load (gguf.io.expand_mxfp4: exact; no C kernel reads MXFP4 yet), or any float / block type.
 Sinks, the router bias and the clamped SwiGLU are not in the fast decoders (LayerSpec.beyond_fast_decoders):
 gpt-oss decodes eagerly, layer by layer, and the load notes say so.
 """
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hotcold import names
 from hotcold.device import place_vector
-from hotcold.gguf_io import GGUFError
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError
 from hotcold.models.base import FFNMaker, Head
 from hotcold.models.llama import Llama, LlamaLayer, attention_block
 from hotcold.models.mixtral import expert_weights

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import DevicePlan
+from hotcold.gguf import names
 from hotcold.kernels import cpu
 from hotcold.models.base import (
     FFNMaker,
@@ -30,8 +30,8 @@ from hotcold.models.base import (
     rope_attention_segments,
 )
 from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, embed, linear
+from hotcold.runtime.state import Batch, SequenceState
 from hotcold.sparse.attention_inputs import SparseInputs, sparse_inputs
-from hotcold.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
 

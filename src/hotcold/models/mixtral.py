@@ -17,14 +17,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from hotcold import names
 from hotcold.device import place
-from hotcold.gguf_io import GGUFError
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import cpu
 from hotcold.models.base import FFNMaker, Head
 from hotcold.models.llama import Llama, LlamaLayer, attention_block
 from hotcold.ops import Weight
-from hotcold.quants import QuantTensor
 from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.moe import MoEFFN
 from hotcold.weights import TensorSource

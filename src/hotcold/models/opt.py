@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from hotcold import names
 from hotcold.config import ModelConfig
-from hotcold.gguf_io import GGUFError
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import cpu
 from hotcold.models.base import (
     FFNMaker,
@@ -30,8 +31,7 @@ from hotcold.models.base import (
     rope_attention_segments,
 )
 from hotcold.ops import LinearGroup, Norm, RopeTables, Weight, check_context, embed, linear
-from hotcold.quants import QuantTensor
-from hotcold.state import Batch, SequenceState
+from hotcold.runtime.state import Batch, SequenceState
 from hotcold.weights import TensorSource
 
 POSITION_OFFSET = 2  # OPT's learned positions start at row 2

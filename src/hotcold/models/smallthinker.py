@@ -25,17 +25,17 @@ from dataclasses import replace
 
 import torch
 
-from hotcold import names
 from hotcold.device import place
-from hotcold.gguf_io import GGUFError
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError
 from hotcold.kernels import cpu
 from hotcold.models.base import FFNMaker, Head, one_call_decode
 from hotcold.models.llama import Llama, LlamaLayer, attention_block
 from hotcold.models.mixtral import _expert_slice
 from hotcold.ops import RopeTables, embed, linear
+from hotcold.runtime.state import Batch
 from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.moe import MoEFFN
-from hotcold.state import Batch
 from hotcold.weights import TensorSource
 
 GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # llama_expert_gating_func_type values SmallThinker uses

@@ -27,8 +27,7 @@ import torch
 
 from hotcold.config import ModelConfig
 from hotcold.device import kv_dtype
-from hotcold.generation import PREFILL_CHUNK  # noqa: F401 (re-exported)
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf.io import ModelFile
 from hotcold.placement import value
 
 # the scratch space and the walk have their own modules; the budget's callers import these names from here
@@ -53,6 +52,7 @@ from hotcold.placement.walk import (  # noqa: F401
     walk,
     walk_costs,
 )
+from hotcold.runtime.generation import PREFILL_CHUNK  # noqa: F401 (re-exported)
 
 FREE_VRAM_MARGIN = 512 << 20  # left untouched when the budget is "all free VRAM"
 

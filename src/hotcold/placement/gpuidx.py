@@ -24,8 +24,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from hotcold import names
-from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, write_model_file
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError, ModelFile, TensorSpec, write_model_file
 from hotcold.placement.user_cache import cache_name, cache_root, writes_beside
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ import torch
 
 from hotcold.atomic import atomic_directory, atomic_output, check_directory
 from hotcold.placement.user_cache import cache_name, cache_root, writes_beside
-from hotcold.state import Observer
+from hotcold.runtime.state import Observer
 from hotcold.validate import read_text_file
 
 log = logging.getLogger(__name__)
@@ -256,7 +256,7 @@ def write_activation_files(
 def read_activation_files(activation_dir: Path, n_layer: int, n_ff: int) -> list[torch.Tensor] | None:
     """DIR/activation_{i}.pt for every layer as stored (1-D counts of n_ff), or None when DIR is not a folder;
     a missing, torn, foreign or misshapen file is named (GGUFError), never a pickle traceback."""
-    from hotcold.gguf_io import GGUFError
+    from hotcold.gguf.io import GGUFError
 
     if not activation_dir.is_dir():
         return None

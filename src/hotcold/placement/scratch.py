@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from hotcold.config import ModelConfig
-from hotcold.generation import PREFILL_CHUNK
+from hotcold.runtime.generation import PREFILL_CHUNK
 
 DEFAULT_CTX = 2048  # the context a model gets without --ctx-size (capped by the file's training context)
 # cuBLAS's workspace lives in the caching allocator (PyTorch's default: 32 MiB per handle on Hopper), charged

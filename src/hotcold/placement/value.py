@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from hotcold.config import ModelConfig
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf.io import GGUFError, ModelFile
 from hotcold.placement.solver import _ranked_groups
 from hotcold.placement.walk import (
     MIB,

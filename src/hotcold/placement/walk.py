@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hotcold import names
 from hotcold.config import ModelConfig
 from hotcold.device import HOT_INDEX_BYTES, hot_row_nbytes, kv_dtype, placed_nbytes
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf import names
+from hotcold.gguf.io import ModelFile
 from hotcold.placement.scratch import LIBRARY_WORKSPACE_BYTES, scratch_bytes
 
 GIB = 1 << 30

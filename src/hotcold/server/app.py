@@ -23,9 +23,9 @@ from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
 from starlette.concurrency import run_in_threadpool
 
 from hotcold import __version__, validate
-from hotcold.engine import Engine
 from hotcold.loader import vram_figures
-from hotcold.sampling import SamplingParams
+from hotcold.runtime.engine import Engine
+from hotcold.runtime.sampling import SamplingParams
 from hotcold.server import constraints, figures, tools
 from hotcold.server.echo import prompt_logprobs
 from hotcold.server.guard import Guard, add_error_handlers, request_id

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hotcold.generation import TokenLogprob
+from hotcold.runtime.generation import TokenLogprob
 
 
 def prompt_logprobs(logits: torch.Tensor, ids: list[int], k: int) -> list[TokenLogprob]:

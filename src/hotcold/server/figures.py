@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hotcold.generation import GenerationStats
+from hotcold.runtime.generation import GenerationStats
 
 
 def _rate(n: int, ms: float) -> float:

@@ -15,7 +15,7 @@ OpenAI and vLLM report by default), one entry per sampled token except an end-of
 tokens that complete a stop string keep their entries though their text is cut. Streamed, a chunk
 carries the entries of the tokens sampled since the previous chunk (their text may come in a later
 chunk when it is held back as a possible stop string or an unfinished UTF-8 character). See
-hotcold.generation.
+hotcold.runtime.generation.
 
 Every route reports speed and sparsity in a `timings` object (llama.cpp's, plus the FFN figures; see
 hotcold.server.figures): in the non-streamed response, and streamed in the chunk that finishes the last
@@ -32,8 +32,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from hotcold.engine import GenerationStats
-from hotcold.generation import TokenLogprob
+from hotcold.runtime.engine import GenerationStats
+from hotcold.runtime.generation import TokenLogprob
 from hotcold.server.figures import timings
 
 StopWord = Annotated[str, StringConstraints(max_length=1024)]

@@ -1,6 +1,6 @@
 """Request scheduling with continuous batching: N slots (each an `Engine`: its own KV cache over the
 shared weights), one FIFO queue in front of them, and one batch thread that runs every running request
-in one forward per step (hotcold.batching), admitting queued requests into free slots at every step and
+in one forward per step (hotcold.runtime.batching), admitting queued requests into free slots at every step and
 dropping finished or cancelled ones at once.
 
 The head of the queue always gets the next free slot, so no request waits behind one that arrived
@@ -12,7 +12,7 @@ whose bits do not depend on their forward; requests arriving together prefill on
 not fit in one forward, so the later ones find the earlier ones' rows). Chunks
 reach the event loop through `call_soon_threadsafe`. A cancelled job (its client went away) leaves the
 queue at once, or leaves the batch at the next step and frees its slot. A request's tokens do not
-depend on what else is in the batch (see hotcold.batching). The `n` choices of one prompt run it once:
+depend on what else is in the batch (see hotcold.runtime.batching). The `n` choices of one prompt run it once:
 the others start from a copy of the first one's cache and its prompt logits (Engine.copy_prefix).
 
 One request's failure is its own: when its sampling, its constraint or anything else of its own fails in
@@ -33,10 +33,10 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 
-from hotcold import batching
-from hotcold.engine import Chunk, Engine
-from hotcold.generation import Generation, common_prefix
-from hotcold.sampling import SamplingParams
+from hotcold.runtime import batching
+from hotcold.runtime.engine import Chunk, Engine
+from hotcold.runtime.generation import Generation, common_prefix
+from hotcold.runtime.sampling import SamplingParams
 from hotcold.structured import Constraint, ConstraintError
 
 log = logging.getLogger(__name__)

@@ -13,7 +13,7 @@ import anyio
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
-from hotcold.engine import Chunk, GenerationStats
+from hotcold.runtime.engine import Chunk, GenerationStats
 from hotcold.server.protocol import Format, error_body
 from hotcold.server.scheduler import RequestFailed
 

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hotcold import names
 from hotcold.device import place
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError, ModelFile
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import cpu
 from hotcold.kernels.build import hc_weight
 from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
-from hotcold.quants import QuantTensor
 from hotcold.sparse.thresholded import kept_channels, prompt_rows, threshold_at
 
 CPU = torch.device("cpu")

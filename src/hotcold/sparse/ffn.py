@@ -15,10 +15,10 @@ import torch
 
 from hotcold.kernels import cpu, ffn_calls
 from hotcold.ops import LinearGroup, Norm, Weight, linear, uses_c_kernels
+from hotcold.runtime.state import Batch
 from hotcold.sparse import tails
 from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.predictor import Predictor
-from hotcold.state import Batch
 
 CPU = torch.device("cpu")
 

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from hotcold.gguf.names import FFN_KINDS
 from hotcold.kernels import ffn_calls
-from hotcold.names import FFN_KINDS
 from hotcold.ops import Weight
 
 

@@ -21,14 +21,14 @@ import time
 import torch
 
 from hotcold.device import same_device
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels.launches import host_wait
 from hotcold.kernels.triton_args import QTYPES
 from hotcold.ops import Norm
-from hotcold.quants import QuantTensor
+from hotcold.runtime.state import Batch
 from hotcold.sparse.ffn import CPU, FFN, DenseFFN, row_plan, sparse_step
 from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.predictor import Predictor
-from hotcold.state import Batch
 
 
 def _rows_to(weight, rows: torch.Tensor, device: torch.device):

@@ -17,10 +17,10 @@ import torch
 from hotcold.kernels import cpu
 from hotcold.kernels.decode_glue import GATINGS as GATING_CODES
 from hotcold.ops import Norm, Weight, linear
+from hotcold.runtime.state import Batch
 from hotcold.sparse import tails
 from hotcold.sparse.ffn import FFN, DenseFFN
 from hotcold.sparse.ffn_weights import FFNWeights
-from hotcold.state import Batch
 
 GATINGS = tuple(GATING_CODES)  # "softmax", "sigmoid"
 

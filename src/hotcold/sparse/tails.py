@@ -21,7 +21,7 @@ from hotcold.kernels import cpu, ffn_calls
 from hotcold.kernels.build import HCWeight, hc_weight
 from hotcold.kernels.decode_glue import GATINGS as GATING_CODES
 from hotcold.ops import Norm, Weight, uses_c_kernels
-from hotcold.state import Batch
+from hotcold.runtime.state import Batch
 
 _WEIGHTS = ctypes.POINTER(HCWeight)
 

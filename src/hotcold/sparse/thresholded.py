@@ -25,15 +25,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hotcold import names
 from hotcold.device import place
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError, ModelFile
 from hotcold.kernels import cpu, ffn_calls
 from hotcold.ops import Norm, Weight, linear, uses_c_kernels
+from hotcold.runtime.state import Batch
 from hotcold.sparse import tails
 from hotcold.sparse.ffn import FFN
 from hotcold.sparse.ffn_weights import ACTIVATIONS, FFNWeights
-from hotcold.state import Batch
 
 METHODS = ("cats", "wina")
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from gguf import GGUFValueType
 
-from hotcold.gguf_io import ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf.io import ModelFile, TensorSpec, metadata_items, write_model_file
 from hotcold.storage.reader import PAGE
 
 

@@ -7,9 +7,9 @@ import logging
 from dataclasses import replace
 from pathlib import Path
 
-from hotcold import names
 from hotcold.config import ModelConfig
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf import names
+from hotcold.gguf.io import GGUFError, ModelFile
 from hotcold.placement.walk import GIB
 from hotcold.sparse.ffn import SparseFFN
 from hotcold.sparse.ffn_weights import FFNWeights

@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hotcold import names
 from hotcold.config import ModelConfig
-from hotcold.gguf_io import ModelFile
+from hotcold.gguf import names
+from hotcold.gguf.io import ModelFile
 from hotcold.placement.scratch import scratch_parts
 from hotcold.placement.walk import GIB, MIB, walk_costs
 

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf.io import GGUFError, ModelFile
 
 log = logging.getLogger(__name__)
 

@@ -8,8 +8,8 @@ import threading
 import numpy as np
 import torch
 
+from hotcold.gguf.quants import QuantTensor
 from hotcold.ops import Weight
-from hotcold.quants import QuantTensor
 from hotcold.storage.reader import MAX_READ, Job, RowReader, runs
 
 

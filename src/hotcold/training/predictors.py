@@ -2,7 +2,7 @@
 
 Predictor = fc2 @ relu(fc1 @ p), no biases; fc1 [R, D], fc2 [F, R]; neuron i is computed iff its logit
 >= the file's `sparse_threshold`. p is the architecture's predictor input (the residual after attention
-for llama), exactly what an FFN observer (hotcold.state.Observer) receives as `pred_input`.
+for llama), exactly what an FFN observer (hotcold.runtime.state.Observer) receives as `pred_input`.
 
 Method (CPU-friendly: the model runs once, then the layers are trained one by one):
 1. Run the model densely over the corpus windows and keep, for the layers still to train, every token's

@@ -29,11 +29,11 @@ from dataclasses import replace
 
 import torch
 
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import build
 from hotcold.kernels.build import WT, nthreads, weight_view
 from hotcold.kernels.cpu import gather_matvec
 from hotcold.kernels.pages import page_out
-from hotcold.quants import QuantTensor
 
 # Bound on the float32 rounding of both products relative to |q| |x'| (each is a sum of D terms, error
 # <= D * 2^-24 * sum |terms| <= 6e-5 of that for D = 1024; 16384 columns would still be within 1e-3).

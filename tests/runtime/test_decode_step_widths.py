@@ -1,4 +1,4 @@
-"""hotcold.decode_step over layers of different FFN widths (#46): the down_axpy scratch is sized for the
+"""hotcold.runtime.decode_step over layers of different FFN widths (#46): the down_axpy scratch is sized for the
 widest layer, and a narrower layer must add only its own row splits (it summed the splits a wider layer
 had left there: error 82.6 against a reference maximum of 63.1). The fused step runs under the Triton
 interpreter in a subprocess (see tests/kernels/test_triton.py for why this process must not import
@@ -15,7 +15,7 @@ import textwrap
 import pytest
 import torch
 
-from hotcold import decode_step
+from hotcold.runtime import decode_step
 
 D, H, HKV, DH, R, N_CTX, V = 64, 4, 2, 16, 24, 16, 40
 WIDTHS = (128, 16, 96)  # interpreter: 4, 1 and 3 row splits of down_axpy (kernels.triton._sm_count is 2)
@@ -132,7 +132,7 @@ SCRIPT = textwrap.dedent(
     """
     import json, sys
     sys.path.insert(0, {root!r})
-    from tests.test_decode_step_widths import run_steps
+    from tests.runtime.test_decode_step_widths import run_steps
     print(json.dumps(run_steps("triton")))
     """
 )
@@ -140,7 +140,7 @@ SCRIPT = textwrap.dedent(
 
 def test_fused_step_over_layers_of_different_widths():
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT.format(root=root)], capture_output=True, text=True, env=env, timeout=600

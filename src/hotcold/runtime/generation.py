@@ -1,5 +1,5 @@
 """One request's generation as a state machine: the caller runs the forwards, so one forward can serve
-many generations (continuous batching, hotcold.batching) or just this one (Engine.stream).
+many generations (continuous batching, hotcold.runtime.batching) or just this one (Engine.stream).
 
     gen = Generation(engine, prompt_ids, max_tokens=..., params=..., stop=...)
     while not gen.done:
@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hotcold.sampling import GREEDY_TEMPERATURE, SamplingParams, make_generator, sample
-from hotcold.state import HeadNeed
+from hotcold.runtime.sampling import GREEDY_TEMPERATURE, SamplingParams, make_generator, sample
+from hotcold.runtime.state import HeadNeed
 from hotcold.structured import Constraint, Matcher
-from hotcold.tokenizer import StreamingDetokenizer
+from hotcold.tokenizer.vocab import StreamingDetokenizer
 
 PREFILL_CHUNK = 512  # tokens per prefill forward: bounds the activation memory of long prompts
 

@@ -27,7 +27,7 @@ Block layouts (little endian, d is fp16):
   MXFP4 17 bytes / 32 values: u8 e (E8M0), u8 qs[16]           value = 2^(e-128) * MXFP4_VALUES[nibble]
                                                                (E2M1 doubled); low nibbles 0..15, high 16..31
                                                                (gpt-oss's experts; not in SUPPORTED: no C kernel
-                                                               yet, gguf_io expands it to BF16, exactly)
+                                                               yet, gguf.io expands it to BF16, exactly)
 The C kernels decode each of them 32 values at a time (kernels/_cpu_kernels.c, `load32`).
 """
 
@@ -61,9 +61,9 @@ SUPPORTED = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
     | {Q.IQ4_NL, Q.IQ4_XS}
 )
-# dequantized only (no QuantTensor, no C kernel yet): gguf_io expands such a weight to BF16 when it reads it
+# dequantized only (no QuantTensor, no C kernel yet): gguf.io expands such a weight to BF16 when it reads it
 EXPAND_TYPES = frozenset({Q.MXFP4})
-# writable: gguf's legacy quantizers (and MXFP4's, ggml's quantize_row_mxfp4_ref), hotcold.kquants for K-quants
+# writable: gguf's legacy quantizers (and MXFP4's, ggml's quantize_row_mxfp4_ref), hotcold.gguf.kquants for K-quants
 QUANTIZE_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
     | {Q.MXFP4}
@@ -213,7 +213,7 @@ _DEQUANT = {Q.Q8_0: _deq_q8_0, Q.Q4_0: _deq_q4_0, Q.Q5_0: _deq_q5_0, Q.Q6_K: _de
 
 def quantize(values: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType | int) -> np.ndarray:
     """float values [..., cols] -> uint8 [..., row_bytes] in ggml layout: the same bytes as ggml's
-    reference quantizers (`quantize_row_*_ref`: gguf's numpy port for the 32-value blocks, hotcold.kquants
+    reference quantizers (`quantize_row_*_ref`: gguf's numpy port for the 32-value blocks, hotcold.gguf.kquants
     for the K-quants); for F32/F16/BF16 the plain encoding. NaN or inf in a block format is a ValueError."""
     qtype = GGMLQuantizationType(qtype)
     if qtype not in QUANTIZE_TYPES:
@@ -225,7 +225,7 @@ def quantize(values: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType | in
     lead, cols = x.shape[:-1], (x.shape[-1] if x.ndim else 1)
     nb = row_bytes(qtype, cols)
     if qtype not in FLOAT_TYPES:
-        from hotcold import kquants  # numpy only: the one hotcold module this layer may import
+        from hotcold.gguf import kquants  # numpy only: the one hotcold module this layer may import
 
         if qtype in kquants.TYPES:
             return kquants.quantize(x, qtype)

@@ -1,4 +1,4 @@
-"""hotcold.decode_step: the fixed-shape decode step equals the eager engine step; the fused Triton kernels
+"""hotcold.runtime.decode_step: the fixed-shape decode step equals the eager engine step; the fused Triton kernels
 (under the interpreter) equal the torch kernels; a step launches at most 8 kernels a layer and never syncs.
 
 The Triton cases run in one subprocess with TRITON_INTERPRET=1 (see tests/kernels/test_triton.py for why
@@ -15,11 +15,11 @@ import textwrap
 import pytest
 import torch
 
-from hotcold import decode_step
-from hotcold.engine import Engine
 from hotcold.kernels.launches import LaunchCounter
 from hotcold.loader import load_model
 from hotcold.ops import embed
+from hotcold.runtime import decode_step
+from hotcold.runtime.engine import Engine
 
 PROMPT = list(range(3, 20))
 STEPS = 6
@@ -224,7 +224,7 @@ def fused_attention_error(path) -> float:
     interpreter) against the op-by-op path on a copy of the same cache, over a few positions: the worst
     error relative to the output's scale."""
     from hotcold.models.base import fused_decode_attention, rope_attention_segments
-    from hotcold.state import Batch
+    from hotcold.runtime.state import Batch
 
     model = load_model(path, device="cpu").model
     c, layer = model.config, model.layers[0]
@@ -360,7 +360,7 @@ def fused_kernel_errors() -> dict[str, float]:
     # the dequantized values
     from gguf import GGMLQuantizationType as Q
 
-    from hotcold import quants
+    from hotcold.gguf import quants
 
     def blocks(values: torch.Tensor, qtype) -> tuple[torch.Tensor, torch.Tensor]:
         raw = quants.quantize(values.float().cpu(), qtype)
@@ -445,13 +445,13 @@ INTERPRETED = textwrap.dedent(
     """
     import json, sys, torch
     sys.path.insert(0, {root!r})
-    from hotcold import decode_step
-    from hotcold.engine import Engine
+    from hotcold.runtime import decode_step
+    from hotcold.runtime.engine import Engine
     from hotcold.kernels.launches import LaunchCounter
     from hotcold.loader import load_model
-    from tests.test_decode_step import PROMPT, embed_row, fused_kernel_errors, meta_caches, meta_decoder
+    from tests.runtime.test_decode_step import PROMPT, embed_row, fused_kernel_errors, meta_caches, meta_decoder
 
-    from tests.test_decode_step import fused_attention_error
+    from tests.runtime.test_decode_step import fused_attention_error
 
     out = {{"kernels": fused_kernel_errors(), "fused_attention": fused_attention_error({sparse!r})}}
     for name, path, args in (("sparse", {sparse!r}, {{}}), ("dense", {dense!r}, {{}}), ("blocks", {blocks!r}, {{}})):
@@ -487,7 +487,7 @@ INTERPRETED = textwrap.dedent(
 @pytest.fixture(scope="module")
 def interpreted(tiny_sparse_gguf, tiny_dense_gguf, tiny_gguf_q):
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     code = INTERPRETED.format(
         root=root, sparse=str(tiny_sparse_gguf), dense=str(tiny_dense_gguf), blocks=str(tiny_gguf_q)
     )
@@ -522,7 +522,7 @@ def check_kernel_errors(errors: dict[str, float]) -> None:
 
 @pytest.mark.parametrize("name", ["sparse", "dense", "blocks"])
 def test_fused_kernels_equal_torch_step(interpreted, name):
-    """blocks: a file with Q8_0 / Q4_0 / F16 / F32 tensors (hotcold.quants' blocks); the fused kernels read
+    """blocks: a file with Q8_0 / Q4_0 / F16 / F32 tensors (hotcold.gguf.quants' blocks); the fused kernels read
     its Q8_0 FFN rows as stored, the torch step dequantized ones. (The eager CPU engine is no reference
     there: its block kernels quantize the activations to 8 bits, as llama.cpp does.)"""
     got = interpreted[name]
@@ -570,7 +570,7 @@ def test_fused_kernels_compile_for_sm90(tmp_path):
     16-byte loads, the FFN kernels' loops are software-pipelined (cp.async: loads issued stages ahead of the
     sums), and nothing spills registers."""
     pytest.importorskip("triton")
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = tmp_path / "offline.json"
     proc = subprocess.run(

@@ -1,4 +1,4 @@
-"""The decoder chosen once at load (hotcold.decoders): which one, the eager one on request, the fallback when a
+"""The decoder chosen once at load (hotcold.runtime.decoders): which one, the eager one on request, the fallback when a
 fast one fails on its first step, and where it is reported. Each family's decoder against the eager one on the
 same file is in tests/fixtures.run_family_checks."""
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import hotcold
-from hotcold import cpu_step
-from hotcold.engine import Engine
 from hotcold.kernels import cpu
+from hotcold.runtime import cpu_step
+from hotcold.runtime.engine import Engine
 
 needs_c = pytest.mark.skipif(cpu.backend() != "c", reason="C kernels unavailable")
 

@@ -42,7 +42,7 @@ def choose_decoder(model, *, requested: str = "auto", ctx_size: int, notes: list
 
 def rows_own_bits(model) -> bool:
     """Whether a row's arithmetic never depends on the rest of its forward below cpu.GEMM_MIN_TOKENS rows (the
-    batching contract, hotcold.batching): a model all on the CPU, computed by the C kernels, whichever of its
+    batching contract, hotcold.runtime.batching): a model all on the CPU, computed by the C kernels, whichever of its
     decoders runs. Engines then share a prompt's cached rows between sequences (Engine.exact)."""
     from hotcold.kernels import build
 
@@ -73,7 +73,7 @@ def _fastest(model, ctx_size: int) -> tuple[str, str]:
     if on_gpu:
         if os.environ.get("HOTCOLD_STATIC_STEP", "1") == "0":
             return "eager", "HOTCOLD_STATIC_STEP=0"
-        from hotcold import decode_step
+        from hotcold.runtime import decode_step
 
         step, why = decode_step.from_model(model, ctx_size=ctx_size)
         if step is None:
@@ -81,7 +81,7 @@ def _fastest(model, ctx_size: int) -> tuple[str, str]:
         model.static_step = step
         kernels = "fused Triton kernels" if step.fused else "torch kernels"
         return "cuda_graph", f"the fixed-shape step in a CUDA graph, {kernels}"
-    from hotcold import cpu_step
+    from hotcold.runtime import cpu_step
 
     why = cpu_step.unsupported(model)
     if why is not None:

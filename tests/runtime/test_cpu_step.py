@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import hotcold
-from hotcold.cpu_step import CPUDecoder
-from hotcold.engine import Engine
 from hotcold.kernels import cpu
+from hotcold.runtime.cpu_step import CPUDecoder
+from hotcold.runtime.engine import Engine
 
 
 @pytest.fixture
@@ -89,7 +89,7 @@ def test_a_decode_batch_in_one_call_equals_the_layers(
     if cpu.backend() != "c":
         pytest.skip("C kernels unavailable")
     from hotcold.convert.quantize import quantize_file
-    from hotcold.state import Batch
+    from hotcold.runtime.state import Batch
 
     src = tiny_sparse_gguf if kind == "sparse" else tiny_dense_gguf
     path = quantize_file(src, tmp_path / f"m.{outtype}.gguf", outtype)

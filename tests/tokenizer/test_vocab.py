@@ -17,7 +17,7 @@ import gguf
 import pytest
 
 from hotcold.convert.vocab import write_vocab
-from hotcold.tokenizer import StreamingDetokenizer, Tokenizer
+from hotcold.tokenizer.vocab import StreamingDetokenizer, Tokenizer
 
 spm = pytest.importorskip("sentencepiece")
 
@@ -306,7 +306,7 @@ def test_spm_file_with_eos(spm_pair, corpus, tmp_path):
 def _bpe_pre_tokenizer(kind: str):
     from tokenizers import Regex, pre_tokenizers
 
-    from hotcold.tokenizer import LLAMA3_REGEX
+    from hotcold.tokenizer.vocab import LLAMA3_REGEX
 
     if kind == "gpt-2":
         return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)

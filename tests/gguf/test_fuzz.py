@@ -14,8 +14,8 @@ unbounded allocation raises instead of swapping). Mutations run in a few child p
 over its share and reporting one JSON line per mutation; a child that dies or hangs is replaced and the
 mutation it was on is reported.
 
-    pytest tests/test_fuzz_gguf.py                          # the CI run: N_CI mutations, seed SEED_CI
-    python tests/test_fuzz_gguf.py --n 10000 --seed 7       # a long run; prints a summary
+    pytest tests/gguf/test_fuzz.py                          # the CI run: N_CI mutations, seed SEED_CI
+    python tests/gguf/test_fuzz.py --n 10000 --seed 7       # a long run; prints a summary
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 if __name__ == "__main__":  # script mode: make `tests` importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.fixtures import GGUFField, get_field, gguf_layout, set_field, tiny_gguf  # noqa: E402
 
@@ -208,7 +208,7 @@ def child_main(work: str, bases: list[str], seed: int, start: int, stop: int) ->
 
 
 def _spawn(work: str, bases: list[str], seed: int, start: int, stop: int, err) -> subprocess.Popen:
-    repo = Path(__file__).resolve().parents[1]
+    repo = Path(__file__).resolve().parents[2]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", work, json.dumps(bases)]
@@ -336,7 +336,7 @@ def test_fuzzed_files_fail_clearly():
 
 def test_layout_finds_every_field(tmp_path):
     """The mutator's view of the file agrees with the reader's: every tensor's offset field is found."""
-    from hotcold.gguf_io import ModelFile
+    from hotcold.gguf.io import ModelFile
 
     path = tiny_gguf(tmp_path / "m.gguf", sparse=True)
     data = path.read_bytes()

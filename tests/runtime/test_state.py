@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from hotcold.state import KVCache
+from hotcold.runtime.state import KVCache
 
 
 def test_cache_is_zero_and_holds_what_is_written():

@@ -1,9 +1,9 @@
 """Tokenizer built from a GGUF file's vocabulary metadata alone (no sentencepiece, no transformers).
 
 Two vocabulary kinds, named as `tokenizer.ggml.model` names them:
-- "llama": SentencePiece-style BPE, encoded by `tokenizer_spm.SpmEncoder` (SentencePiece's and
+- "llama": SentencePiece-style BPE, encoded by `tokenizer.spm.SpmEncoder` (SentencePiece's and
   llama.cpp's score-ordered bigram merge with `<0xXX>` byte fallback).
-- "gpt2": byte-level BPE with merge ranks, encoded by `tokenizer_bpe.BpeEncoder` (a `tokenizers` BPE
+- "gpt2": byte-level BPE with merge ranks, encoded by `tokenizer.bpe.BpeEncoder` (a `tokenizers` BPE
   model behind the pre-tokenizer llama.cpp uses for `tokenizer.ggml.pre`).
 
 Special tokens (control and user-defined) are cut out of the text before either algorithm runs, as
@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from hotcold.tokenizer_bpe import (
+from hotcold.tokenizer.bpe import (
     ADD_BOS_PRE,
     BYTE_DECODER,
     GPT2_REGEX,
@@ -32,9 +32,9 @@ from hotcold.tokenizer_bpe import (
     BpeEncoder,
     bytes_to_unicode,
 )
-from hotcold.tokenizer_eog import derive_eog_ids
-from hotcold.tokenizer_spm import SpmEncoder
-from hotcold.tokenizer_types import BYTE, BYTE_PIECE, CONTROL, NORMAL, SPACE, UNKNOWN, UNUSED, USER_DEFINED
+from hotcold.tokenizer.eog import derive_eog_ids
+from hotcold.tokenizer.spm import SpmEncoder
+from hotcold.tokenizer.types import BYTE, BYTE_PIECE, CONTROL, NORMAL, SPACE, UNKNOWN, UNUSED, USER_DEFINED
 
 __all__ = [
     "BYTE",
@@ -310,7 +310,7 @@ class Tokenizer:
 
     def is_eog(self, token_id: int) -> bool:
         """True for tokens that end generation: EOS, end-of-turn / end-of-message tokens and the rest of
-        llama.cpp's set (hotcold.tokenizer_eog)."""
+        llama.cpp's set (hotcold.tokenizer.eog)."""
         return token_id in self.eog_ids
 
     def __repr__(self) -> str:

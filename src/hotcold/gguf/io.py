@@ -23,10 +23,10 @@ from gguf.constants import GGUF_MAGIC
 from gguf.quants import quant_shape_to_byte_shape
 
 from hotcold.atomic import atomic_output
-from hotcold.gguf_check import GGUFError, scan_header
+from hotcold.gguf.check import GGUFError, scan_header
 
 if TYPE_CHECKING:
-    from hotcold.quants import QuantTensor
+    from hotcold.gguf.quants import QuantTensor
 
 PWRI_MAGIC = int.from_bytes(b"PWRI", "little")
 
@@ -268,7 +268,7 @@ def expand_mxfp4(entry: TensorEntry, chunk_rows: int = 4096) -> torch.Tensor:
     tensor of this type is expanded when read (at load), in chunks of rows. Exact: every MXFP4 value (an E2M1 value
     times a power of two) is a BF16 number, so the products see the values ggml's dequantization gives. Costs
     16 / 4.25 times the file's bytes in memory."""
-    from hotcold import quants
+    from hotcold.gguf import quants
 
     cols = entry.shape[-1]
     rows = int(np.prod(entry.shape[:-1])) if len(entry.shape) > 1 else 1
@@ -292,7 +292,7 @@ def as_torch(entry: TensorEntry, path: Path | str = "model") -> torch.Tensor | Q
     if entry.qtype in EXPANDED_TYPES:
         return expand_mxfp4(entry)
     if entry.qtype in BLOCK_TYPES:
-        from hotcold import quants
+        from hotcold.gguf import quants
 
         rows = int(np.prod(entry.shape[:-1])) if len(entry.shape) > 1 else 1
         data = torch.from_numpy(entry.data).reshape(rows, -1)

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 
 import torch
 
-from hotcold.generation import Generation, common_prefix
 from hotcold.kernels import cpu
-from hotcold.state import Batch, HeadNeed
+from hotcold.runtime.generation import Generation, common_prefix
+from hotcold.runtime.state import Batch, HeadNeed
 
 MAX_ROWS = cpu.GEMM_MIN_TOKENS - 1  # rows per forward for which every row's bits are its own
 # Tokens of a start that an earlier prompt will compute, from which a prompt waits to copy them: computing 8

@@ -1,4 +1,4 @@
-"""hotcold.kquants (and quants.quantize for every writable block type) against ggml.
+"""hotcold.gguf.kquants (and quants.quantize for every writable block type) against ggml.
 
 The strongest check is byte-equality with ggml's reference quantizers on a recorded input
 (tests/data/kquants_ref.npz, made by tests/data/make_kquants_ref.py from llama.cpp's libggml-base:
@@ -18,10 +18,10 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from hotcold import kquants, quants
+from hotcold.gguf import kquants, quants
 
 K_TYPES = [Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K]
-REF = Path(__file__).parent / "data" / "kquants_ref.npz"
+REF = Path(__file__).parents[1] / "data" / "kquants_ref.npz"
 # RMS error / RMS value on N(0, 1) rows, measured (0.296, 0.150, 0.071, 0.036, 0.0177) plus a margin
 RMS_CEILING = {Q.Q2_K: 0.31, Q.Q3_K: 0.16, Q.Q4_K: 0.076, Q.Q5_K: 0.039, Q.Q6_K: 0.019}
 # the largest |error| in a sub-block, in units of that sub-block's quantization step (d * its scale), on

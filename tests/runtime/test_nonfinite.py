@@ -10,8 +10,8 @@ import pytest
 
 import hotcold
 from hotcold.cli import main
-from hotcold.generation import NonFiniteLogits
-from hotcold.gguf_io import GGUFError, ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf.io import GGUFError, ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.runtime.generation import NonFiniteLogits
 
 
 def with_nan(src, dst, name: str, value=np.nan):

@@ -236,7 +236,7 @@ _BLOCK_TYPES = ("q8_0", "q4_0")  # the fused kernels read these ggml blocks as s
 def _matrix(t, device: torch.device, what: str) -> torch.Tensor:
     """A float matrix on `device`. Block-quantized CPU matrices (the CPU stand-in) are dequantized: what
     the loader's placement gives a GPU (as fp16) for everything but hot FFN rows."""
-    from hotcold.quants import QuantTensor
+    from hotcold.gguf.quants import QuantTensor
 
     if isinstance(t, QuantTensor) and same_device(t.device, device) and device.type == "cpu":
         return t.dequantize()
@@ -249,7 +249,7 @@ def _matrix(t, device: torch.device, what: str) -> torch.Tensor:
 
 def _ffn_matrix(t, device: torch.device, what: str, fused: bool) -> tuple[torch.Tensor, str | None]:
     """(matrix, block type): Q8_0 / Q4_0 blocks stay blocks for the fused kernels; else a float matrix."""
-    from hotcold.quants import QuantTensor
+    from hotcold.gguf.quants import QuantTensor
 
     if (
         fused

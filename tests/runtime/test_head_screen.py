@@ -1,4 +1,4 @@
-"""The output head's screen (hotcold.head_screen): its bounds hold on every row, the argmax it leaves is the
+"""The output head's screen (hotcold.runtime.head_screen): its bounds hold on every row, the argmax it leaves is the
 full head's, and greedy generation through it gives the full head's tokens while computing fewer rows."""
 
 from __future__ import annotations
@@ -8,14 +8,14 @@ import torch
 from gguf import GGMLQuantizationType
 
 import hotcold
-from hotcold import head_screen
-from hotcold.engine import Engine
-from hotcold.generation import Generation
-from hotcold.head_screen import HeadScreen
+from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import build
-from hotcold.quants import QuantTensor
-from hotcold.sampling import SamplingParams
-from hotcold.state import HeadNeed
+from hotcold.runtime import head_screen
+from hotcold.runtime.engine import Engine
+from hotcold.runtime.generation import Generation
+from hotcold.runtime.head_screen import HeadScreen
+from hotcold.runtime.sampling import SamplingParams
+from hotcold.runtime.state import HeadNeed
 
 pytestmark = pytest.mark.skipif(build.get_lib() is None, reason="the screen needs the C kernels")
 
@@ -79,7 +79,7 @@ def test_no_screen_where_it_cannot_save_or_cannot_prove():
     w = head(4096, 64)
     w[17, 3] = float("nan")
     assert HeadScreen.build(w) is None  # no bound on a NaN row (the full head reports it)
-    from hotcold import quants
+    from hotcold.gguf import quants
 
     q8 = GGMLQuantizationType.Q8_0
     q = QuantTensor(torch.from_numpy(quants.quantize(head(4096, 64).float(), q8)), q8, (4096, 64))
@@ -162,10 +162,10 @@ def test_screened_logits_are_minus_inf_off_the_candidates():
 def test_non_finite_products_are_reported_as_without_the_screen():
     """An activation that overflows the head: the screened step's check still names it (a screened step whose
     computed rows are not finite is redone whole; a -inf the screen left is not an error)."""
-    from hotcold.generation import NonFiniteLogits, check_finite
     from hotcold.models.base import Head
     from hotcold.ops import Norm
-    from hotcold.state import Batch, SequenceState
+    from hotcold.runtime.generation import NonFiniteLogits, check_finite
+    from hotcold.runtime.state import Batch, SequenceState
 
     w = head(4096, 64)
     h = Head(Norm(torch.ones(64), 1e-6, rms=True), w, screen=HeadScreen.build(w))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from hotcold.sampling import (
+from hotcold.runtime.sampling import (
     SamplingParams,
     apply_repeat_penalty,
     make_generator,

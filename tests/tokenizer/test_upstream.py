@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hotcold.gguf_io import ModelFile
-from hotcold.tokenizer import Tokenizer
+from hotcold.gguf.io import ModelFile
+from hotcold.tokenizer.vocab import Tokenizer
 
 MODELS = (
     Path(os.environ.get("HOTCOLD_LLAMA_CPP", Path.home() / ".cache" / "hotcold-anchors" / "llama.cpp"))
@@ -91,7 +91,7 @@ def test_end_of_generation_tokens_equal_upstreams(name):
 
 
 def test_gemma4_end_of_generation_tokens_equal_upstreams():
-    from hotcold.tokenizer_eog import derive_eog_ids
+    from hotcold.tokenizer.eog import derive_eog_ids
 
     meta = ModelFile(_vocab("gemma-4")).metadata
     tokens = meta["tokenizer.ggml.tokens"]

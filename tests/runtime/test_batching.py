@@ -1,13 +1,14 @@
-"""hotcold.batching.step: which generations share a forward, and that sharing never changes a token."""
+"""hotcold.runtime.batching.step: which generations share a forward, and that sharing never changes a token."""
 
 from __future__ import annotations
 
 import pytest
 
 import hotcold
-from hotcold import batching, ops
-from hotcold.engine import Engine
-from hotcold.generation import Generation, common_prefix
+from hotcold import ops
+from hotcold.runtime import batching
+from hotcold.runtime.engine import Engine
+from hotcold.runtime.generation import Generation, common_prefix
 
 SHORT = ["In the beginning", "And God said", "Jesus wept", "Blessed are the meek"]
 

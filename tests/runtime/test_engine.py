@@ -1,4 +1,4 @@
-"""hotcold.engine over one shared model: each engine's state is its own, so generations running at the
+"""hotcold.runtime.engine over one shared model: each engine's state is its own, so generations running at the
 same time get the tokens and the firing figures they get alone."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import hotcold
-from hotcold.engine import Engine
-from hotcold.sampling import SamplingParams
+from hotcold.runtime.engine import Engine
+from hotcold.runtime.sampling import SamplingParams
 
 PROMPTS = ["In the beginning God created", "And the LORD spake unto Moses, saying"]
 N_TOKENS = 24

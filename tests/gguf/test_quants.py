@@ -11,8 +11,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from hotcold import kquants, quants
-from hotcold.quants import QuantTensor
+from hotcold.gguf import kquants, quants
+from hotcold.gguf.quants import QuantTensor
 from tests.fixtures import random_blocks
 
 BLOCK_TYPES = sorted(quants.SUPPORTED - quants.FLOAT_TYPES)  # every readable block type
@@ -25,11 +25,15 @@ def test_imports_nothing_from_the_kernels():
         tree = ast.parse(inspect.getsource(module))
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         for n in ast.walk(tree):
-            if isinstance(n, ast.ImportFrom):  # "from hotcold import x" -> hotcold.x; relative -> "."
+            if isinstance(
+                n, ast.ImportFrom
+            ):  # "from hotcold.gguf import x" -> hotcold.gguf.x; relative -> "."
                 base = "." if n.level else n.module or ""
-                names += [f"{base}.{a.name}" if base in ("hotcold", ".") else base for a in n.names]
+                names += [
+                    f"{base}.{a.name}" if base in ("hotcold", "hotcold.gguf", ".") else base for a in n.names
+                ]
         used = {m for m in names if m.startswith(("hotcold", "."))}
-        assert used <= ({"hotcold.kquants"} if module is quants else set()), (module.__name__, used)
+        assert used <= ({"hotcold.gguf.kquants"} if module is quants else set()), (module.__name__, used)
 
 
 @pytest.mark.parametrize("qtype", BLOCK_TYPES)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import hotcold
-from hotcold.gguf_io import GGUFError, ModelFile
+from hotcold.gguf.io import GGUFError, ModelFile
 
 
 def split_with_upstream_writer(source: Path, out_dir: Path, max_tensors: int) -> list[Path]:

@@ -1,4 +1,4 @@
-"""gguf_io: both magics, PowerInfer integer types, zero-copy views, bit-exact round trips, broken files."""
+"""gguf.io: both magics, PowerInfer integer types, zero-copy views, bit-exact round trips, broken files."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from hotcold.gguf_io import POWERINFER_I32, GGUFError, ModelFile, TensorSpec, metadata_items, write_model_file
+from hotcold.gguf.io import POWERINFER_I32, GGUFError, ModelFile, TensorSpec, metadata_items, write_model_file
 
 
 def spec(name, array, qtype):
@@ -211,7 +211,7 @@ def test_zero_layers_refused(tmp_path):
 def test_quantized_vector_refused(tmp_path):
     path = tmp_path / "m.gguf"
     rng = np.random.default_rng(0)
-    from hotcold import quants
+    from hotcold.gguf import quants
 
     q = quants.quantize(torch.from_numpy(rng.standard_normal(32).astype(np.float32)), Q.Q8_0)
     write_model_file(path, "llama", [], [TensorSpec("n.weight", (32,), Q.Q8_0, lambda: q)])

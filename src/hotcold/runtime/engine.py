@@ -9,8 +9,10 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from hotcold import decoders
-from hotcold.generation import (
+from hotcold.kernels import cpu
+from hotcold.ops import embed
+from hotcold.runtime import decoders
+from hotcold.runtime.generation import (
     PREFILL_CHUNK,
     Chunk,
     Generation,
@@ -18,12 +20,10 @@ from hotcold.generation import (
     NonFiniteLogits,
     common_prefix,
 )
-from hotcold.kernels import cpu
-from hotcold.ops import embed
-from hotcold.sampling import SamplingParams
-from hotcold.state import Batch, HeadNeed, Observer, hot_masks
+from hotcold.runtime.sampling import SamplingParams
+from hotcold.runtime.state import Batch, HeadNeed, Observer, hot_masks
 from hotcold.structured import Constraint
-from hotcold.tokenizer import Tokenizer
+from hotcold.tokenizer.vocab import Tokenizer
 
 __all__ = ["PREFILL_CHUNK", "Chunk", "Engine", "GenerationStats"]
 
@@ -46,7 +46,7 @@ class Engine:
         self.cached_ids: list[int] = []  # tokens whose keys/values are in the cache, in order
         # the first `exact` of them hold the bits a forward of them in any other engine would write: rows
         # forwarded under cpu.GEMM_MIN_TOKENS at a time by the C kernels on the CPU, where a row's arithmetic
-        # does not depend on the rest of its forward (hotcold.batching); another slot may copy them
+        # does not depend on the rest of its forward (hotcold.runtime.batching); another slot may copy them
         self.exact = 0
         self._rows_own_bits = bool(getattr(model, "rows_own_bits", False))  # decided at load (decoders.py)
         self.last_prefill_computed = 0
@@ -71,7 +71,7 @@ class Engine:
         """The model over `ids` at positions pos, pos + 1, ... of this engine's sequence: their keys and values
         go into its cache (recorded here, the one place that says what the cache holds) and the logits come
         back, [len(ids), V] float32 (last_only: [1, V]). One token at a time goes through the decoder chosen at
-        load (hotcold.decoders); prompt chunks through the family's forward. head_need: what the last logits are
+        load (hotcold.runtime.decoders); prompt chunks through the family's forward. head_need: what the last logits are
         read for, where not all of them (state.HeadNeed): the head may leave rows that cannot matter at -inf."""
         tokens = torch.tensor(ids, dtype=torch.long)
         step = getattr(self.model, "static_step", None)  # a model all on the GPU: the CUDA-graph step

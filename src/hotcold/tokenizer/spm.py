@@ -12,7 +12,7 @@ import heapq
 import re
 from collections.abc import Sequence
 
-from hotcold.tokenizer_types import BYTE, BYTE_PIECE, NORMAL, SPACE, UNUSED, USER_DEFINED
+from hotcold.tokenizer.types import BYTE, BYTE_PIECE, NORMAL, SPACE, UNUSED, USER_DEFINED
 
 
 class SpmEncoder:
