@@ -50,7 +50,7 @@ def test_a_small_header_reads_into_the_ctypes_it_means():
 @pytest.mark.parametrize(
     "text, needle",
     [
-        ("#define HC_ABI_VERSION 1\nint hc_f(double x);", "unknown type 'double'"),
+        ("#define HC_ABI_VERSION 1\nint hc_f(size_t x);", "unknown type 'size_t'"),
         ("#define HC_ABI_VERSION 1\nint hc_f(struct s *x);", "cannot read"),
         ("int hc_f(int x);", "no HC_ABI_VERSION"),
     ],

@@ -199,3 +199,43 @@ def test_a_batch_through_the_screen_equals_each_request_alone(monkeypatch):
     assert 3 in rows_seen  # the batch's steps went through the screen, all three rows at once
     assert HeadNeed.of_rows([HeadNeed(1, ((3,),)), HeadNeed(40, ((),))]) == HeadNeed(40, ((3,), ()))
     assert HeadNeed.of_rows([HeadNeed(1, ((),)), None]) is None
+
+
+def reference_candidates(screen: HeadScreen, x: torch.Tensor, top: int, keep) -> torch.Tensor:
+    """The candidates as the bounds define them, in torch (float64): the C selection must give these rows."""
+    s, bound = screen.bounds(x)
+    low = s - bound
+    kept = torch.zeros(low.shape, dtype=torch.bool)
+    for j, ids in enumerate(keep):
+        if ids:
+            kept[j, torch.tensor(ids, dtype=torch.long)] = True
+    lo = low.masked_fill(kept, float("-inf")).topk(top, dim=-1).values[:, -1:]
+    return (s + bound >= lo) | kept
+
+
+@pytest.mark.parametrize("top", [1, 2, 40, 256])
+def test_the_c_selection_gives_the_bounds_candidates(top):
+    """hc_screen_select (a heap of the top lower bounds, then the mask) against the same rule in torch, with kept
+    rows (a repeat penalty's window) on some tokens and not others, 1 and 2 threads."""
+    w, x = head(8192, 128, seed=11), inputs(3, 128, seed=12)
+    screen = HeadScreen.build(w)
+    keep = ((3, 4095, 17), (), (8191,))
+    want = reference_candidates(screen, x, top, keep)
+    for threads in (1, 2):
+        assert torch.equal(screen.candidates(x, top=top, keep=keep, threads=threads), want)
+    assert torch.equal(screen.candidates(x, top=top), reference_candidates(screen, x, top, ()))
+
+
+def test_the_c_selection_refuses_bad_arguments_and_keeps_every_row_for_nan():
+    w = head(4096, 64)
+    screen = HeadScreen.build(w)
+    x = inputs(2, 64)
+    with pytest.raises(ValueError, match="kept row out of range"):
+        screen.candidates(x, keep=((4096,), ()))
+    with pytest.raises(ValueError, match="top 4097"):
+        screen.candidates(x, top=4097)
+    x[1, 3] = float("nan")
+    mask = screen.candidates(x)
+    assert (
+        bool(mask[1].all()) and int(mask[0].sum()) < 4096 // 10
+    )  # the NaN token: every row, for the head to see

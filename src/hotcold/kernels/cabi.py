@@ -27,6 +27,7 @@ _SCALARS = {
     "int32_t": ctypes.c_int32,
     "uint8_t": ctypes.c_uint8,
     "float": ctypes.c_float,
+    "double": ctypes.c_double,
     "char": ctypes.c_char,
 }
 STRUCT_SIZE_CODES = {"hc_weight": 0, "hc_in_rule": 1, "hc_layer": 2}  # hc_struct_size's argument

@@ -94,19 +94,34 @@ class HeadScreen:
         """bool [T, V]: the rows that may be among each row of x's `top` largest logits (x [T, D] float32, the
         normed input), with the rows keep[j] of row j always in. The top-th largest lower bound over the rows not
         kept is met or beaten by `top` rows that are in, and their exact logits are at least it, so a row left out
-        (its upper bound below it) is below all of them: not in the top, whatever the sampler does to the kept."""
-        s, bound = self.bounds(x, threads=threads)
-        low = s - bound
-        kept = torch.zeros(low.shape, dtype=torch.bool)
-        for j, ids in enumerate(keep):
-            if ids:
-                kept[j, torch.tensor(ids, dtype=torch.long)] = True
-        lo = low.masked_fill(kept, float("-inf")).topk(top, dim=-1).values[:, -1:]
-        return (s + bound >= lo) | kept
+        (its upper bound below it) is below all of them: not in the top, whatever the sampler does to the kept.
+        One C pass over the rows for the lower bounds' top, one for the mask (hc_screen_select), in the float64
+        arithmetic of `bounds`."""
+        x = x.to(torch.float32).contiguous()
+        s, a, c = self._products(x, threads)
+        t = x.shape[0]
+        ids = [list(keep[j]) if j < len(keep) and keep[j] else [] for j in range(t)]
+        offsets = torch.tensor([0] + [len(i) for i in ids], dtype=torch.int64).cumsum(0)
+        flat = torch.tensor([r for i in ids for r in i], dtype=torch.int64)
+        mask = torch.empty(t, self.n_rows, dtype=torch.uint8)
+        rc = build.get_lib().hc_screen_select(
+            t, self.n_rows, s.data_ptr(), self.err.data_ptr(), self.qnorm.data_ptr(), a.data_ptr(), c.data_ptr(),
+            top, flat.data_ptr() if len(flat) else None, offsets.data_ptr(), mask.data_ptr(), nthreads(threads),
+        )  # fmt: skip
+        if rc < 0:
+            raise ValueError(f"hc_screen_select: top {top} of {self.n_rows} rows, or a kept row out of range")
+        return mask.view(torch.bool)
 
     def bounds(self, x: torch.Tensor, *, threads: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """(the screen's products s, bounds b), float64 [T, V]: |w_r . x - s_r| <= b_r for every row r."""
-        x = x.to(torch.float32).contiguous()
+        s, a, c = self._products(x.to(torch.float32).contiguous(), threads)
+        return s.double(), self.err[None] * a[:, None] + self.qnorm[None] * c[:, None]
+
+    def _products(
+        self, x: torch.Tensor, threads: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(s [T, V] float32: the screen's products, a [T] = |x|, c [T] = |x - x'| + RELATIVE_SLACK |x'|, both
+        float64): the bound on row r's error is err[r] a + qnorm[r] c."""
         t = x.shape[0]
         s = torch.empty(t, self.n_rows, dtype=torch.float32)
         lib = build.get_lib()
@@ -123,11 +138,7 @@ class HeadScreen:
         x_off = (chunk_amax / 127 * 0.5 * 1.001).square().sum(-1).mul(32).sqrt()
         x_norm = x64.norm(dim=-1)
         x_quant_norm = x_norm + x_off  # |x'| <= |x| + |x - x'|
-        bound = (
-            self.err[None] * x_norm[:, None]
-            + self.qnorm[None] * (x_off + RELATIVE_SLACK * x_quant_norm)[:, None]
-        )
-        return s.double(), bound
+        return s, x_norm.contiguous(), (x_off + RELATIVE_SLACK * x_quant_norm).contiguous()
 
     def rows(
         self, weight, x: torch.Tensor, *, top: int = 1, keep=(), threads: int | None = None

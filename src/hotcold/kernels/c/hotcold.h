@@ -4,12 +4,12 @@
  * (this header is included before them). The comments at the definitions say what each call computes.
  *
  * Kept to a form cabi.py parses: one declaration per statement, types from the list in cabi.py (int, int64_t,
- * int32_t, float, uint8_t, char, void, the structs below, pointers to them), fixed-size arrays in structs. */
+ * int32_t, float, double, uint8_t, char, void, the structs below, pointers to them), fixed-size arrays in structs. */
 #ifndef HOTCOLD_H
 #define HOTCOLD_H
 #include <stdint.h>
 
-#define HC_ABI_VERSION 34 /* the library's calling convention; cabi.py reads it and refuses another library */
+#define HC_ABI_VERSION 35 /* the library's calling convention; cabi.py reads it and refuses another library */
 
 /* One [rows, cols] matrix as the kernels read it: weight type code (build.WT), rows at data + i * stride. */
 typedef struct {
@@ -147,6 +147,9 @@ int hc_attn_prefill(int64_t T, const float *q, const float *kc, const float *vc,
 /* the output head's screen (screen.c) */
 int hc_screen_q8_0(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint8_t *Q, float *err,
                    float *qnorm, int nthreads);
+int64_t hc_screen_select(int64_t T, int64_t V, const float *s, const double *err, const double *qnorm,
+                         const double *a, const double *c, int64_t top, const int64_t *keep, const int64_t *koff,
+                         uint8_t *mask, int nth);
 
 /* sizeof of the structs above (0: hc_weight, 1: hc_in_rule, 2: hc_layer; -1 otherwise): cabi.py checks its
  * layouts against the compiler's */

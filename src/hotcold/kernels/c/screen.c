@@ -58,3 +58,75 @@ int hc_screen_q8_0(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t 
     }
     return 0;
 }
+
+/* The screen's candidates for T tokens (head_screen.HeadScreen.candidates): with s [T, V] the screen's products and
+ * b[t, r] = err[r] * a[t] + qnorm[r] * c[t] the bound on |w_r . x_t - s[t, r]| (float64; a[t] = |x_t|, c[t] = |x_t -
+ * x'_t| + slack |x'_t|), lo[t] = the top-th largest s - b over the rows not kept, and mask[t, r] = 1 where row r is
+ * kept (keep[koff[t]..koff[t+1]-1], row ids) or s + b >= lo[t], else 0. One pass for lo (a min-heap of the top
+ * lower bounds), one for the mask, in the arithmetic the bound is proven in. Returns the number of candidate
+ * (token, row) pairs, or -1 (top < 1, a row id out of range, or memory). A NaN product makes every row of its token
+ * a candidate (the head then computes them and reports the NaN). */
+static void screen_heap_down(double *h, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t m = i, l = 2 * i + 1, r = l + 1;
+        if (l < n && h[l] < h[m]) m = l;
+        if (r < n && h[r] < h[m]) m = r;
+        if (m == i) return;
+        const double t = h[i];
+        h[i] = h[m], h[m] = t, i = m;
+    }
+}
+
+int64_t hc_screen_select(int64_t T, int64_t V, const float *s, const double *err, const double *qnorm,
+                         const double *a, const double *c, int64_t top, const int64_t *keep, const int64_t *koff,
+                         uint8_t *mask, int nth) {
+    if (top < 1 || top > V) return -1;
+    for (int64_t i = 0; keep && i < koff[T]; i++)
+        if (keep[i] < 0 || keep[i] >= V) return -1;
+    int64_t total = 0;
+    int failed = 0;
+    nth = clamp_threads(nth, T);
+#ifdef _OPENMP
+#pragma omp parallel for num_threads(nth) schedule(static) reduction(+ : total) reduction(| : failed)
+#endif
+    for (int64_t t = 0; t < T; t++) {
+        double *heap = (double *)malloc(sizeof(double) * (size_t)top);
+        if (!heap) {
+            failed = 1;
+            continue;
+        }
+        const float *st = s + t * V;
+        uint8_t *mt = mask + t * V;
+        memset(mt, 0, (size_t)V);
+        for (int64_t i = keep ? koff[t] : 0; keep && i < koff[t + 1]; i++) mt[keep[i]] = 1;
+        const double at = a[t], ct = c[t];
+        int64_t n = 0;
+        int bad = 0; /* a NaN product (x not finite): every row a candidate, so the head's finite check sees it */
+        for (int64_t r = 0; r < V; r++) {
+            if (mt[r]) continue;
+            const double low = (double)st[r] - (err[r] * at + qnorm[r] * ct);
+            if (low != low) {
+                bad = 1;
+                break;
+            }
+            if (n < top) { /* fill, then heapify once full */
+                heap[n++] = low;
+                if (n == top)
+                    for (int64_t i = top / 2 - 1; i >= 0; i--) screen_heap_down(heap, top, i);
+            } else if (low > heap[0]) {
+                heap[0] = low;
+                screen_heap_down(heap, top, 0);
+            }
+        }
+        double lo = -INFINITY; /* fewer rows than top outside the kept: every row is a candidate */
+        if (n == top && !bad) lo = heap[0];
+        int64_t count = 0;
+        for (int64_t r = 0; r < V; r++) {
+            if (!mt[r]) mt[r] = bad || (double)st[r] + (err[r] * at + qnorm[r] * ct) >= lo;
+            count += mt[r];
+        }
+        total += count;
+        free(heap);
+    }
+    return failed ? -1 : total;
+}
