@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hotcold import cores, hub, registry
+from hotcold import cores, hub, memory, registry
 from hotcold.config import ModelConfig, config_from_file
 from hotcold.device import CPU, DevicePlan
 from hotcold.gguf.io import GGUFError, ModelFile
@@ -56,9 +56,7 @@ class LoadedModel:
     plan: BudgetPlan | None = None
     hot: list[np.ndarray] | None = None
     devices: DevicePlan | None = None
-    vram_planned: dict[str, int] | None = (
-        None  # the plan's VRAM by part (dense, kv, scratch, hot); None: no plan
-    )
+    vram_planned: dict[str, int] | None = None  # VRAM by part (dense, kv, scratch, hot); None: no plan
     storage: object | None = (
         None  # storage.model.ModelStorage under a RAM budget: cold rows read from the file
     )
@@ -118,12 +116,14 @@ def load_model(
         path, model_file, config, budget_gib=opts.ram_budget, ctx=ctx, kv_sequences=opts.kv_sequences,
         on_gpu=fast is not None, sparse=not dense and thresholded is None, overhead=overhead, notes=notes,
     )  # fmt: skip
+    # packed copies where they fit (a RAM budget's plan counts what it keeps resident, packed, itself)
+    packs = storage is not None or memory.fits_packed(memory.weight_bytes(model_file), notes)
     src, make_ffn = _tensor_source(
         path, model_file, config, placed.devices, opts, dense=dense, thresholded=thresholded, threads=threads,
-        notes=notes, ctx=ctx, storage=storage,
+        notes=notes, ctx=ctx, storage=storage, packs=packs,
     )  # fmt: skip
     model = module.build(src, make_ffn)
-    if opts.head_screen and storage is None:  # a RAM budget's plan does not count the screen's memory
+    if opts.head_screen and packs and storage is None:  # a copy no plan counts, nor a tight load has room for
         head_screen.attach_screen(model, threads=threads, notes=notes)
     model.storage_stats = None if storage is None else storage.stats  # what a request read (generation.py)
     notes.extend(getattr(model, "load_notes", ()))  # what a family says of its file (SmallThinker's gating)
@@ -144,11 +144,8 @@ def load_model(
 def _fast_device(opts: LoadOptions, device: str, notes: list[str]) -> torch.device | None:
     """Where hot rows and offloaded layers go: the options' fast_device, the GPU when `device` resolved to
     cuda, or None (everything on the CPU; a VRAM budget of 0 says so too)."""
-    fast = (
-        torch.device(opts.fast_device)
-        if opts.fast_device
-        else (torch.device("cuda") if device == "cuda" else None)
-    )
+    cuda = torch.device("cuda") if device == "cuda" else None
+    fast = torch.device(opts.fast_device) if opts.fast_device else cuda
     if fast is not None and fast.type == "cuda" and fast.index is None:
         # the plan names the device as its tensors will ("cuda:0"): torch.device("cuda") != "cuda:0"
         fast = torch.device("cuda", torch.cuda.current_device())
@@ -235,7 +232,7 @@ def plan_devices(
 
 def _tensor_source(
     path: Path, model_file: ModelFile, config: ModelConfig, devices: DevicePlan, opts: LoadOptions, *,
-    dense: bool, thresholded, threads: int, notes: list[str], ctx: int, storage=None,
+    dense: bool, thresholded, threads: int, notes: list[str], ctx: int, storage=None, packs: bool = True,
 ):  # fmt: skip
     """(TensorSource, make_ffn): the source made whole at once (a sparsified file's assets, the rows' order for
     batches), and the FFN maker the family asks for each layer's FFN."""
@@ -246,12 +243,13 @@ def _tensor_source(
         and not dense
         and thresholded is None
         and devices.hot is None
-        and storage is None  # stored layers read rows in the file's order
+        and packs
+        and storage is None  # stored layers read rows in the file's order; a tight load has no room
         and all(d.type == "cpu" for d in devices.ffn)
     ):
         order = neuron_order(path, config, notes)
     if thresholded is None:
-        src = TensorSource(model_file, config, devices, neuron_order=order, ctx_size=ctx)
+        src = TensorSource(model_file, config, devices, neuron_order=order, ctx_size=ctx, packs=packs)
         return src, ffn_maker(devices, dense=dense, threads=threads, storage=storage)
     from hotcold.sparse.attention_inputs import InputAssets
     from hotcold.sparse.thresholded import thresholded_maker
@@ -261,7 +259,7 @@ def _tensor_source(
         model_file, assets.grid, assets.method, config.n_layer, config.n_embd, config.n_head * config.head_dim
     )
     src = TensorSource(
-        model_file, config, devices, thresholded=True, neuron_order=order, ctx_size=ctx,
+        model_file, config, devices, thresholded=True, neuron_order=order, ctx_size=ctx, packs=packs,
         sparse_inputs=None if inputs is None else (inputs, level, threads),
     )  # fmt: skip
     also = " and of attention inputs" if inputs is not None else ""

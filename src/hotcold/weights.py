@@ -45,12 +45,14 @@ class TensorSource:
         sparse_inputs=None,
         neuron_order: list[torch.Tensor | None] | None = None,
         ctx_size: int | None = None,
+        packs: bool = True,
     ):
         """thresholded: a `hotcold sparsify` file run thresholded (its FFN read from ffn_down_t, rows gathered, not
         packed); sparse_inputs: and with input-sparse attention, (attention_inputs.InputAssets, sparsity,
         threads); neuron_order: per layer, the FFN neurons hottest first (from the activation statistics), the
-        order a sparse layer's rows are kept in so the rows a batch shares lie side by side (loader.neuron_order).
-        Made whole here: nothing is set on a source after it is built."""
+        order a sparse layer's rows are kept in so the rows a batch shares lie side by side (loader.neuron_order);
+        packs: whether matrices multiplied whole get the C kernels' packed copies (`pack`; False where the weights
+        do not fit in memory, loader.py). Made whole here: nothing is set on a source after it is built."""
         self.file = model_file
         self.config = config
         self.plan = plan
@@ -59,6 +61,12 @@ class TensorSource:
         self.sparse_inputs = sparse_inputs
         self.neuron_order = neuron_order
         self.ctx_size = ctx_size  # the context the model is loaded for: it picks Phi-3's longrope factors
+        self.packs = packs
+
+    def pack(self, weight: Weight) -> Weight:
+        """A matrix only ever multiplied whole, in the C kernels' packed copy (cpu.pack: anonymous memory, its file
+        pages dropped) where this load packs, else as stored (file pages the kernel may evict and read again)."""
+        return cpu.pack(weight) if self.packs else weight
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors
@@ -74,7 +82,7 @@ class TensorSource:
         """An attention matrix (or bias: any shape) of `layer`, on the layer's attention device."""
         t = self.raw(template, layer, shape, suffix)
         if len(shape) > 1:  # only ever multiplied whole: the C kernels' packed layout where there is one
-            return cpu.pack(place(t, self.layer_device(layer)))
+            return self.pack(place(t, self.layer_device(layer)))
         return place_vector(t, self.layer_device(layer))
 
     def attention_split(self, template: str, layer: int, rows: list[int], cols: int) -> list[Weight]:
@@ -82,7 +90,7 @@ class TensorSource:
         v), as those matrices, each on the layer's device and packed as `attention` packs one: a q/k/v group of
         three then runs in one call, in the one-call decode as layer by layer."""
         t = self.raw(template, layer, (sum(rows), cols))
-        return [cpu.pack(place(part, self.layer_device(layer))) for part in row_parts(t, rows)]
+        return [self.pack(place(part, self.layer_device(layer))) for part in row_parts(t, rows)]
 
     def rope_freqs(self) -> torch.Tensor | None:
         """The factors [rope_dim / 2] that divide each RoPE pair's frequency, float32 on the CPU, or None: the
@@ -134,7 +142,7 @@ class TensorSource:
 
         def matrix(template, shape):
             w = place(self.raw(template, layer, shape, expert=expert), device)
-            return cpu.pack(w) if whole else w
+            return self.pack(w) if whole else w
 
         if gated and not self.has(names.FFN_GATE, layer, expert=expert):  # Phi-3: ffn_up is [gate; up]
             if c.sparse or self.thresholded or expert is not None:
@@ -142,7 +150,7 @@ class TensorSource:
                     f"{self.path}: layer {layer}'s fused ffn_up [gate; up] is read in dense files only"
                 )
             fused = self.raw(names.FFN_UP, layer, (2 * F, D))
-            gate, up = (cpu.pack(place(w, device)) for w in row_parts(fused, [F, F]))
+            gate, up = (self.pack(place(w, device)) for w in row_parts(fused, [F, F]))
             return FFNWeights(
                 up=up, gate=gate, down_t=None, down=matrix(names.FFN_DOWN, (D, F)), kind=c.ffn_kind,
                 activation=c.ffn_activation,
@@ -190,12 +198,12 @@ class TensorSource:
         device = self.plan.predictor[layer]
         # only ever multiplied whole: quantized predictors (the original's quantize makes them Q4_0) get the
         # packed layout's kernel, 2-3x the row kernel's speed on their short rows
-        fc1 = cpu.pack(place(self.raw(names.PRED_FC1, layer, (rank, c.n_embd), expert=expert), device))
+        fc1 = self.pack(place(self.raw(names.PRED_FC1, layer, (rank, c.n_embd), expert=expert), device))
         fc2 = self.raw(names.PRED_FC2, layer, (c.n_ff, rank), expert=expert)
         order = self._order(layer, expert, self.plan.ffn[layer])
         if order is not None:  # row i predicts neuron i: the FFN's order (a copy, kept beside the packed one)
             fc2 = fc2[order] if isinstance(fc2, torch.Tensor) else fc2.select_rows(order)
-        fc2 = cpu.pack(place(fc2, device))
+        fc2 = self.pack(place(fc2, device))
         return Predictor(fc1, fc2, c.sparse_threshold)
 
     def token_embd(self) -> Weight:
@@ -207,7 +215,7 @@ class TensorSource:
         c = self.config
         tied = not self.has(names.OUTPUT)
         head = self.raw(names.TOKEN_EMBD if tied else names.OUTPUT, None, (c.n_vocab, c.n_embd))
-        return cpu.pack(place(head, self.plan.output))
+        return self.pack(place(head, self.plan.output))
 
     def output_norm(self, *, rms: bool, bias: bool = False) -> Norm:
         return self.norm(names.OUTPUT_NORM, None, rms=rms, bias=bias)

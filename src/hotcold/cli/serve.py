@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from hotcold import memory
 from hotcold.cli import add_model_args, load_from_args
 
 # llama-server's -np default is -1, "auto": 4 slots (tools/server/server.cpp). Its 4 share one KV pool of
@@ -130,7 +131,7 @@ def _run_plain(args) -> int:
             print(f"hotcold: {note}", file=sys.stderr)
         slots, why = args.parallel, ""
         if getattr(args, "auto_parallel", False):
-            per_slot, free = cpu_kv_bytes(llm), available_memory()
+            per_slot, free = cpu_kv_bytes(llm), memory.available_memory()
             slots = fit_slots(AUTO_PARALLEL, per_slot, free)
             why = (
                 f" (-np {AUTO_PARALLEL}, as llama-server)"
@@ -193,21 +194,6 @@ def cpu_kv_bytes(llm) -> int:
     return sum(
         kv_bytes_per_layer(llm.config, llm.ctx_size, kv_dtype(d).itemsize) for d in devices if d.type == "cpu"
     )
-
-
-def available_memory() -> int:
-    """Bytes of memory the system can give without swapping (Linux's MemAvailable), else free pages."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62  # unknown: do not hold the default back
 
 
 def _run_ray(args) -> int:

@@ -21,7 +21,6 @@ from hotcold.device import place
 from hotcold.gguf import names
 from hotcold.gguf.io import GGUFError
 from hotcold.gguf.quants import QuantTensor
-from hotcold.kernels import cpu
 from hotcold.models.base import FFNMaker, Head
 from hotcold.models.llama import Llama, LlamaLayer, attention_block
 from hotcold.ops import Weight
@@ -60,7 +59,7 @@ def expert_weights(src: TensorSource, i: int) -> list[FFNWeights]:
 
         def expert(t, e, rows):
             w = place(_expert_slice(stacked[t], e, rows), device)
-            return cpu.pack(w) if whole else w
+            return src.pack(w) if whole else w
 
         return [
             FFNWeights(

@@ -28,7 +28,6 @@ import torch
 from hotcold.device import place
 from hotcold.gguf import names
 from hotcold.gguf.io import GGUFError
-from hotcold.kernels import cpu
 from hotcold.models.base import FFNMaker, Head, one_call_decode
 from hotcold.models.llama import Llama, LlamaLayer, attention_block
 from hotcold.models.mixtral import _expert_slice
@@ -132,7 +131,7 @@ def experts(src: TensorSource, i: int) -> list[FFNWeights]:
         w = place(_expert_slice(stacked[t], e, rows), device)
         # the gate is only ever multiplied whole (relu_rows_apply gathers up and down rows): packed, ~2x the row
         # kernel's rate for Q4_0 at one token
-        return cpu.pack(w) if t == names.FFN_GATE_EXPS else w
+        return src.pack(w) if t == names.FFN_GATE_EXPS else w
 
     down = names.FFN_DOWN_EXPS
     return [

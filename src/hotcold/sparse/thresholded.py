@@ -351,11 +351,11 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
         if src.has(names.FFN_DOWN, layer):
             # only many-row forwards and prompt chunks multiply it, always whole: packed, its file rows paged
             # out (pp52 of a 1B-shaped file 110 -> 126 t/s, benchmarks/RESULTS_LOG.md 2026-12-03)
-            down = cpu.pack(place(src.raw(names.FFN_DOWN, layer, (c.n_embd, c.n_ff)), device))
+            down = src.pack(place(src.raw(names.FFN_DOWN, layer, (c.n_embd, c.n_ff)), device))
         scale = None if assets.scale is None else assets.scale[layer]
         probe = gate_in = None
         if src.has(names.FFN_GATE_PROBE, layer):
-            probe = cpu.pack(place(src.raw(names.FFN_GATE_PROBE, layer, (c.n_ff, c.n_embd)), device))
+            probe = src.pack(place(src.raw(names.FFN_GATE_PROBE, layer, (c.n_ff, c.n_embd)), device))
         if assets.gate_in is not None and src.has(names.FFN_GATE_T, layer):
             table, in_scale = assets.gate_in
             gate_in = GateInputs(
@@ -366,13 +366,13 @@ def thresholded_maker(src, assets: SparsifyAssets, sparsity: float, *, threads: 
         up_rows = gate_rows = None  # the row kernels' copies: on the CPU only (a GPU runs the dense products)
         if device.type == "cpu" and src.has(names.FFN_UP_ROWS, layer):
             up_rows = place(src.raw(names.FFN_UP_ROWS, layer, (c.n_ff, c.n_embd)), device)
-            weights = replace(weights, up=cpu.pack(weights.up))  # the dense products' only
+            weights = replace(weights, up=src.pack(weights.up))  # the dense products' only
         if device.type == "cpu" and probe is not None and src.has(names.FFN_GATE_ROWS, layer):
             gate_rows = place(src.raw(names.FFN_GATE_ROWS, layer, (c.n_ff, c.n_embd)), device)
         return ThresholdedFFN(
             weights
             if probe is not None and gate_rows is None
-            else replace(weights, gate=cpu.pack(weights.gate)),
+            else replace(weights, gate=src.pack(weights.gate)),
             assets.threshold(layer, sparsity),
             layer=layer,
             norm=None if norm is None else norm.to(device),
