@@ -295,9 +295,9 @@ def rope_attention(
 ) -> torch.Tensor:
     """apply_rope on q and k, then attention(): one C call for a decode step on the CPU, and for a prompt chunk
     whose rows x context `attends_in_rows` allows (each row as a decode token at its position), soft-capped scores
-    (Gemma 2) included. With attention sinks (gpt-oss) torch's ops: the C attention has none yet."""
+    (Gemma 2) and attention sinks (gpt-oss) included."""
     t = q.shape[0]
-    if sinks is None and q.device.type == "cpu" and (t == 1 or attends_in_rows(t, pos, k_cache)):
+    if q.device.type == "cpu" and (t == 1 or attends_in_rows(t, pos, k_cache)):
         check_context(pos + t, k_cache.shape[0])
         return cpu.attention_decode_rows(
             q.contiguous(),
@@ -311,6 +311,7 @@ def rope_attention(
             neox=neox,
             sliding_window=sliding_window,
             softcap=softcap,
+            sinks=sinks,
         )
     q, k = apply_rope(q, cos, sin, neox=neox), apply_rope(k, cos, sin, neox=neox)
     return attention(
@@ -348,6 +349,7 @@ def rope_attention_rows(
     neox: bool,
     sliding_window: int | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """rope_attention for N decode tokens of N sequences on the CPU (row n at positions[n] over its own
     caches), one C call: each row as rope_attention computes it alone (the same context overflow error).
@@ -364,6 +366,7 @@ def rope_attention_rows(
         neox=neox,
         sliding_window=sliding_window,
         softcap=softcap,
+        sinks=sinks,
     )
 
 

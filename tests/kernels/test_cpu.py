@@ -516,13 +516,14 @@ def test_attention_decode(backend, neox, rope_dim, window, n_kv, cache_dtype):
         assert torch.equal(vc[pos], v[0].to(cache_dtype))
 
 
-@pytest.mark.parametrize("softcap", [0.0, 2.5])
+@pytest.mark.parametrize("softcap, sinks", [(0.0, False), (2.5, False), (0.0, True)])
 @pytest.mark.parametrize("dh", [32, 64, 80, 128])
-def test_attention_decode_long_context(backend, dh, softcap):
+def test_attention_decode_long_context(backend, dh, softcap, sinks):
     """Contexts past the vector width (the C kernel scores, exponentiates and sums VL positions at a time, with
     scalar tails): positions 15-120, odd and even counts, a window, against float64; GQA with 12 query heads a
     kv head (the kernel takes them 8 and 4 at a time); head sizes that are and are not a multiple of the vector
-    width (80 takes the scalar path on AVX-512); scores soft-capped (Gemma 2: cap * tanh(s / cap)) or not."""
+    width (80 takes the scalar path on AVX-512); scores soft-capped (Gemma 2: cap * tanh(s / cap)) or not; a sink
+    logit per head in each softmax's denominator (gpt-oss) or not."""
     gen = torch.Generator().manual_seed(dh)
     h, n_kv, n_ctx = 24, 2, 128
     cos_t, sin_t = torch.rand(n_ctx, dh // 2, generator=gen), torch.rand(n_ctx, dh // 2, generator=gen)
@@ -541,9 +542,14 @@ def test_attention_decode_long_context(backend, dh, softcap):
         scores = torch.einsum("hd,shd->hs", q_rot, kk) / dh**0.5
         if softcap:
             scores = torch.tanh(scores / softcap) * softcap
-        ref = torch.einsum("hs,shd->hd", scores.softmax(-1), vv).reshape(1, h * dh)
+        sink = 3 * torch.randn(h, generator=gen) if sinks else None
+        if sinks:  # a column in the denominator that attends to nothing
+            probs = torch.cat([scores, sink.double()[:, None]], dim=-1).softmax(-1)[:, :-1]
+        else:
+            probs = scores.softmax(-1)
+        ref = torch.einsum("hs,shd->hd", probs, vv).reshape(1, h * dh)
         got = cpu.attention_decode(q.clone(), k.clone(), v, kc, vc, pos, cos, sin, neox=False,
-                                   sliding_window=window, softcap=softcap, threads=2)  # fmt: skip
+                                   sliding_window=window, softcap=softcap, sinks=sink, threads=2)  # fmt: skip
         torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 

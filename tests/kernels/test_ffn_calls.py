@@ -90,6 +90,35 @@ def test_sparse_ffn_plan_rejects_what_it_cannot_take(backend):
         ffn_calls.SparseFFNPlan(w, w, torch.randn(64, 32).double())
 
 
+def test_ffn_combine_swiglu_oai(backend):
+    """gpt-oss's clamped SwiGLU in C (the one-call MoE tail's and, on the CPU, the eager experts'): within float32
+    rounding of float64 over values past the clamp on both sides, with the gate and up biases; NaN kept; a gate
+    bias only for that kind."""
+    from hotcold.sparse.ffn_weights import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
+
+    gen = torch.Generator().manual_seed(31)
+    u, g = torch.randn(3, 515, generator=gen) * 9, torch.randn(3, 515, generator=gen) * 9
+    ub, gb = torch.randn(515, generator=gen), torch.randn(515, generator=gen)
+    g[0, 0] = float("nan")
+    got = ffn_calls.ffn_combine("swiglu_oai", "silu", u, g, ub, gb)
+    if backend == "torch":
+        assert got is None
+        return
+    gg = (g.double() + gb.double()).clamp(max=SWIGLU_OAI_LIMIT)
+    uu = (u.double() + ub.double()).clamp(-SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    ref = gg / (1 + torch.exp(-SWIGLU_OAI_ALPHA * gg)) * (uu + 1)
+    # float32's own rounding of gate + bias (amplified by exp(-alpha g)) and up + bias + 1 (cancellation near up =
+    # -1) bounds the error
+    scale = (
+        (gg / (1 + torch.exp(-SWIGLU_OAI_ALPHA * gg))).abs()
+        * (uu.abs() + 1)
+        * (1 + SWIGLU_OAI_ALPHA * gg.abs())
+    )
+    ok = torch.isfinite(ref)
+    assert ((got.double() - ref).abs() <= 4e-7 * scale + 1e-30)[ok].all() and got[0, 0].isnan()
+    assert ffn_calls.ffn_combine("gated", "silu", u, g, ub, gb) is None  # a gate bias: swiglu_oai's only
+
+
 def test_ffn_combine_silu_and_relu(backend):
     """The C activations: relu with torch's bits, silu within 2 ulp of float64 (torch's own is as far), the
     same bits for every token count and thread count (a row's activation never depends on its batch), NaN

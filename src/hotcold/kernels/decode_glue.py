@@ -100,6 +100,7 @@ def attention_decode(
     neox: bool,
     sliding_window: int | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     threads: int | None = None,
 ) -> torch.Tensor:
     """One token's attention: RoPE on q [1, H, Dh] and k [1, Hkv, Dh] (cos/sin [1, R/2], R <= Dh), k and v
@@ -121,12 +122,13 @@ def attention_decode(
         neox=neox,
         sliding_window=sliding_window,
         softcap=softcap,
+        sinks=sinks,
         threads=threads,
     )
 
 
 def _torch_attention_decode(
-    q, k, v, k_cache, v_cache, pos, cos, sin, neox, window, softcap=0.0
+    q, k, v, k_cache, v_cache, pos, cos, sin, neox, window, softcap=0.0, sinks=None
 ) -> torch.Tensor:
     """attention_decode in torch: the models' torch attention for one token (the window as a slice; a soft-cap
     on the scores as the models' explicit attention applies it)."""
@@ -140,10 +142,15 @@ def _torch_attention_decode(
     keys = k_cache[lo : pos + 1].to(qr.dtype).transpose(0, 1)[None]  # [1, Hkv, S, Dh]
     values = v_cache[lo : pos + 1].to(qr.dtype).transpose(0, 1)[None]
     _, h, dh = q.shape
-    if softcap:
+    if softcap or sinks is not None:
         keys, values = (t.repeat_interleave(h // k.shape[1], dim=1) for t in (keys, values))
-        scores = qr.transpose(0, 1)[None] @ keys.transpose(-1, -2) / math.sqrt(dh)
-        out = torch.softmax(torch.tanh(scores / softcap) * softcap, dim=-1) @ values
+        scores = qr.transpose(0, 1)[None] @ keys.transpose(-1, -2) / math.sqrt(dh)  # [1, H, 1, S]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if sinks is not None:  # a column that joins the denominator and attends to nothing
+            scores = torch.cat([scores, sinks.float().view(1, h, 1, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        out = (probs[..., :-1] if sinks is not None else probs) @ values
     else:
         out = F.scaled_dot_product_attention(
             qr.transpose(0, 1)[None], keys, values, enable_gqa=h != k.shape[1]
@@ -164,6 +171,7 @@ def attention_decode_rows(
     neox: bool,
     sliding_window: int | None = None,
     softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
     threads: int | None = None,
 ) -> torch.Tensor:
     """attention_decode for N tokens of N different sequences (a batched decode step): row n of q [N, H, Dh],
@@ -206,6 +214,7 @@ def attention_decode_rows(
                     neox,
                     window,
                     softcap,
+                    sinks,
                 )
                 for j in range(n)
             ]
@@ -215,7 +224,10 @@ def attention_decode_rows(
     vcs = (ctypes.c_void_p * n)(*[t.data_ptr() for t in v_caches])
     pos = (ctypes.c_int64 * n)(*positions)
     tensors = (q.data_ptr(), k.data_ptr(), v.data_ptr(), kcs, vcs, pos)
-    rope = (r, cos.data_ptr(), sin.data_ptr(), int(neox), window, float(softcap))
+    if sinks is not None and sinks.shape != (h,):
+        raise ValueError(f"sinks has shape {tuple(sinks.shape)}, expected [{h}] (one logit per query head)")
+    sink = None if sinks is None else sinks.to(torch.float32).contiguous()
+    rope = (r, cos.data_ptr(), sin.data_ptr(), int(neox), window, float(softcap), ptr(sink))
     rc = lib.hc_attn_decode_rows(n, *tensors, h, hkv, dh, *rope, out.data_ptr(), nthreads(threads))
     if rc != 0:
         raise MemoryError("hc_attn_decode_rows: out of memory")

@@ -196,20 +196,30 @@ class SparseFFNPlan(_LayerTail):
 
 
 C_ACTIVATIONS = {"relu": 0, "silu": 1, "gelu": 2, "gelu_tanh": 3}  # the C kernels' activation codes
+COMBINE_KINDS = {**FFN_KINDS, "swiglu_oai": 3}  # hc_ffn_combine's (and the one-call MoE tail's) kinds
 
 
 def ffn_combine(
-    kind: str, activation: str, up: torch.Tensor, gate: torch.Tensor | None, up_bias: torch.Tensor | None
+    kind: str,
+    activation: str,
+    up: torch.Tensor,
+    gate: torch.Tensor | None,
+    up_bias: torch.Tensor | None,
+    gate_bias: torch.Tensor | None = None,
 ) -> torch.Tensor | None:
     """The FFN activation (FFNWeights.combine) of CPU float32 up / gate [..., F] in one C call: v = up (+
     up_bias), then act(gate) * v, act(gate) * act(v) or act(v) for kind gated / gated_both / plain. relu
     gives torch's bits; silu is the C kernels' x / (1 + exp(-x)) (torch's own exp differs between its SIMD
     builds), the one SiLU of every CPU path (dense_tail's included), so a row's bits never depend on its
-    path; gelu likewise the C kernels' erf form, x * 0.5 * (1 + erf(x / sqrt(2))). None where the call does not apply (no C kernels, another activation or device): use torch."""
+    path; gelu likewise the C kernels' erf form, x * 0.5 * (1 + erf(x / sqrt(2))). Kind swiglu_oai: gpt-oss's
+    clamped SwiGLU of gate (+ gate_bias) and up (+ up_bias), the C kernels' exp (sparse/ffn_weights.swiglu_oai).
+    None where the call does not apply (no C kernels, another activation or device): use torch."""
     lib = build.get_lib()
-    if lib is None or activation not in C_ACTIVATIONS or kind not in FFN_KINDS:
+    if lib is None or activation not in C_ACTIVATIONS or kind not in COMBINE_KINDS:
         return None
-    tensors = [t for t in (up, gate, up_bias) if t is not None]
+    if gate_bias is not None and (kind != "swiglu_oai" or gate_bias.shape != (up.shape[-1],)):
+        return None
+    tensors = [t for t in (up, gate, up_bias, gate_bias) if t is not None]
     if any(t.device.type != "cpu" or t.dtype != torch.float32 for t in tensors):
         return None
     f = up.shape[-1]
@@ -219,11 +229,12 @@ def ffn_combine(
         return None
     u, g = up.contiguous(), None if gate is None else gate.contiguous()
     b = None if up_bias is None else up_bias.contiguous()
+    gb = None if gate_bias is None else gate_bias.contiguous()
     out = torch.empty_like(u)
     t = u.numel() // f if f else 0
     lib.hc_ffn_combine(
-        FFN_KINDS[kind], C_ACTIVATIONS[activation], u.data_ptr(), ptr(g), ptr(b), t, f, out.data_ptr(),
-        nthreads(None),
+        COMBINE_KINDS[kind], C_ACTIVATIONS[activation], u.data_ptr(), ptr(g), ptr(b), ptr(gb), t, f,
+        out.data_ptr(), nthreads(None),
     )  # fmt: skip
     return out
 

@@ -87,15 +87,16 @@ class LayerSpec:
             return "sandwich norms, a local RoPE base or a scale of its own"
         if self.attn_softcap:
             return "soft-capped attention scores"
-        return self.beyond_fast_decoders()
-
-    def beyond_fast_decoders(self) -> str | None:
-        """What no fast decoder (the CPU one-call step, the GPU fixed-shape step) computes yet, or None: such
-        layers decode eagerly, layer by layer (decoders.choose_decoder)."""
         if self.sinks:
             return "attention sinks"
         if self.oai_experts:
             return "gpt-oss's experts (router and expert biases, the clamped SwiGLU)"
+        return self.beyond_fast_decoders()
+
+    def beyond_fast_decoders(self) -> str | None:
+        """What no fast decoder (the CPU one-call step, the GPU fixed-shape step) computes yet, or None: such
+        layers decode eagerly, layer by layer (decoders.choose_decoder). None today: the CPU step computes every
+        field above; a new field goes here until a fast decoder has it."""
         return None
 
 
@@ -169,10 +170,9 @@ def rope_attention_segments(
     """RoPE attention of every segment over its own sequence's layer cache (q [T, H, Dh], k/v [T, Hkv, Dh])
     -> [T, H*Dh]. A batch on the CPU whose segments are decode tokens, or prompt chunks that rope_attention
     runs as decode rows (`attends_in_rows`), is one call for all rows: each row as its segment alone (scores
-    soft-capped where softcap is set: Gemma 2). With sinks [H] (gpt-oss) each segment on its own (in torch: the C
-    attention has none)."""
+    soft-capped where softcap is set: Gemma 2; with sinks [H]: gpt-oss)."""
     rows = None
-    if len(ctx.seqs) > 1 and device.type == "cpu" and sinks is None:
+    if len(ctx.seqs) > 1 and device.type == "cpu":
         if ctx.rows == len(ctx.seqs):  # a decode step: one token a sequence
             rows = ctx.starts, [s.kv.k[layer] for s in ctx.seqs], [s.kv.v[layer] for s in ctx.seqs]
         elif all(
@@ -188,7 +188,18 @@ def rope_attention_segments(
         positions, kcs, vcs = rows
         cos, sin = rope.rows(positions, device)
         return rope_attention_rows(
-            q, k, v, kcs, vcs, positions, cos, sin, neox=neox, sliding_window=sliding_window, softcap=softcap
+            q,
+            k,
+            v,
+            kcs,
+            vcs,
+            positions,
+            cos,
+            sin,
+            neox=neox,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            sinks=sinks,
         )
 
     def attend(a, b, seq, pos):

@@ -11,8 +11,9 @@ The LLaMA block with:
 
 Expert matrices come as upstream's converter writes them: MXFP4 (ggml type 39) from the original checkpoint,
 expanded to BF16 at load (gguf.io.expand_mxfp4: exact; no C kernel reads MXFP4 yet), or any float / block type.
-Sinks, the router bias and the clamped SwiGLU are not in the fast decoders (LayerSpec.beyond_fast_decoders):
-gpt-oss decodes eagerly, layer by layer, and the load notes say so.
+On the CPU a decode token is one C call (the sinks in the C attention, the router's and the experts' biases and the
+clamped SwiGLU in the C MoE tail; the eager layers call the same C attention and combine); the GPU's fixed-shape step
+has none of them (LayerSpec.beyond_llama).
 """
 
 from __future__ import annotations

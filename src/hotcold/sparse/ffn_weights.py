@@ -90,7 +90,10 @@ class FFNWeights:
         return file_order
 
     def combine(self, up: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
-        if self.kind == "swiglu_oai":  # torch's ops: no C kernel has it yet
+        if self.kind == "swiglu_oai":  # one C call on the CPU (the one-call decode's), else torch's ops
+            fused = ffn_calls.ffn_combine(self.kind, self.activation, up, gate, self.up_bias, self.gate_bias)
+            if fused is not None:
+                return fused
             up = up if self.up_bias is None else up + self.up_bias
             return swiglu_oai(gate if self.gate_bias is None else gate + self.gate_bias, up)
         # CPU float32 tensors: one C call (relu: torch's bits; silu: the one CPU SiLU, see `silu`)

@@ -97,10 +97,12 @@ class DenseTail:
     def dense_fields(self, norm: Norm | None) -> dict | None:
         """Every neuron, as dense_step computes them (the up / gate group, ffn_combine, down or the axpy over
         down_t), any norm, biases and activation the C combine has."""
-        w = self.ffn.weights
+        w, expert = self.ffn.weights, self.ffn.expert is not None
         if norm is None or not self._weights_ok() or w.activation not in ffn_calls.C_ACTIVATIONS:
             return None
-        if w.kind not in ffn_calls.FFN_KINDS or w.gate_bias is not None:  # gpt-oss's experts: not in C yet
+        # gpt-oss's experts (the clamped SwiGLU, a gate bias): through the MoE tail only, which takes their biases
+        kinds = ffn_calls.COMBINE_KINDS if expert else ffn_calls.FFN_KINDS
+        if w.kind not in kinds or (w.gate_bias is not None and not expert):
             return None
         down, down_is_t = self.ffn.dense_down()
         structs = [hc_weight(m) for m in (w.up, w.gate, down)]
@@ -109,11 +111,14 @@ class DenseTail:
         if any(s is not None and (s.rows, s.cols) != shape for s, shape in zip(structs, shapes)):
             return None
         bias = None if w.up_bias is None else w.up_bias.to(torch.float32).contiguous()
+        gate_bias = None if w.gate_bias is None else w.gate_bias.to(torch.float32).contiguous()
         fields = dict(
             up=structs[0], gate=structs[1], down=structs[2], sparse=0, down_is_t=int(down_is_t),
-            up_bias=cpu.ptr(bias), kind=ffn_calls.FFN_KINDS[w.kind], act=ffn_calls.C_ACTIVATIONS[w.activation],
+            up_bias=cpu.ptr(bias), kind=kinds[w.kind], act=ffn_calls.C_ACTIVATIONS[w.activation],
         )  # fmt: skip
-        return self.fields(d, (w, structs, bias), norm, **fields)
+        if gate_bias is not None:
+            fields["gate_bias"] = cpu.ptr(gate_bias)  # an expert's: the MoE tail's e_gate_bias
+        return self.fields(d, (w, structs, bias, gate_bias), norm, **fields)
 
     def _weights_ok(self) -> bool:
         """What every C tail needs: a wo and FFN matrices that `linear` multiplies in C for one token
@@ -248,7 +253,7 @@ class MoETail:
         router_data = moe.router if isinstance(moe.router, torch.Tensor) else moe.router.data
         if not moe.norm.rms or router_data.device.type != "cpu":  # route multiplies a CPU router in C
             return None
-        if moe.router_bias is not None or any(t is None for t in self.experts):  # gpt-oss: not in C yet
+        if any(t is None for t in self.experts):
             return None
         tails = [t.c_fields(dense=dense, norm=moe.norm) for t in self.experts]
         if any(t is None for t in tails):
@@ -257,8 +262,14 @@ class MoETail:
         relu_rows = not dense and all(moe.relu_rows)
         fields = [t["fields"] for t in tails]
         shared = ("sparse", "kind", "act", "down_is_t")
-        if any(any(f.get(k) != fields[0].get(k) for k in shared) or f.get("up_bias") for f in fields):
+        if any(any(f.get(k) != fields[0].get(k) for k in shared) for f in fields):
             return None
+        biases = {}  # gpt-oss: each expert's up, gate and down biases, as arrays of pointers (all experts or none)
+        for name in ("up_bias", "gate_bias", "down_bias"):
+            ptrs = [f.get(name) for f in fields]
+            if any(p is None for p in ptrs) != all(p is None for p in ptrs):
+                return None
+            biases[name] = None if ptrs[0] is None else (ctypes.c_void_p * len(ptrs))(*ptrs)
         router = hc_weight(moe.router)
         if router.cols != self.wo.shape[0] or router.rows != len(moe.experts):
             return None
@@ -273,9 +284,13 @@ class MoETail:
 
         arrays = {k: column(k) for k in ("up", "gate", "down", "fc1", "fc2")}
         thr = torch.tensor([float(f.get("thr", 0.0)) for f in fields], dtype=torch.float32)
-        out = dict(fields[0])  # wo, the FFN norm and the shared fields; up (expert 0's) sizes the masks
+        # wo, the FFN norm and the shared fields; up (expert 0's) sizes the masks; the biases are per expert
+        out = {k: v for k, v in fields[0].items() if k not in biases}
+        router_bias = None if moe.router_bias is None else moe.router_bias.to(torch.float32).contiguous()
         out.update(
             router=router, n_expert=len(moe.experts), n_used=moe.n_used, e_thr=thr.data_ptr(),
             gating=GATING_CODES[moe.gating], relu_rows=int(relu_rows), **{f"e_{k}": v for k, v in arrays.items()},
+            router_bias=cpu.ptr(router_bias),
+            **{f"e_{k}": None if v is None else ctypes.addressof(v) for k, v in biases.items()},
         )  # fmt: skip
-        return dict(fields=out, keep=(tails, router, moe.router, arrays, thr))
+        return dict(fields=out, keep=(tails, router, moe.router, arrays, thr, router_bias, biases))

@@ -20,13 +20,13 @@ static int decode_head_rows(int64_t N, const int *wts, const uint8_t *const *Ws,
                             float *const *qkv, const float *const *bias, const float *q_norm, const float *k_norm,
                             float qk_eps, float q_scale, float *const *kcs, float *const *vcs, const int64_t *pos,
                             int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos, const float *sin, int neox,
-                            int64_t window, float softcap, float *out, int nth) {
+                            int64_t window, float softcap, const float *sinks, float *out, int nth) {
     const int rc = packed ? hc_packed_matvec_multi(3, wts, Ws, Fs, D, x, N, norm_w, eps, qkv, nth)
                           : hc_matvec_multi(3, wts, Ws, strides, Fs, D, x, N, norm_w, eps, qkv, nth);
     if (rc != 0) return rc;
     qkv_bias_norms(N, qkv, Fs, bias, q_norm, k_norm, qk_eps, q_scale, H, Hkv, Dh);
     return hc_attn_decode_rows(N, qkv[0], qkv[1], qkv[2], kcs, vcs, pos, H, Hkv, Dh, R, cos, sin, neox, window, softcap,
-                               out, nth);
+                               sinks, out, nth);
 }
 
 /* The attention half of a decode layer for one token of one sequence: q, k, v = the group's matvecs of
@@ -40,7 +40,7 @@ int hc_decode_head(int nmat, const int *wts, const uint8_t *const *Ws, const int
     if (nmat != 3) return -1;
     float *kcs[1] = {kc}, *vcs[1] = {vc};
     return decode_head_rows(1, wts, Ws, strides, Fs, packed, D, x, norm_w, eps, qkv, NULL, NULL, NULL, 0.0f, 0.0f, kcs, vcs,
-                            &pos, H, Hkv, Dh, R, cos, sin, neox, window, 0.0f, out, nth);
+                            &pos, H, Hkv, Dh, R, cos, sin, neox, window, 0.0f, NULL, out, nth);
 }
 
 #define HC_SIGMOID_SUM_MIN 6.103515625e-5f /* upstream clamps the sum of the chosen sigmoids below at F16's min */
@@ -90,7 +90,7 @@ static int64_t relu_rows_ffn(const hc_weight *up, const hc_weight *gate, const h
     if (rc == 0) rc = hc_gather_matvec(up->wt, up->data, up->stride, F, D, h, T, mask, u, nth);
     int64_t live = 0;
     if (rc == 0) {
-        hc_ffn_combine(kind, act, u, g, NULL, T, F, u, nth);
+        hc_ffn_combine(kind, act, u, g, NULL, NULL, T, F, u, nth);
         for (int64_t j = 0; j < T * F; j++) live += (mask[j] = u[j] != 0.0f);
         rc = down_is_t ? hc_sparse_axpy(down->wt, down->data, down->stride, F, D, u, T, mask, out, nth)
                        : weight_matvec(down, u, T, out, nth);
@@ -120,9 +120,14 @@ static int moe_tail(const hc_layer *a, const float *attn, const float *x, const 
     int64_t *rows = ids + N * K, *slots = rows + N * K;
     int rc = weight_matvec(a->wo, attn, N, o, nth);
     if (rc == 0) {
+        if (a->wo_bias) /* gpt-oss: o's bias, as linear() adds it */
+            for (int64_t j = 0; j < N * D; j++) o[j] += a->wo_bias[j % D];
         for (int64_t j = 0; j < N * D; j++) y1[j] = x[j] + o[j];
         hc_rms_norm(y1, a->ffn_norm, a->ffn_eps, N, D, h);
         if (!early_logits) rc = weight_matvec(a->router, h, N, logits, nth); /* smallthinker's: before attention */
+        if (rc == 0 && !early_logits && a->router_bias) /* gpt-oss */
+            for (int64_t j = 0; j < N; j++)
+                for (int64_t e = 0; e < E; e++) logits[j * E + e] += a->router_bias[e];
     }
     if (rc == 0) {
         hc_moe_route(early_logits ? early_logits : logits, N, E, K, a->gating, ids, wts);
@@ -152,8 +157,12 @@ static int moe_tail(const hc_layer *a, const float *attn, const float *x, const 
                 fired_rows[rows[u]] += c;
             }
         } else {
-            rc = dense_ffn(a->e_up[e], a->e_gate[e], a->e_down[e], a->down_is_t, NULL, a->kind, a->act, te, hs, ys, nth);
+            rc = dense_ffn(a->e_up[e], a->e_gate[e], a->e_down[e], a->down_is_t, a->e_up_bias ? a->e_up_bias[e] : NULL,
+                           a->e_gate_bias ? a->e_gate_bias[e] : NULL, a->kind, a->act, te, hs, ys, nth);
             for (int64_t u = 0; u < te; u++) fired_rows[rows[u]] += F;
+            if (rc == 0 && a->e_down_bias) /* gpt-oss: each expert's down bias, before its weight (add_down_bias) */
+                for (int64_t u = 0; u < te; u++)
+                    for (int64_t i = 0; i < D; i++) ys[u * D + i] += a->e_down_bias[e][i];
         }
         for (int64_t u = 0; u < te && rc == 0; u++) {
             const float w = wts[rows[u] * K + slots[u]];
@@ -196,7 +205,8 @@ static int64_t general_tail(const hc_layer *a, const float *attn, const float *x
             got = hc_sparse_ffn(a->fc1, a->fc2, a->thr, u, a->up, a->gate, a->down, a->up_bias, a->kind, N, h, NULL,
                                 0.0f, mask, o, nth);
         else
-            got = dense_ffn(a->up, a->gate, a->down, a->down_is_t, a->up_bias, a->kind, a->act, N, h, o, nth) == 0 ? 0 : -1;
+            got = dense_ffn(a->up, a->gate, a->down, a->down_is_t, a->up_bias, NULL, a->kind, a->act, N, h, o, nth) == 0 ? 0
+                                                                                                                   : -1;
         if (got >= 0 && a->ffn_post_norm) hc_rms_norm(o, a->ffn_post_norm, a->post_eps, N, D, o); /* gemma3 */
         if (got >= 0)
             for (int64_t t = 0; t < N; t++)
@@ -221,7 +231,7 @@ static int input_sparse_head(const hc_layer *a, int64_t D, const float *x, int64
     qkv_bias_norms(1, parts, a->Fs, bias, a->q_norm, a->k_norm, a->qk_eps, a->q_scale, a->H, a->Hkv, a->Dh);
     float *kcs[1] = {kc}, *vcs[1] = {vc};
     return hc_attn_decode_rows(1, qkv, qkv + a->Fs[0], qkv + a->Fs[0] + a->Fs[1], kcs, vcs, &pos, a->H, a->Hkv,
-                               a->Dh, a->R, cos, sin, a->neox, a->window, a->attn_softcap, out, nth);
+                               a->Dh, a->R, cos, sin, a->neox, a->window, a->attn_softcap, a->sinks, out, nth);
 }
 
 /* The tail of a thresholded layer for one token with what hc_thresholded_tail does not take: o over wo_t
@@ -304,7 +314,7 @@ int hc_decode_step(int n, int64_t N, const hc_layer *const *Ls, float *x, int64_
             rc = decode_head_rows(N, a->wts, a->Ws, a->strides, a->Fs, a->packed, D, xin, norm_w, a->attn_eps, qkv,
                                   bias, a->q_norm, a->k_norm, a->qk_eps, a->q_scale, kcs, vcs, pos, a->H, a->Hkv, a->Dh,
                                   a->R, a->local_rope ? cos_l : cos, a->local_rope ? sin_l : sin, a->neox, a->window,
-                                  a->attn_softcap, attn, nth);
+                                  a->attn_softcap, a->sinks, attn, nth);
         }
         if (rc != 0) break;
         const int64_t F = a->up->rows;

@@ -10,7 +10,9 @@ static int weight_matvec(const hc_weight *w, const float *x, int64_t T, float *o
     return hc_gather_matvec(w->wt, w->data, w->stride, w->rows, w->cols, x, T, NULL, out, nth);
 }
 
-enum { KIND_GATED = 0, KIND_GATED_BOTH = 1, KIND_PLAIN = 2 };
+enum { KIND_GATED = 0, KIND_GATED_BOTH = 1, KIND_PLAIN = 2, KIND_SWIGLU_OAI = 3 };
+#define SWIGLU_OAI_ALPHA 1.702f /* gpt-oss's clamped SwiGLU (ggml_swiglu_oai, sparse/ffn_weights.swiglu_oai) */
+#define SWIGLU_OAI_LIMIT 7.0f
 
 HC_INLINE float relu1(float v) { return v < 0.0f ? 0.0f : v; } /* NaN stays NaN, as torch.relu */
 
@@ -181,8 +183,8 @@ enum { ACT_RELU = 0, ACT_SILU = 1, ACT_GELU = 2, ACT_GELU_TANH = 3 };
 /* a [T, F] = the FFN activation of u [T, F] (plus up_bias [F] if given) and g [T, F] (NULL for plain):
  * gated act(g) * v, gated_both act(g) * act(v), plain act(v); act 0 relu, 1 silu, 2 gelu, 3 gelu (tanh). torch's steps in its
  * order (bias add, activation, product), so with relu the bits of torch's ops. a may be u. */
-void hc_ffn_combine(int kind, int act, const float *u, const float *g, const float *up_bias, int64_t T, int64_t F,
-                    float *a, int nth) {
+void hc_ffn_combine(int kind, int act, const float *u, const float *g, const float *up_bias, const float *gate_bias,
+                    int64_t T, int64_t F, float *a, int nth) {
     const int64_t n = T * F;
     nth = n < (1 << 16) ? 1 : nth; /* one decode token: threads cost more than they save */
 #ifdef _OPENMP
@@ -191,7 +193,14 @@ void hc_ffn_combine(int kind, int act, const float *u, const float *g, const flo
     for (int64_t t = 0; t < T; t++) {
         const float *ut = u + t * F, *gt = g ? g + t * F : NULL;
         float *at = a + t * F;
-        if (kind == KIND_PLAIN) {
+        if (kind == KIND_SWIGLU_OAI) { /* g = min(gate, L), u = clamp(up, -L, L): g / (1 + exp(-alpha g)) * (u + 1) */
+            for (int64_t i = 0; i < F; i++) {
+                float gi = gate_bias ? gt[i] + gate_bias[i] : gt[i], ui = up_bias ? ut[i] + up_bias[i] : ut[i];
+                gi = gi > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : gi; /* NaN stays NaN, as torch's clamp */
+                ui = ui > SWIGLU_OAI_LIMIT ? SWIGLU_OAI_LIMIT : (ui < -SWIGLU_OAI_LIMIT ? -SWIGLU_OAI_LIMIT : ui);
+                at[i] = gi / (1.0f + expf(-SWIGLU_OAI_ALPHA * gi)) * (ui + 1.0f);
+            }
+        } else if (kind == KIND_PLAIN) {
             for (int64_t i = 0; i < F; i++) at[i] = act1(act, up_bias ? ut[i] + up_bias[i] : ut[i]);
         } else if (kind == KIND_GATED_BOTH) {
             for (int64_t i = 0; i < F; i++) at[i] = act1(act, gt[i]) * act1(act, up_bias ? ut[i] + up_bias[i] : ut[i]);
@@ -210,7 +219,8 @@ void hc_ffn_combine(int kind, int act, const float *u, const float *g, const flo
  * packed or neither is, as a LinearGroup makes it), a = hc_ffn_combine, out = a @ down.T (down [D, F]) or the axpy
  * of a over down_t [F, D] (down_is_t), without a down bias. Returns 0, or -1 if memory ran out. */
 static int dense_ffn(const hc_weight *up, const hc_weight *gate, const hc_weight *down, int down_is_t,
-                     const float *up_bias, int kind, int act, int64_t T, const float *h, float *out, int nth) {
+                     const float *up_bias, const float *gate_bias, int kind, int act, int64_t T, const float *h,
+                     float *out, int nth) {
     const int64_t D = up->cols, F = up->rows;
     float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * T * F + 1));
     if (!buf) return -1;
@@ -232,7 +242,7 @@ static int dense_ffn(const hc_weight *up, const hc_weight *gate, const hc_weight
         if (rc == 0 && gate) rc = weight_matvec(gate, h, T, g, nth);
     }
     if (rc == 0) {
-        hc_ffn_combine(kind, act, u, gate ? g : NULL, up_bias, T, F, u, nth);
+        hc_ffn_combine(kind, act, u, gate ? g : NULL, up_bias, gate_bias, T, F, u, nth);
         rc = down_is_t ? hc_sparse_axpy(down->wt, down->data, down->stride, F, D, u, T, NULL, out, nth)
                        : weight_matvec(down, u, T, out, nth);
     }
@@ -254,7 +264,7 @@ int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const 
     if (rc == 0) {
         for (int64_t j = 0; j < T * D; j++) y1[j] = x[j] + o[j];
         hc_rms_norm(y1, norm_w, eps, T, D, h);
-        rc = dense_ffn(up, gate, down, down_is_t, up_bias, kind, act, T, h, o, nth);
+        rc = dense_ffn(up, gate, down, down_is_t, up_bias, NULL, kind, act, T, h, o, nth);
     }
     if (rc == 0)
         for (int64_t j = 0; j < T * D; j++) y2[j] = y1[j] + o[j];

@@ -9,7 +9,7 @@
 #define HOTCOLD_H
 #include <stdint.h>
 
-#define HC_ABI_VERSION 35 /* the library's calling convention; cabi.py reads it and refuses another library */
+#define HC_ABI_VERSION 36 /* the library's calling convention; cabi.py reads it and refuses another library */
 
 /* One [rows, cols] matrix as the kernels read it: weight type code (build.WT), rows at data + i * stride. */
 typedef struct {
@@ -83,6 +83,10 @@ typedef struct hc_layer {
     /* gemma: q times q_scale after its norms (query_pre_attn_scalar; 0: none), attention scores soft-capped at
      * attn_softcap (Gemma 2; 0: none) */
     float q_scale, attn_softcap;
+    /* gpt-oss: attention sinks [H], the router's bias [E], each expert's up / gate [F] and down [D] biases (or NULL;
+     * the experts' kind 3 is the clamped SwiGLU) */
+    const float *sinks, *router_bias;
+    const float *const *e_up_bias, *const *e_gate_bias, *const *e_down_bias;
 } hc_layer;
 
 /* the library */
@@ -112,8 +116,8 @@ int64_t hc_decode_tail(const hc_weight *wo, const float *attn, const float *x, c
                        const hc_weight *fc2, float thr, const hc_weight *up, const hc_weight *gate,
                        const hc_weight *down_t, const float *up_bias, int kind, int64_t T, const float *norm_w,
                        float eps, uint8_t *mask, float *y1, float *y2, int nth);
-void hc_ffn_combine(int kind, int act, const float *u, const float *g, const float *up_bias, int64_t T, int64_t F,
-                    float *a, int nth);
+void hc_ffn_combine(int kind, int act, const float *u, const float *g, const float *up_bias, const float *gate_bias,
+                    int64_t T, int64_t F, float *a, int nth);
 int hc_dense_tail(const hc_weight *wo, const float *attn, const float *x, const hc_weight *up, const hc_weight *gate,
                   const hc_weight *down, int down_is_t, const float *up_bias, int kind, int act, int64_t T,
                   const float *norm_w, float eps, float *y1, float *y2, int nth);
@@ -140,7 +144,8 @@ void hc_rms_norm(const float *x, const float *w, float eps, int64_t T, int64_t D
 void hc_layer_norm(const float *x, const float *w, const float *b, float eps, int64_t T, int64_t D, float *out);
 int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *const *kcs, float *const *vcs,
                         const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
-                        const float *sin, int neox, int64_t window, float softcap, float *out, int nth);
+                        const float *sin, int neox, int64_t window, float softcap, const float *sinks, float *out,
+                        int nth);
 int hc_attn_prefill(int64_t T, const float *q, const float *kc, const float *vc, int64_t pos, int64_t H, int64_t Hkv,
                     int64_t Dh, float *out, int nth);
 

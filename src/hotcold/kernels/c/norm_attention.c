@@ -77,7 +77,7 @@ HC_INLINE vf attn_dot_lanes(const int nv, const vf *q, const float *kr) {
  * Each head's arithmetic is its own: the same for any G. s: G * S floats, acc: G * 2 * Dh floats. */
 HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const float *kc, const float *vc,
                               int64_t lo, int64_t S, int64_t Hkv, int64_t kvh, int64_t Dh, float scale, float cap,
-                              float *s, float *acc, float *const *ohs) {
+                              const float *sinks, float *s, float *acc, float *const *ohs) {
     const int64_t ks = Hkv * Dh;
     const float *k0 = kc + (lo * Hkv + kvh) * Dh, *v0 = vc + (lo * Hkv + kvh) * Dh;
     vf vmx[ATTN_GROUP];
@@ -107,6 +107,7 @@ HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const
             if (cap != 0.0f) sg[t] = softcap1(sg[t], cap);
             mx = sg[t] > mx ? sg[t] : mx;
         }
+        if (sinks) mx = sinks[g] > mx ? sinks[g] : mx; /* gpt-oss: a learned logit in the denominator */
         const vf vm = vset1(mx);
         vf vs = vzero();
         int64_t t = 0;
@@ -120,6 +121,7 @@ HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const
             sg[t] = expf(sg[t] - mx);
             sum += sg[t];
         }
+        if (sinks) sum += expf(sinks[g] - mx);
         inv[g] = 1.0f / sum;
     }
     for (int64_t i = 0; i < G * 2 * Dh; i++) acc[i] = 0.0f;
@@ -155,8 +157,8 @@ HC_INLINE void attn_group_vec(const int nv, const int G, float *const *qs, const
 #endif
 
 HC_INLINE void attn_head(float *qh, const float *kc, const float *vc, int64_t lo, int64_t S, int64_t Hkv, int64_t kvh,
-                         int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, float cap, float *s,
-                         float *oh) {
+                         int64_t Dh, int64_t R, const float *cos, const float *sin, int neox, float cap,
+                         const float *sink, float *s, float *oh) {
     const float scale = 1.0f / sqrtf((float)Dh);
     rope_head(qh, R, cos, sin, neox);
     float mx = -INFINITY;
@@ -166,11 +168,13 @@ HC_INLINE void attn_head(float *qh, const float *kc, const float *vc, int64_t lo
         if (cap != 0.0f) s[j] = softcap1(s[j], cap);
         mx = s[j] > mx ? s[j] : mx;
     }
+    if (sink) mx = *sink > mx ? *sink : mx;
     float sum = 0.0f;
     for (int64_t j = 0; j < S; j++) {
         s[j] = expf(s[j] - mx);
         sum += s[j];
     }
+    if (sink) sum += expf(*sink - mx);
     const float inv = 1.0f / sum;
     for (int64_t e = 0; e < Dh; e++) oh[e] = 0.0f;
     for (int64_t j = 0; j < S; j++) {
@@ -184,12 +188,14 @@ HC_INLINE void attn_head(float *qh, const float *kc, const float *vc, int64_t lo
  * rotates q [N, H, Dh] and k [N, Hkv, Dh] in place, stores row n's k and v at row pos[n] of the float32
  * caches kcs[n] / vcs[n] ([n_ctx, Hkv, Dh] each), and writes out [N, H, Dh] = softmax(q k^T / sqrt(Dh)) v
  * over cache rows lo..pos[n] (lo = pos - window + 1 with a sliding window, else 0), each score soft-capped
- * (cap * tanh(score / cap)) where softcap is not 0 (Gemma 2); query head h reads kv
+ * (cap * tanh(score / cap)) where softcap is not 0 (Gemma 2), sinks [H] (or NULL) a logit per head that joins
+ * each softmax's denominator and attends to nothing (gpt-oss); query head h reads kv
  * head h / (H / Hkv); cos/sin [N, R/2]. (token, head) pairs are split among threads; each is computed as
  * for the token alone. Returns 0, or -1 if memory ran out. */
 int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *const *kcs, float *const *vcs,
                         const int64_t *pos, int64_t H, int64_t Hkv, int64_t Dh, int64_t R, const float *cos,
-                        const float *sin, int neox, int64_t window, float softcap, float *out, int nth) {
+                        const float *sin, int neox, int64_t window, float softcap, const float *sinks, float *out,
+                        int nth) {
     int64_t smax = 1, work = 0;
     for (int64_t n = 0; n < N; n++) {
         const int64_t R2 = R / 2;
@@ -231,8 +237,8 @@ int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *co
             const int64_t lo = (window > 0 && pos[n] - window + 1 > 0) ? pos[n] - window + 1 : 0, S = pos[n] + 1 - lo;
             const float *cs = cos + n * (R / 2), *sn = sin + n * (R / 2);
             if (!vec) { /* one head */
-                attn_head(q + (n * H + h0) * Dh, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, R, cs, sn, neox, softcap, s,
-                          out + (n * H + h0) * Dh);
+                attn_head(q + (n * H + h0) * Dh, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, R, cs, sn, neox, softcap,
+                          sinks ? sinks + h0 : NULL, s, out + (n * H + h0) * Dh);
                 continue;
             }
 #if HC_ATTN_VEC
@@ -243,15 +249,15 @@ int hc_attn_decode_rows(int64_t N, float *q, float *k, const float *v, float *co
                 ohs[g] = out + (n * H + h0 + g) * Dh;
                 rope_head(qs[g], R, cs, sn, neox);
             }
-            const float scale = 1.0f / sqrtf((float)Dh);
+            const float scale = 1.0f / sqrtf((float)Dh), *sg0 = sinks ? sinks + h0 : NULL;
             float *acc = s + smax * per;
             switch (Dh / VL) { /* a constant vector count: q and the accumulators stay in registers */
-            case 1: attn_group_vec(1, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc, ohs); break;
-            case 2: attn_group_vec(2, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc, ohs); break;
-            case 4: attn_group_vec(4, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc, ohs); break;
-            case 8: attn_group_vec(8, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc, ohs); break;
-            default: attn_group_vec((int)(Dh / VL), (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, s, acc,
-                                    ohs);
+            case 1: attn_group_vec(1, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, sg0, s, acc, ohs); break;
+            case 2: attn_group_vec(2, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, sg0, s, acc, ohs); break;
+            case 4: attn_group_vec(4, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, sg0, s, acc, ohs); break;
+            case 8: attn_group_vec(8, (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, sg0, s, acc, ohs); break;
+            default: attn_group_vec((int)(Dh / VL), (int)G, qs, kcs[n], vcs[n], lo, S, Hkv, kvh, Dh, scale, softcap, sg0, s,
+                                    acc, ohs);
             }
 #endif
         }
