@@ -294,8 +294,7 @@ def rope_attention(
     softcap: float = 0.0,
 ) -> torch.Tensor:
     """apply_rope on q and k, then attention(): one C call for a decode step on the CPU, and for a prompt chunk
-    whose rows x context `attends_in_rows` allows (each row as a decode token at its position), soft-capped scores
-    (Gemma 2) and attention sinks (gpt-oss) included."""
+    whose rows x context `attends_in_rows` allows (each a decode token at its position; soft-caps, sinks too)."""
     t = q.shape[0]
     if q.device.type == "cpu" and (t == 1 or attends_in_rows(t, pos, k_cache)):
         check_context(pos + t, k_cache.shape[0])

@@ -100,3 +100,14 @@ def test_a_file_without_the_cap_and_window_keys_runs_as_llama_cpp_runs_it(conver
     (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "final_logit_softcapping": None}))
     with pytest.raises(ConvertError, match="final_logit_softcapping is None"):
         convert(tmp_path / "hf", None, tmp_path / "m.gguf", outtype="f32")
+
+
+def test_sparsify_reaches_gemma2_files(tmp_path, spm_model_file):
+    """`hotcold sparsify` on a Gemma 2 file (GeGLU thresholds, sandwich norms, input-sparse attention with its
+    soft-capped scores): about half the FFN neurons skipped, sparsity 0 gives the dense file's logits, and the
+    one-call decoder (the soft-cap in the C attention of the input-sparse head) gives the eager decoder's tokens."""
+    from tests.fixtures import check_sparsify_reaches
+
+    make_gemma2(tmp_path / "hf", spm_model_file, **CASES["gqa-window8"])
+    dense = convert(tmp_path / "hf", None, tmp_path / "m.f16.gguf", outtype="f16")
+    check_sparsify_reaches(dense, tmp_path, attention=True, decoder="cpu_one_call", max_tokens=600)
