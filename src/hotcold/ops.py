@@ -18,6 +18,9 @@ import torch.nn.functional as F
 from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import cpu
 from hotcold.kernels.cpu import apply_rope  # the one torch RoPE (the C attention's fallback uses it too)
+from hotcold.kernels.decode_glue import (
+    attention_explicit,  # the one torch attention with sinks / caps (as apply_rope)
+)
 
 Weight = torch.Tensor | QuantTensor
 
@@ -412,7 +415,7 @@ def attention(
         start = max(0, pos - sliding_window + 1) if sliding_window else 0
         if mask is not None:
             mask = mask[:, start:]
-        out = _attention_explicit(
+        out = attention_explicit(
             q.to(dtype).transpose(0, 1), keys[0, :, start:], values[0, :, start:], mask, sinks, softcap
         )
         return out.transpose(0, 1).reshape(T, H * Dh).to(q.dtype)
@@ -424,27 +427,3 @@ def attention(
         q.to(dtype).transpose(0, 1)[None], keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != H
     )  # [1, H, T, Dh]
     return out[0].transpose(0, 1).reshape(T, H * Dh).to(q.dtype)
-
-
-def _attention_explicit(q, keys, values, mask, sinks: torch.Tensor | None, softcap: float) -> torch.Tensor:
-    """softmax([cap(q.k / sqrt(Dh)), sink]) without the sink's column, @ v: q [H, T, Dh], keys / values
-    [Hkv, S, Dh], mask [T, S] bool or None -> [H, T, Dh] in q's dtype, computed in float32 (a GPU's fp16 cache
-    too: torch ops, no fused kernel with sinks or caps yet). cap(s) = softcap * tanh(s / softcap) where softcap
-    is set; no sink column where sinks is None. Query head h reads KV head h // (H / Hkv), without copying."""
-    dtype = q.dtype
-    q, keys, values = q.float(), keys.float(), values.float()
-    (h, t, dh), hkv = q.shape, keys.shape[0]
-    grouped = q.reshape(
-        hkv, (h // hkv) * t, dh
-    )  # [Hkv, group * T, Dh]: a KV head's query heads, one after another
-    scores = (grouped @ keys.transpose(-1, -2)).view(h, t, -1) * dh**-0.5  # [H, T, S]
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return (probs.reshape(hkv, -1, probs.shape[-1]) @ values).view(h, t, dh).to(dtype)

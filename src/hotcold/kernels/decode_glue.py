@@ -6,7 +6,6 @@ instead of a dozen small tensor ops per row, with their torch fallbacks.
 from __future__ import annotations
 
 import ctypes
-import math
 
 import torch
 import torch.nn.functional as F
@@ -14,7 +13,15 @@ import torch.nn.functional as F
 from hotcold.kernels import build
 from hotcold.kernels.build import f32_contiguous, nthreads, ptr
 
-__all__ = ["rms_norm", "layer_norm", "moe_route", "apply_rope", "attention_decode", "attention_decode_rows"]
+__all__ = [
+    "rms_norm",
+    "layer_norm",
+    "moe_route",
+    "apply_rope",
+    "attention_decode",
+    "attention_decode_rows",
+    "attention_explicit",
+]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -142,20 +149,38 @@ def _torch_attention_decode(
     keys = k_cache[lo : pos + 1].to(qr.dtype).transpose(0, 1)[None]  # [1, Hkv, S, Dh]
     values = v_cache[lo : pos + 1].to(qr.dtype).transpose(0, 1)[None]
     _, h, dh = q.shape
-    if softcap or sinks is not None:
-        keys, values = (t.repeat_interleave(h // k.shape[1], dim=1) for t in (keys, values))
-        scores = qr.transpose(0, 1)[None] @ keys.transpose(-1, -2) / math.sqrt(dh)  # [1, H, 1, S]
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        if sinks is not None:  # a column that joins the denominator and attends to nothing
-            scores = torch.cat([scores, sinks.float().view(1, h, 1, 1)], dim=-1)
-        probs = torch.softmax(scores, dim=-1)
-        out = (probs[..., :-1] if sinks is not None else probs) @ values
-    else:
-        out = F.scaled_dot_product_attention(
-            qr.transpose(0, 1)[None], keys, values, enable_gqa=h != k.shape[1]
+    if softcap or sinks is not None:  # the models' explicit attention (ops.attention's, for sinks and caps)
+        return (
+            attention_explicit(qr.transpose(0, 1), keys[0], values[0], None, sinks, softcap)
+            .transpose(0, 1)
+            .reshape(1, h * dh)
         )
+    out = F.scaled_dot_product_attention(qr.transpose(0, 1)[None], keys, values, enable_gqa=h != k.shape[1])
     return out[0].transpose(0, 1).reshape(1, h * dh)
+
+
+def attention_explicit(q, keys, values, mask, sinks: torch.Tensor | None, softcap: float) -> torch.Tensor:
+    """softmax([cap(q.k / sqrt(Dh)), sink]) without the sink's column, @ v: q [H, T, Dh], keys / values
+    [Hkv, S, Dh], mask [T, S] bool or None -> [H, T, Dh] in q's dtype, computed in float32 (a GPU's fp16 cache
+    too: torch ops, no fused kernel with sinks or caps yet). cap(s) = softcap * tanh(s / softcap) where softcap
+    is set; no sink column where sinks is None. Query head h reads KV head h // (H / Hkv), without copying."""
+    dtype = q.dtype
+    q, keys, values = q.float(), keys.float(), values.float()
+    (h, t, dh), hkv = q.shape, keys.shape[0]
+    grouped = q.reshape(
+        hkv, (h // hkv) * t, dh
+    )  # [Hkv, group * T, Dh]: a KV head's query heads, one after another
+    scores = (grouped @ keys.transpose(-1, -2)).view(h, t, -1) * dh**-0.5  # [H, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink = sinks.to(scores.dtype).view(h, 1, 1).expand(h, t, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    return (probs.reshape(hkv, -1, probs.shape[-1]) @ values).view(h, t, dh).to(dtype)
 
 
 def attention_decode_rows(

@@ -63,8 +63,8 @@ class LayerSpec:
 
     def beyond_llama(self) -> str | None:
         """The first thing this layer computes that a plain llama layer (RMS norms, sequential residual, RoPE on
-        adjacent pairs, q/k/v without biases, one FFN) does not, or None: what a decoder built for llama layers
-        (the CPU one-call step, the GPU fixed-shape step) has to say no to."""
+        adjacent pairs, q/k/v without biases, one FFN) does not, or None: what the GPU fixed-shape step, built for
+        llama layers, has to say no to (the CPU one-call step takes every field here)."""
         if self.norm != "rms":
             return "LayerNorm"
         if self.residual != "sequential":
@@ -91,12 +91,6 @@ class LayerSpec:
             return "attention sinks"
         if self.oai_experts:
             return "gpt-oss's experts (router and expert biases, the clamped SwiGLU)"
-        return self.beyond_fast_decoders()
-
-    def beyond_fast_decoders(self) -> str | None:
-        """What no fast decoder (the CPU one-call step, the GPU fixed-shape step) computes yet, or None: such
-        layers decode eagerly, layer by layer (decoders.choose_decoder). None today: the CPU step computes every
-        field above; a new field goes here until a fast decoder has it."""
         return None
 
 
@@ -188,19 +182,9 @@ def rope_attention_segments(
         positions, kcs, vcs = rows
         cos, sin = rope.rows(positions, device)
         return rope_attention_rows(
-            q,
-            k,
-            v,
-            kcs,
-            vcs,
-            positions,
-            cos,
-            sin,
-            neox=neox,
-            sliding_window=sliding_window,
-            softcap=softcap,
+            q, k, v, kcs, vcs, positions, cos, sin, neox=neox, sliding_window=sliding_window, softcap=softcap,
             sinks=sinks,
-        )
+        )  # fmt: skip
 
     def attend(a, b, seq, pos):
         cos, sin = rope(pos, b - a, device)

@@ -86,7 +86,7 @@ class LlamaLayer:
     k_norm: Norm | None = None
     post_attn_norm: Norm | None = None  # Gemma 3's sandwich norms, on attention's and the FFN's output
     post_ffn_norm: Norm | None = None
-    o_bias: torch.Tensor | None = None  # [D]: gpt-oss's bias on attention's output projection
+    wo_bias: torch.Tensor | None = None  # [D]: gpt-oss's bias on attention's output projection
     sinks: torch.Tensor | None = None  # [H] float32: gpt-oss's attention sinks (spec.sinks)
 
 
@@ -113,7 +113,7 @@ def choose_ops(layer: LlamaLayer, tail, *, dense: bool) -> LayerOps:
     decode_attention = plain_qkv and not input_sparse
     if spec.post_norms or input_sparse:
         return LayerOps(decode_attention, "normed")
-    if layer.o_bias is None and tail is not None and tail.eager:  # MoE tails run in the one-call decode only
+    if layer.wo_bias is None and tail is not None and tail.eager:  # MoE tails run in the one-call decode only
         return LayerOps(decode_attention, "fused", tail)
     return LayerOps(decode_attention, "plain")
 
@@ -184,7 +184,7 @@ class Llama:
             if ops.tail == "fused" and (y := ops.fused(attn, x, ctx)) is not None:
                 x = y  # one C call, CPU decode
                 continue
-            x = x + linear(attn, layer.wo, layer.o_bias)
+            x = x + linear(attn, layer.wo, layer.wo_bias)
             x = x + layer.ffn(x, ctx)
         return self.head(x, ctx, last_only=last_only)
 
@@ -260,7 +260,7 @@ def attention_block(src: TensorSource, i: int) -> dict:
             for n, t, rows in (("q", names.ATTN_Q, qd), ("k", names.ATTN_K, kvd), ("v", names.ATTN_V, kvd))
         }
     if src.has(names.ATTN_OUT, i, "bias"):
-        biases["o_bias"] = src.attention(names.ATTN_OUT, i, (D,), "bias")
+        biases["wo_bias"] = src.attention(names.ATTN_OUT, i, (D,), "bias")
     if src.has(names.ATTN_SINKS, i):  # gpt-oss: one logit per head
         biases["sinks"] = src.attention(names.ATTN_SINKS, i, (c.n_head,)).float()
     norms = {}

@@ -193,9 +193,9 @@ class _Plan:
             spec, vectors, qk_eps, post_eps = layer.spec, {}, 0.0, 0.0
             if not norm.rms and norm.bias is not None:
                 vectors["attn_norm_b"] = norm.bias
-            for name in ("q_bias", "k_bias", "v_bias", "wo_bias", "o_bias", "sinks"):  # sinks [H]: gpt-oss
+            for name in ("q_bias", "k_bias", "v_bias", "wo_bias", "sinks"):  # sinks [H]: gpt-oss
                 if (b := getattr(layer, name, None)) is not None:
-                    vectors["wo_bias" if name == "o_bias" else name] = b  # llama layers name o's bias o_bias
+                    vectors[name] = b
             for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms [Dh]
                 if (n := getattr(layer, name, None)) is not None:
                     vectors[name] = n.weight

@@ -61,11 +61,6 @@ def _fastest(model, ctx_size: int) -> tuple[str, str]:
     if any(getattr(getattr(layer, "ffn", None), "reads_storage", False) for layer in layers):
         # storage/ffn.StoredFFN: the rows a layer computes are read between its predictor and its FFN
         return "eager", "--ram-budget: cold FFN rows are read from the file after each layer's predictor"
-    for i, layer in enumerate(getattr(model, "layers", None) or []):  # what no fast decoder computes yet
-        spec = getattr(layer, "spec", None)
-        why = spec.beyond_fast_decoders() if spec is not None else None
-        if why is not None:
-            return "eager", f"layer {i}: {why}, which the fast decoders do not compute yet"
     head = getattr(model, "head", None)
     if getattr(head, "softcap", 0.0) and head.device.type == "cuda":  # the CPU decoder runs the family's Head
         return "eager", "soft-capped output logits, which the GPU step does not compute yet"

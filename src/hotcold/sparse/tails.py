@@ -235,16 +235,13 @@ class ThresholdedTail(DenseTail):
 
 class MoETail:
     """A mixture-of-experts layer in the one-call decode: the router and every expert's tail fields (the layer
-    norms once for all). Eager forwards run the layer's ops (`eager` False)."""
+    norms once for all). Eager forwards run the layer's ops (`eager` False: not called: llama.choose_ops)."""
 
     eager = False
 
     def __init__(self, ffn, wo: Weight):
         self.ffn, self.wo = ffn, wo
         self.experts = [layer_tail(e, wo) for e in ffn.experts]
-
-    def __call__(self, attn: torch.Tensor, x: torch.Tensor, ctx: Batch) -> None:
-        return None
 
     def c_fields(self, *, dense: bool) -> dict | None:
         """The router and every expert's FFN, as their own tails give them (cpu_step adds the sequence's routing
