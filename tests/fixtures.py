@@ -438,7 +438,11 @@ FP16_FIELDS = {
     "Q5_K": (0, 2),
     "Q6_K": (208,),
     "IQ4_XS": (0,),
+    "MXFP4": (),  # its scale is one E8M0 byte (E8M0_FIELDS)
 }
+
+
+E8M0_FIELDS = {"MXFP4": 0}  # offset of the one-byte power-of-two scale 2^(e - 128) (ggml's E8M0 "half")
 
 
 def random_blocks(qtype, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -455,6 +459,10 @@ def random_blocks(qtype, n: int, rng: np.random.Generator) -> np.ndarray:
         if k == 0:
             values[:4] = np.array([0.0, -0.0, 65504.0, 6e-8], dtype=np.float16)  # zero, -0, max, subnormal
         raw[:, off : off + 2] = values.view(np.uint8).reshape(n, 2)
+    if qtype.name in E8M0_FIELDS:  # the power-of-two scale byte: finite values only (e 250: 12 * 2^122)
+        off = E8M0_FIELDS[qtype.name]
+        raw[:, off] = rng.integers(0, 250, n)
+        raw[:4, off] = [0, 1, 127, 249]  # the two subnormal scales, 2^-1, the largest kept
     raw[4] = 0  # an all-zero block
     return raw
 

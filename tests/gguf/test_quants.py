@@ -165,16 +165,15 @@ def test_mxfp4_dequantizes_a_hand_computed_block():
     assert torch.equal(expected.to(torch.bfloat16).float(), expected)  # BF16 holds every MXFP4 value
 
 
-def test_mxfp4_random_blocks_bit_exact_and_not_a_quant_tensor():
+def test_mxfp4_random_blocks_bit_exact():
     rng = np.random.default_rng(39)
     raw = rng.integers(0, 256, size=(512, 17), dtype=np.uint8)
     raw[:, 0] = rng.integers(0, 250, size=512)  # keep the largest values finite (e 254: 12 * 2^126 overflows)
     ref = gguf.quants.dequantize(raw, Q.MXFP4).reshape(16, -1)
     got = quants.dequantize_torch(torch.from_numpy(raw.reshape(16, -1)), Q.MXFP4)
     np.testing.assert_array_equal(got.numpy().view(np.uint32), ref.view(np.uint32))
-    assert Q.MXFP4 in quants.EXPAND_TYPES and Q.MXFP4 not in quants.SUPPORTED  # no C kernel reads it yet
-    with pytest.raises(ValueError, match="MXFP4 is not supported"):
-        QuantTensor(torch.from_numpy(raw[:2].copy()), Q.MXFP4, (1, 64))
+    qt = QuantTensor(torch.from_numpy(raw.reshape(16, -1).copy()), Q.MXFP4, (16, 1024))  # kept as file bytes
+    np.testing.assert_array_equal(qt.dequantize().numpy().view(np.uint32), ref.view(np.uint32))
 
 
 def test_mxfp4_quantize_matches_gguf_and_roundtrips():

@@ -20,9 +20,9 @@ from gguf import GGMLQuantizationType as Q
 from hotcold.gguf import quants
 from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import build, cabi, cpu
-from tests.fixtures import FP16_FIELDS, random_blocks
+from tests.fixtures import E8M0_FIELDS, FP16_FIELDS, random_blocks
 
-FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+FORMATS = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4"]
 FORMATS += ["q2_k", "q3_k", "q4_k", "q5_k", "q6_k", "iq4_xs"]
 FLOAT = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 QTYPE = {f: Q[f.upper()] for f in FORMATS if f not in FLOAT}
@@ -55,9 +55,13 @@ def make_weight(
         for off in FP16_FIELDS[qtype.name]:  # scales (and mins) of a few hundredths
             scale = (np.random.default_rng(off).random(raw.shape[0]) * 0.02).astype(np.float16)
             raw[:, off : off + 2] = scale.view(np.uint8).reshape(-1, 2)
+        if qtype.name in E8M0_FIELDS:  # power-of-two scales 2^-11..2^-4 (values up to 0.75)
+            raw[:, E8M0_FIELDS[qtype.name]] = np.random.default_rng(f).integers(117, 125, raw.shape[0])
         qt = QuantTensor(torch.from_numpy(raw.reshape(f, -1)), qtype, (f, d))
     ref = qt.dequantize().double()
-    if poison is not None:  # NaN scale in every block of a poisoned row
+    if poison is not None and qtype.name in E8M0_FIELDS:  # E8M0 has no NaN: the largest scale, inf once used
+        qt.data.view(f, -1, size)[poison, :, E8M0_FIELDS[qtype.name]] = 254
+    elif poison is not None:  # NaN scale in every block of a poisoned row
         off = FP16_FIELDS[qtype.name][0]
         qt.data.view(f, -1, size)[poison, :, off : off + 2] = torch.from_numpy(NAN_F16)
     return qt, ref

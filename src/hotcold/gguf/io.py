@@ -61,10 +61,9 @@ BLOCK_TYPES = {  # quants.SUPPORTED less the float types (quants is imported laz
         "Q6_K",
         "IQ4_NL",
         "IQ4_XS",
+        "MXFP4",
     )
 }
-# Block formats without a kernel yet, expanded to BF16 when read (exact): MXFP4, ggml type 39 (gpt-oss's experts)
-EXPANDED_TYPES = {GGMLQuantizationType.MXFP4}
 
 
 def tensor_nbytes(qtype: GGMLQuantizationType, shape: tuple[int, ...]) -> int:
@@ -242,11 +241,11 @@ class ModelFile:
         """tensor() for a model weight: a float type, or a block format for a matrix (vectors such as norms
         and biases are never quantized); anything else is refused naming the tensor."""
         entry = self.entry(name, shape)
-        if entry.qtype in BLOCK_TYPES | EXPANDED_TYPES and len(entry.shape) < 2:
+        if entry.qtype in BLOCK_TYPES and len(entry.shape) < 2:
             raise GGUFError(
                 f"{self.path}: tensor {name} is a vector in {entry.qtype.name}; vectors are F32/F16/BF16"
             )
-        if entry.qtype not in FLOAT_TYPES and entry.qtype not in BLOCK_TYPES | EXPANDED_TYPES:
+        if entry.qtype not in FLOAT_TYPES and entry.qtype not in BLOCK_TYPES:
             raise GGUFError(
                 f"{self.path}: tensor {name} has type {entry.qtype.name}, which is not a weight type"
             )
@@ -263,23 +262,6 @@ def _check_block_count(path: Path, metadata: dict[str, Any]) -> None:
             raise GGUFError(f"{path}: metadata key {key} is {count!r}; a model has at least one layer")
 
 
-def expand_mxfp4(entry: TensorEntry, chunk_rows: int = 4096) -> torch.Tensor:
-    """An MXFP4 tensor (gpt-oss's experts) as BF16 of its shape: the C kernels have no MXFP4 kernel yet, so a
-    tensor of this type is expanded when read (at load), in chunks of rows. Exact: every MXFP4 value (an E2M1 value
-    times a power of two) is a BF16 number, so the products see the values ggml's dequantization gives. Costs
-    16 / 4.25 times the file's bytes in memory."""
-    from hotcold.gguf import quants
-
-    cols = entry.shape[-1]
-    rows = int(np.prod(entry.shape[:-1])) if len(entry.shape) > 1 else 1
-    data = torch.from_numpy(entry.data).reshape(rows, -1)
-    out = torch.empty(rows, cols, dtype=torch.bfloat16)
-    for r in range(0, rows, chunk_rows):
-        block = data[r : r + chunk_rows]
-        out[r : r + block.shape[0]] = quants.dequantize(block, entry.qtype, (block.shape[0], cols))
-    return out.reshape(entry.shape)
-
-
 def as_torch(entry: TensorEntry, path: Path | str = "model") -> torch.Tensor | QuantTensor:
     if entry.qtype in FLOAT_TYPES:
         if entry.qtype == GGMLQuantizationType.BF16:
@@ -289,8 +271,6 @@ def as_torch(entry: TensorEntry, path: Path | str = "model") -> torch.Tensor | Q
         return torch.from_numpy(entry.data).reshape(entry.shape)
     if entry.qtype in (GGMLQuantizationType.I8, GGMLQuantizationType.I16, GGMLQuantizationType.I32):
         return torch.from_numpy(entry.data).reshape(entry.shape)
-    if entry.qtype in EXPANDED_TYPES:
-        return expand_mxfp4(entry)
     if entry.qtype in BLOCK_TYPES:
         from hotcold.gguf import quants
 

@@ -26,8 +26,7 @@ Block layouts (little endian, d is fp16):
   IQ4_XS 136 bytes: d, u16 scales_h, u8 scales_l[4], qs[128] (kvalues as IQ4_NL, 8 x 6-bit scales)
   MXFP4 17 bytes / 32 values: u8 e (E8M0), u8 qs[16]           value = 2^(e-128) * MXFP4_VALUES[nibble]
                                                                (E2M1 doubled); low nibbles 0..15, high 16..31
-                                                               (gpt-oss's experts; not in SUPPORTED: no C kernel
-                                                               yet, gguf.io expands it to BF16, exactly)
+                                                               (gpt-oss's experts)
 The C kernels decode each of them 32 values at a time (kernels/_cpu_kernels.c, `load32`).
 """
 
@@ -45,7 +44,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 __all__ = [
     "QuantTensor",
     "SUPPORTED",
-    "EXPAND_TYPES",
     "QUANTIZE_TYPES",
     "dequantize",
     "dequantize_torch",
@@ -59,10 +57,8 @@ FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # readable: everything llama-quantize writes without an importance matrix, plus the IQ4 pair
 SUPPORTED = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-    | {Q.IQ4_NL, Q.IQ4_XS}
+    | {Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4}
 )
-# dequantized only (no QuantTensor, no C kernel yet): gguf.io expands such a weight to BF16 when it reads it
-EXPAND_TYPES = frozenset({Q.MXFP4})
 # writable: gguf's legacy quantizers (and MXFP4's, ggml's quantize_row_mxfp4_ref), hotcold.gguf.kquants for K-quants
 QUANTIZE_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
@@ -117,7 +113,7 @@ def dequantize(
 ) -> torch.Tensor:
     """Tensor bytes in ggml layout -> float32 tensor of `shape` (numpy order, last dim contiguous),
     bit-exact with ggml's dequantization (the C kernels' `cpu.dequantize_rows` gives the same bits, faster)."""
-    qtype = _qtype(qtype, SUPPORTED | EXPAND_TYPES)
+    qtype = _qtype(qtype, SUPPORTED)
     shape = tuple(int(s) for s in shape)
     cols = shape[-1] if shape else 1
     rows = math.prod(shape[:-1]) if shape else 1
@@ -136,7 +132,7 @@ def dequantize(
 
 def dequantize_torch(b: torch.Tensor, qtype: GGMLQuantizationType | int) -> torch.Tensor:
     """uint8 [R, row_bytes] on any device -> float32 [R, cols] with torch ops (exact as ggml)."""
-    qtype = _qtype(qtype, SUPPORTED | EXPAND_TYPES)
+    qtype = _qtype(qtype, SUPPORTED)
     rows = b.shape[0]
     if qtype in FLOAT_TYPES:
         return b.contiguous().view(_TORCH_FLOAT[qtype]).to(torch.float32)

@@ -9,8 +9,8 @@ The LLaMA block with:
   `ffn_{gate,up}_exps.weight` [E, F, D] and `ffn_down_exps.weight` [E, D, F] with biases [E, F] / [E, D], each
   the clamped SwiGLU (sparse/ffn_weights.swiglu_oai, alpha 1.702, limit 7).
 
-Expert matrices come as upstream's converter writes them: MXFP4 (ggml type 39) from the original checkpoint,
-expanded to BF16 at load (gguf.io.expand_mxfp4: exact; no C kernel reads MXFP4 yet), or any float / block type.
+Expert matrices come as upstream's converter writes them: MXFP4 (ggml type 39) from the original checkpoint, read
+in place by the C kernels as any block type (4.25 bits a weight), or any float / block type.
 On the CPU a decode token is one C call (the sinks in the C attention, the router's and the experts' biases and the
 clamped SwiGLU in the C MoE tail; the eager layers call the same C attention and combine); the GPU's fixed-shape step
 has none of them (LayerSpec.beyond_llama).

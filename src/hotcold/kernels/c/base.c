@@ -68,7 +68,8 @@
 
 enum { WT_F32 = 0, WT_F16 = 1, WT_BF16 = 2, WT_Q8_0 = 3, WT_Q4_0 = 4, WT_Q5_0 = 5, WT_Q6_K = 6 };
 /* Decoded through chunk_ints (below): one SIMD-independent decoder per type. */
-enum { WT_Q4_1 = 7, WT_Q5_1 = 8, WT_Q2_K = 9, WT_Q3_K = 10, WT_Q4_K = 11, WT_Q5_K = 12, WT_IQ4_NL = 13, WT_IQ4_XS = 14 };
+enum { WT_Q4_1 = 7, WT_Q5_1 = 8, WT_Q2_K = 9, WT_Q3_K = 10, WT_Q4_K = 11, WT_Q5_K = 12, WT_IQ4_NL = 13, WT_IQ4_XS = 14,
+       WT_MXFP4 = 15 };
 
 #define HC_INLINE static inline __attribute__((always_inline))
 
@@ -144,6 +145,7 @@ HC_INLINE int64_t chunk_off(const int wt, int64_t c) {
     case WT_Q4_1: return c * 20;
     case WT_Q5_1: return c * 24;
     case WT_IQ4_NL: return c * 18;
+    case WT_MXFP4: return c * 17;
     /* super-blocks of 256 values: the chunk's share of its block (for prefetching only) */
     case WT_Q2_K: return (c >> 3) * 84 + (c & 7) * 10;
     case WT_Q3_K: return (c >> 3) * 110 + (c & 7) * 13;

@@ -348,7 +348,7 @@ static int xq_make(const float *x, int64_t T, int64_t D, hc_xq_set *s) {
 /* How a type's chunk values relate to the integers a decoder gives: value = s_h * (u - QOFF) with
  * u >= 0 (QOFF a power of two: 2^QOFF_SHIFT, or 0), minus m_h (SUB) or plus m_h (ADD) where the type
  * has a min; the signed types' decoders give the values' integers themselves. */
-HC_INLINE int q_signed(const int wt) { return wt == WT_Q8_0 || wt == WT_IQ4_NL || wt == WT_IQ4_XS; }
+HC_INLINE int q_signed(const int wt) { return wt == WT_Q8_0 || wt == WT_IQ4_NL || wt == WT_IQ4_XS || wt == WT_MXFP4; }
 HC_INLINE int q_off_shift(const int wt) { /* -1: no offset */
     switch (wt) {
     case WT_Q4_0: return 3;
@@ -406,6 +406,7 @@ HC_INLINE void chunk_decode(const int wt, const uint8_t *row, int64_t c, chunk_i
     case WT_Q4_1: dec_q4_1(row + c * 20, ci); break;
     case WT_Q5_1: dec_q5_1(row + c * 24, ci); break;
     case WT_IQ4_NL: dec_iq4_nl(row + c * 18, ci); break;
+    case WT_MXFP4: dec_mxfp4(row + c * 17, ci); break;
     case WT_Q2_K: dec_q2_k(row + (c >> 3) * 84, j, ci); break;
     case WT_Q3_K: dec_q3_k(row + (c >> 3) * 110, j, ci); break;
     case WT_Q4_K: dec_q4_k(row + (c >> 3) * 144, j, ci); break;
@@ -454,10 +455,11 @@ HC_INLINE __m256i bit_j(const uint8_t *p, int j, char v) {
     const __m256i b = _mm256_set1_epi8((char)(1 << j));
     return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(ld256(p), b), b), _mm256_set1_epi8(v));
 }
-HC_INLINE __m256i iq4_lookup(__m256i nib) {
-    const __m128i t = _mm_loadu_si128((const __m128i *)IQ4_KVALUES);
+HC_INLINE __m256i table_lookup(const int8_t *table, __m256i nib) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)table);
     return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(t), nib);
 }
+HC_INLINE __m256i iq4_lookup(__m256i nib) { return table_lookup(IQ4_KVALUES, nib); }
 
 /* qchunk for the types with 256-value super-blocks: chunk j (0..7) of super-block b. Callers that unroll
  * a super-block's 8 chunks make j a constant, and every shift and byte offset below with it. */
@@ -553,6 +555,11 @@ HC_INLINE __m256i qchunk(const int wt, const uint8_t *row, int64_t c, float *s, 
         s[0] = s[1] = h2f(rd16(b));
         return iq4_lookup(nib16(b + 2));
     }
+    case WT_MXFP4: {
+        const uint8_t *b = row + c * 17;
+        s[0] = s[1] = e8m0_half(b[0]);
+        return table_lookup(MXFP4_KVALUES, nib16(b + 1));
+    }
     default: return qchunk_k(wt, row + (c >> 3) * k_block_bytes(wt), (int)(c & 7), s, m);
     }
 }
@@ -640,7 +647,7 @@ HC_INLINE void qdot_chunk(const int wt, __m256i u, const float *s, const float *
     else if (q_mode(wt) != AFF_MUL) *macc = fmaf(m[0], x->hc[c], *macc);
 }
 
-/* load32 for the types without a float loader of their own (Q4_1, Q5_1, IQ4_NL, Q2_K..Q5_K, IQ4_XS):
+/* load32 for the types without a float loader of their own (Q4_1, Q5_1, IQ4_NL, MXFP4, Q2_K..Q5_K, IQ4_XS):
  * the chunk's values unpacked by qchunk, then emit_chunk's arithmetic (s * q, then - m or + m, two
  * roundings). The scalar decoders wrote the values byte by byte and emit_chunk read them back as
  * vectors, a failed store-to-load forward per vector: the axpy of these types ran at ~0.6 GB/s. */

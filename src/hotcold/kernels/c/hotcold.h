@@ -9,7 +9,7 @@
 #define HOTCOLD_H
 #include <stdint.h>
 
-#define HC_ABI_VERSION 36 /* the library's calling convention; cabi.py reads it and refuses another library */
+#define HC_ABI_VERSION 37 /* the library's calling convention; cabi.py reads it and refuses another library */
 
 /* One [rows, cols] matrix as the kernels read it: weight type code (build.WT), rows at data + i * stride. */
 typedef struct {

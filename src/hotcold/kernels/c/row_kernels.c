@@ -601,6 +601,7 @@ HC_INLINE void axpy_batch_float(const int wt, const hc_args *A, const hc_axlists
     case WT_Q4_K: CALL(WT_Q4_K); break;                                                                      \
     case WT_Q5_K: CALL(WT_Q5_K); break;                                                                      \
     case WT_IQ4_NL: CALL(WT_IQ4_NL); break;                                                                  \
+    case WT_MXFP4: CALL(WT_MXFP4); break;                                                                    \
     default: CALL(WT_IQ4_XS); break;                                                                         \
     }
 

@@ -342,6 +342,12 @@ typedef struct {
 enum { AFF_MUL = 0, AFF_SUB = 1, AFF_ADD = 2 };
 
 static const int8_t IQ4_KVALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* MXFP4's E2M1 values doubled (ggml's kvalues_mxfp4): the block scale is then half the E8M0 power of two. */
+static const int8_t MXFP4_KVALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+/* Half the E8M0 scale byte's power of two, 2^(e - 128), as ggml's GGML_E8M0_TO_FP32_HALF: e < 2 gives
+ * a subnormal float, the rest a normal one with exponent field e - 1 (exact either way). */
+HC_INLINE float e8m0_half(const uint8_t e) { return f32_from_bits(e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23); }
 
 HC_INLINE void emit_chunk(const chunk_ints *ci, const int mode, vf *w) {
     for (int v = 0; v < NV; v++) {
@@ -383,6 +389,15 @@ HC_INLINE void dec_iq4_nl(const uint8_t *b, chunk_ints *ci) {
     for (int l = 0; l < 16; l++) {
         ci->q[l] = IQ4_KVALUES[b[2 + l] & 15];
         ci->q[l + 16] = IQ4_KVALUES[b[2 + l] >> 4];
+    }
+}
+
+/* MXFP4, 17 bytes: e (E8M0), qs[16] as Q4_0, each nibble an index into MXFP4's table. */
+HC_INLINE void dec_mxfp4(const uint8_t *b, chunk_ints *ci) {
+    both_halves(ci, e8m0_half(b[0]), 0.0f);
+    for (int l = 0; l < 16; l++) {
+        ci->q[l] = MXFP4_KVALUES[b[1 + l] & 15];
+        ci->q[l + 16] = MXFP4_KVALUES[b[1 + l] >> 4];
     }
 }
 
@@ -491,6 +506,7 @@ HC_INLINE void load32(const int wt, const uint8_t *row, int64_t c, vf *w) {
         case WT_Q4_1: dec_q4_1(row + c * 20, &ci); break;
         case WT_Q5_1: dec_q5_1(row + c * 24, &ci); break;
         case WT_IQ4_NL: dec_iq4_nl(row + c * 18, &ci); break;
+        case WT_MXFP4: dec_mxfp4(row + c * 17, &ci); break;
         case WT_Q2_K: dec_q2_k(row + (c >> 3) * 84, j, &ci); break;
         case WT_Q3_K: dec_q3_k(row + (c >> 3) * 110, j, &ci); break;
         case WT_Q4_K: dec_q4_k(row + (c >> 3) * 144, j, &ci); break;
