@@ -55,19 +55,8 @@ def source_bytes() -> bytes:
 
 # Weight type codes of the C dispatch (HC_DISPATCH in _cpu_kernels.c).
 WT = {Q.F32: 0, Q.F16: 1, Q.BF16: 2, Q.Q8_0: 3, Q.Q4_0: 4, Q.Q5_0: 5, Q.Q6_K: 6}
-WT.update(
-    {
-        Q.Q4_1: 7,
-        Q.Q5_1: 8,
-        Q.Q2_K: 9,
-        Q.Q3_K: 10,
-        Q.Q4_K: 11,
-        Q.Q5_K: 12,
-        Q.IQ4_NL: 13,
-        Q.IQ4_XS: 14,
-        Q.MXFP4: 15,
-    }
-)
+WT.update({Q.Q4_1: 7, Q.Q5_1: 8, Q.Q2_K: 9, Q.Q3_K: 10, Q.Q4_K: 11, Q.Q5_K: 12, Q.IQ4_NL: 13, Q.IQ4_XS: 14})
+WT[Q.MXFP4] = 15
 _TORCH_QTYPE = {torch.float32: Q.F32, torch.float16: Q.F16, torch.bfloat16: Q.BF16}
 # -ffp-contract=off: a * b + c is two roundings unless the source asks for fmaf/vfma, so dequantized
 # values are ggml's (d * q - m, unfused) whatever the compiler's default contraction is.
