@@ -675,10 +675,10 @@ def test_dequantize_rows_bad_inputs(backend):
         cpu.dequantize_rows(qt, out=torch.empty(10, 32))
 
 
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "q4_k", "q6_k", "mxfp4"])
 @pytest.mark.parametrize("t", [1, 3, 17])
 def test_packed_matmul(backend, fmt, t):
-    """Q4_0, Q8_0, Q4_K and Q6_K repacked for whole-matrix products (rows in groups of 8; 1001 rows: a padded last group):
+    """Q4_0, Q8_0, Q4_K, Q6_K and MXFP4 repacked for whole-matrix products (rows in groups of 8; 1001 rows: a padded last group):
     the dot with the quantized x to fp32 rounding, bit-identical for any thread count and for a batch
     against token by token; the row kernel's answer to a few ulps."""
     gen = torch.Generator().manual_seed(21)
@@ -695,6 +695,7 @@ def test_packed_matmul(backend, fmt, t):
         "q8_0": d // 32 * 272,
         "q4_k": d // 256 * (32 + 8 * 144),
         "q6_k": d // 256 * 8 * 210,
+        "mxfp4": d // 32 * 8 * 17,
     }[fmt]
     assert p.packed is not None and p.packed.numel() == (F + 7) // 8 * per_group
     assert torch.equal(p.data, w.data) and p == w  # the rows themselves are untouched
@@ -708,7 +709,7 @@ def test_packed_matmul(backend, fmt, t):
     assert p.select_rows(torch.tensor([0, 5])).packed is None and p.to("cpu").packed is None
     # a group of packed matrices (q, k, v) is one C call with the bits of separate calls, norm included
     # another packed type as wide; 36 rows: a short last group
-    other = {"q4_0": "q8_0", "q8_0": "q4_0", "q4_k": "q6_k", "q6_k": "q4_k"}[fmt]
+    other = {"q4_0": "q8_0", "q8_0": "q4_0", "q4_k": "q6_k", "q6_k": "q4_k", "mxfp4": "q4_0"}[fmt]
     p2 = cpu.pack(make_weight(other, 36, gen)[0])
     assert_group_is_separate_calls([p, p2, p], x, (torch.rand(d, generator=gen) + 0.5, 1e-5))
     with pytest.raises(ValueError, match="all packed or none"):
@@ -820,7 +821,7 @@ def test_vnni_kernels_give_the_bits_of_the_kernels_without_vnni(tmp_path):
     plain = ctypes.CDLL(str(out))
     cabi.bind(plain)
     rng = np.random.default_rng(5)
-    packable = {Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K}
+    packable = {Q.Q4_0, Q.Q8_0, Q.Q4_K, Q.Q6_K, Q.MXFP4}
     for fmt in [f for f in FORMATS if f not in FLOAT]:
         qtype = QTYPE[fmt]
         block = gguf.GGML_QUANT_SIZES[qtype][0]

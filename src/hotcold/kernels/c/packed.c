@@ -23,9 +23,12 @@
 /* Q8_0: per chunk the 8 rows' scales (fp16), then the values in groups of 4: byte 32k + 4r + j is value
  * 4k + j of row r (k = 0..7): exactly the file's 8 * 34 bytes. */
 #define PK_Q8_0_CHUNK (16 + 256)
+/* MXFP4: per chunk the 8 rows' E8M0 scale bytes, then their table indices in Q4_0's nibble order: exactly the
+ * file's 8 * 17 bytes. */
+#define PK_MXFP4_CHUNK (8 + 128)
 
 HC_INLINE int packable(int wt, int64_t D) {
-    return ((wt == WT_Q4_0 || wt == WT_Q8_0) && D % 32 == 0) || ((wt == WT_Q4_K || wt == WT_Q6_K) && D % 256 == 0) ||
+    return ((wt == WT_Q4_0 || wt == WT_Q8_0 || wt == WT_MXFP4) && D % 32 == 0) || ((wt == WT_Q4_K || wt == WT_Q6_K) && D % 256 == 0) ||
            ((wt == WT_F16 || wt == WT_BF16) && D > 0);
 }
 
@@ -51,6 +54,7 @@ int64_t hc_packed_nbytes(int wt, int64_t F, int64_t D) {
     const int64_t ng = (F + PK_ROWS - 1) / PK_ROWS;
     return wt == WT_Q4_0   ? ng * (D / 32) * PK_Q4_0_CHUNK
            : wt == WT_Q8_0 ? ng * (D / 32) * PK_Q8_0_CHUNK
+           : wt == WT_MXFP4 ? ng * (D / 32) * PK_MXFP4_CHUNK
            : wt == WT_Q4_K ? ng * (D / 256) * PK_Q4_K_SUPER
                            : ng * (D / 256) * PK_Q6_K_SUPER;
 }
@@ -118,6 +122,14 @@ int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint
                     for (int l = 0; l < 16; l++) u[r][l] = b[2 + l] & 15, u[r][l + 16] = b[2 + l] >> 4;
                 }
                 dst += 16;
+            } else if (wt == WT_MXFP4) {
+                dst = P + (g * nc + c) * PK_MXFP4_CHUNK;
+                for (int r = 0; r < nr; r++) {
+                    const uint8_t *b = W + (g * PK_ROWS + r) * stride + c * 17;
+                    dst[r] = b[0];
+                    for (int l = 0; l < 16; l++) u[r][l] = b[1 + l] & 15, u[r][l + 16] = b[1 + l] >> 4;
+                }
+                dst += 8;
             } else if (wt == WT_Q6_K) {
                 const int j = (int)(c & 7);
                 uint8_t *sb = P + (g * (nc / 8) + c / 8) * PK_Q6_K_SUPER;
@@ -211,6 +223,36 @@ HC_INLINE __m256i packed_q8_chunk_sums(const uint8_t *v, const int8_t *xc) {
     return i32;
 }
 #endif
+#if HC_QSIMD
+/* The 8 rows' sums over one MXFP4 chunk of sum_i (v_r[i] + 12) x[i] (nib: its table indices, packed as Q4_0's
+ * nibbles): each index looked up in the table plus 12 (one shuffle: unsigned bytes 0..24, as dpbusd and maddubs
+ * take them); the caller subtracts 12 sum x, as Q4_0's takes 8 sum x, so the sums are exact. */
+HC_INLINE __m256i packed_mx_chunk_sums(const uint8_t *nib, const int8_t *xc) {
+    const __m256i m15 = _mm256_set1_epi8(15);
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_add_epi8(_mm_loadu_si128((const __m128i *)MXFP4_KVALUES), _mm_set1_epi8(12)));
+    __m256i s32 = _mm256_setzero_si256();
+    for (int k = 0; k < 4; k++) {
+        const __m256i p = ld256(nib + 32 * k);
+        int32_t x0, x1;
+        memcpy(&x0, xc + 4 * k, 4);
+        memcpy(&x1, xc + 4 * k + 16, 4);
+        s32 = dot4_acc(s32, _mm256_shuffle_epi8(table, _mm256_and_si256(p, m15)), _mm256_set1_epi32(x0));
+        s32 = dot4_acc(s32, _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p, 4), m15)),
+                       _mm256_set1_epi32(x1));
+    }
+    return s32;
+}
+
+/* 8 E8M0 bytes as e8m0_half's floats. */
+HC_INLINE __m256 e8m0_half8(const uint8_t *e) {
+    const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e));
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(v, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), v);
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), v)));
+}
+#endif
+
 /* Row r's packed chunk sum, portable. */
 HC_INLINE int32_t packed_chunk_sum1(const uint8_t *nib, const int8_t *xc, int r) {
     int32_t s = 0;
@@ -256,6 +298,35 @@ HC_INLINE void packed_group_block(const int wt, const uint8_t *Pg, const hc_xq *
             const int32_t s = wt == WT_Q4_0 ? packed_chunk_sum1(b + 16, xc, r) - 8 * x->qsum[c]
                                             : packed_q8_chunk_sum1(b + 16, xc, r);
             acc[r] = fmaf((float)s, h2f(rd16(b + 2 * r)) * x->d[c], acc[r]);
+        }
+    }
+    memcpy(out8, acc, sizeof acc);
+#endif
+}
+/* out[8] = the 8 rows of an MXFP4 group with one token: per chunk each row's exact integer sum, then
+ * (float)sum * (e8m0_half(e) * dx) accumulated in chunk order (packed_group_block's arithmetic). */
+HC_INLINE void packed_group_mxfp4(const uint8_t *Pg, const hc_xq *x, int64_t nc, float *out8) {
+#if HC_QSIMD
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *b = Pg + c * PK_MXFP4_CHUNK;
+        const __m256i i32 = _mm256_sub_epi32(packed_mx_chunk_sums(b + 8, x->q + 32 * c), _mm256_set1_epi32(12 * x->qsum[c]));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(e8m0_half8(b), _mm256_set1_ps(x->d[c])), acc);
+    }
+    _mm256_storeu_ps(out8, acc);
+#else
+    float acc[PK_ROWS] = {0};
+    for (int64_t c = 0; c < nc; c++) {
+        const uint8_t *b = Pg + c * PK_MXFP4_CHUNK, *nib = b + 8;
+        const int8_t *xc = x->q + 32 * c;
+        for (int r = 0; r < PK_ROWS; r++) {
+            int32_t s = 0;
+            for (int k = 0; k < 4; k++)
+                for (int j = 0; j < 4; j++) {
+                    const uint8_t v = nib[32 * k + 4 * r + j];
+                    s += (int32_t)MXFP4_KVALUES[v & 15] * xc[4 * k + j] + (int32_t)MXFP4_KVALUES[v >> 4] * xc[4 * k + 16 + j];
+                }
+            acc[r] = fmaf((float)s, e8m0_half(b[r]) * x->d[c], acc[r]);
         }
     }
     memcpy(out8, acc, sizeof acc);
@@ -541,6 +612,7 @@ int hc_packed_matvec_multi(int nmat, const int *wts, const uint8_t *const *Ps, c
                     const uint8_t *Pg = Ps[m] + g * gbytes[m];
                     if (wt == WT_Q4_0 || wt == WT_Q8_0) packed_group_block(wt, Pg, xq.tok + t, nc, o);
                     else if (wt == WT_Q4_K) packed_group_q4_k(Pg, xq.tok + t, nc, o);
+                    else if (wt == WT_MXFP4) packed_group_mxfp4(Pg, xq.tok + t, nc, o);
                     else packed_group_q6_k(Pg, xq.tok + t, nc, o);
                     const int64_t n = F - g * PK_ROWS < PK_ROWS ? F - g * PK_ROWS : PK_ROWS;
                     memcpy(outs[m] + t * F + g * PK_ROWS, o, sizeof(float) * (size_t)n);

@@ -302,6 +302,8 @@ static int gm_enabled(void) {
 static int packed_gemm(int nmat, const int *wts, const uint8_t *const *Ps, const int64_t *Fs, int64_t D,
                        const float *x, int64_t T, float *const *outs, int nth) {
     if (T < HC_GEMM_MIN_T || !gm_enabled()) return 1;
+    for (int m = 0; m < nmat; m++)
+        if (wts[m] == WT_MXFP4) return 1; /* no GEMM tile for MXFP4: its packed GEMV */
     const int64_t nc = D / 32, ntile = (T + GM_T - 1) / GM_T, gpt = GM_ROWS / PK_ROWS; /* groups a row tile */
     int64_t first[9] = {0}, gbytes[8], ngs[8];
     for (int m = 0; m < nmat; m++) {
