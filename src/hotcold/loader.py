@@ -249,7 +249,8 @@ def _tensor_source(
     ):
         order = neuron_order(path, config, notes)
     if thresholded is None:
-        src = TensorSource(model_file, config, devices, neuron_order=order, ctx_size=ctx, packs=packs)
+        src = TensorSource(model_file, config, devices, neuron_order=order, ctx_size=ctx, packs=packs,
+                           storage=storage)  # fmt: skip
         return src, ffn_maker(devices, dense=dense, threads=threads, storage=storage)
     from hotcold.sparse.attention_inputs import InputAssets
     from hotcold.sparse.thresholded import thresholded_maker

@@ -46,13 +46,16 @@ class TensorSource:
         neuron_order: list[torch.Tensor | None] | None = None,
         ctx_size: int | None = None,
         packs: bool = True,
+        storage=None,
     ):
         """thresholded: a `hotcold sparsify` file run thresholded (its FFN read from ffn_down_t, rows gathered, not
         packed); sparse_inputs: and with input-sparse attention, (attention_inputs.InputAssets, sparsity,
         threads); neuron_order: per layer, the FFN neurons hottest first (from the activation statistics), the
         order a sparse layer's rows are kept in so the rows a batch shares lie side by side (loader.neuron_order);
         packs: whether matrices multiplied whole get the C kernels' packed copies (`pack`; False where the weights
-        do not fit in memory, loader.py). Made whole here: nothing is set on a source after it is built."""
+        do not fit in memory, loader.py); storage: the load's storage.model.ModelStorage under a RAM budget (an MoE
+        file's experts are then read from the file: `experts`). Made whole here: nothing is set on a source after it
+        is built."""
         self.file = model_file
         self.config = config
         self.plan = plan
@@ -62,11 +65,23 @@ class TensorSource:
         self.neuron_order = neuron_order
         self.ctx_size = ctx_size  # the context the model is loaded for: it picks Phi-3's longrope factors
         self.packs = packs
+        self.storage = storage
+        # experts read from the file under a RAM budget are not packed here (storage/experts.py copies the resident)
+        self.packs_experts = storage is None or storage.plan.unit != "expert"
 
     def pack(self, weight: Weight) -> Weight:
         """A matrix only ever multiplied whole, in the C kernels' packed copy (cpu.pack: anonymous memory, its file
         pages dropped) where this load packs, else as stored (file pages the kernel may evict and read again)."""
         return cpu.pack(weight) if self.packs else weight
+
+    def pack_expert(self, weight: Weight) -> Weight:
+        """An expert's matrix multiplied whole: `pack`ed, unless its experts are read from storage."""
+        return self.pack(weight) if self.packs_experts else weight
+
+    def experts(self, layer: int, experts: list):
+        """A mixture-of-experts layer's experts (FFNs) as this load keeps them: as they are, or under a RAM budget
+        an ExpertStore (storage/experts.py) reading them from the file when the router picks them."""
+        return experts if self.packs_experts else self.storage.experts(layer, experts)
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors

@@ -210,13 +210,14 @@ def norm_weight(norm: tuple[torch.Tensor, float] | None, d: int) -> tuple[torch.
     return weight, float(eps)
 
 
-def pack(weight: Weight) -> Weight:
+def pack(weight: Weight, out: torch.Tensor | None = None) -> Weight:
     """`weight` with a repacked copy for whole-matrix products (`matmul` then uses it for few tokens:
     about twice the speed of the row kernel for Q4_0; a float16 matrix becomes a QuantTensor over its own
     memory, packed in row blocks with one fma chain per output, 1.6-1.9x the row layout at 8 tokens and
     about the same at one; bfloat16 alike), or `weight` itself where there is no packed form (other types,
     float32, no C kernels, not on the CPU). For matrices that are never gathered row by row: the copy is as
-    large as the matrix, and the file's rows stay as they are."""
+    large as the matrix, and the file's rows stay as they are. out: uint8 memory to pack into (reused by the
+    expert cache, storage/experts.py), else new memory."""
     lib = build.get_lib()
     if lib is not None and isinstance(weight, torch.Tensor) and weight.dtype in _QTYPE_16:
         weight = _as_quant(weight)  # 16-bit float rows have a packed form too
@@ -234,11 +235,24 @@ def pack(weight: Weight) -> Weight:
     # Huge pages asked for: the products stream every packed matrix each step, and with 4 KiB pages the
     # 89 of the 1B synthetic (546 MB) ran at 43.5 GB/s for one token and 38.6 for eight, against 45.9 and
     # 40.9 from huge pages (2 threads, 15 alternating rounds).
-    packed = _anonymous((nbytes,), torch.uint8, huge=True)
+    if out is not None and out.numel() < nbytes:
+        raise ValueError(f"pack: out holds {out.numel()} bytes, the packed copy needs {nbytes}")
+    packed = _anonymous((nbytes,), torch.uint8, huge=True) if out is None else out[:nbytes]
     if lib.hc_pack(_WT[qtype], data.data_ptr(), stride, f, d, packed.data_ptr()) != 0:
         return weight
     _page_out(data.data_ptr(), f * stride)  # the copy serves from now on: one copy in RSS, not two
     return QuantTensor(weight.data, weight.qtype, weight.shape, packed=packed)
+
+
+def packed_nbytes(weight: Weight) -> int:
+    """Bytes of `weight`'s packed copy (`pack`), or 0 where it has none."""
+    lib = build.get_lib()
+    if lib is not None and isinstance(weight, torch.Tensor) and weight.dtype in _QTYPE_16:
+        weight = _as_quant(weight)
+    if lib is None or not isinstance(weight, QuantTensor) or not weight.data.is_cpu:
+        return 0
+    qtype, _, _, f, d = weight_view(weight)
+    return max(0, int(lib.hc_packed_nbytes(_WT[qtype], f, d)))
 
 
 _QTYPE_16 = {torch.float16: GGMLQuantizationType.F16, torch.bfloat16: GGMLQuantizationType.BF16}

@@ -81,7 +81,9 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> GptOss:
         norm = src.norm(names.ATTN_POST_NORM, i, rms=True)  # the FFN's norm
         router = src.attention(names.FFN_ROUTER, i, (E, D))
         router_bias = src.attention(names.FFN_ROUTER, i, (E,), "bias").float()
-        ffn = MoEFFN(router, experts, c.n_expert_used, layer=i, norm=norm, router_bias=router_bias)
+        ffn = MoEFFN(
+            router, src.experts(i, experts), c.n_expert_used, layer=i, norm=norm, router_bias=router_bias
+        )
         attention["spec"] = replace(attention["spec"], moe=True, oai_experts=True)
         layers.append(LlamaLayer(**attention, ffn=ffn))
     head = Head(src.output_norm(rms=True), src.output())

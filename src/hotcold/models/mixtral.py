@@ -59,7 +59,7 @@ def expert_weights(src: TensorSource, i: int) -> list[FFNWeights]:
 
         def expert(t, e, rows):
             w = place(_expert_slice(stacked[t], e, rows), device)
-            return src.pack(w) if whole else w
+            return src.pack_expert(w) if whole else w
 
         return [
             FFNWeights(
@@ -98,7 +98,7 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> Mixtral:
         ]
         norm = src.norm(names.FFN_NORM, i, rms=True)
         router = src.attention(names.FFN_ROUTER, i, (E, D))
-        ffn = MoEFFN(router, experts, c.n_expert_used, layer=i, norm=norm)
+        ffn = MoEFFN(router, src.experts(i, experts), c.n_expert_used, layer=i, norm=norm)
         attention["spec"] = replace(attention["spec"], moe=True)
         layers.append(LlamaLayer(**attention, ffn=ffn))
     head = Head(src.output_norm(rms=True), src.output())

@@ -131,7 +131,7 @@ def experts(src: TensorSource, i: int) -> list[FFNWeights]:
         w = place(_expert_slice(stacked[t], e, rows), device)
         # the gate is only ever multiplied whole (relu_rows_apply gathers up and down rows): packed, ~2x the row
         # kernel's rate for Q4_0 at one token
-        return src.pack(w) if t == names.FFN_GATE_EXPS else w
+        return src.pack_expert(w) if t == names.FFN_GATE_EXPS else w
 
     down = names.FFN_DOWN_EXPS
     return [
@@ -169,7 +169,7 @@ def build(src: TensorSource, make_ffn: FFNMaker) -> SmallThinker:
         ffns = [make_ffn(i, w, None, None, expert=e) for e, w in enumerate(experts(src, i))]
         norm = src.norm(names.FFN_NORM, i, rms=True)
         router = src.attention(names.FFN_ROUTER, i, (E, D))
-        ffn = MoEFFN(router, ffns, c.n_expert_used, layer=i, norm=norm, gating=gate_fn)
+        ffn = MoEFFN(router, src.experts(i, ffns), c.n_expert_used, layer=i, norm=norm, gating=gate_fn)
         attention["spec"] = replace(
             attention["spec"], moe=True, early_router=True, nope=nope,
             sliding_window=SWA_WINDOW if windowed else 0, local_rope=windowed and local,

@@ -105,6 +105,9 @@ class MoEFFN:
         h = self.norm(x)
         ids, weights = self.route(h) if routing is None else routing
         ctx.route(self.layer, ids)
+        if not isinstance(self.experts, list):  # read from storage (storage/experts.py): start every read now
+            self.experts.count_tokens(x.shape[0])
+            self.experts.prefetch(sorted(set(ids.flatten().tolist())))
         out = torch.zeros_like(x)
         # live rows below the GEMM size (where the dense path multiplies in the same C kernels: the same bits)
         rows_ok = not ctx.dense and h.device.type == "cpu"

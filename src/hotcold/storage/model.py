@@ -13,8 +13,9 @@ from hotcold.gguf.io import GGUFError, ModelFile
 from hotcold.placement.walk import GIB
 from hotcold.sparse.ffn import SparseFFN
 from hotcold.sparse.ffn_weights import FFNWeights
+from hotcold.storage.experts import ExpertStore, expert_fields
 from hotcold.storage.ffn import LayerStore, StorageStats, StoredFFN, StoredMatrix
-from hotcold.storage.plan import RamPlan, plan_ram
+from hotcold.storage.plan import EXPERT_MATRICES, RamPlan, plan_ram
 from hotcold.storage.reader import RowReader, misaligned, tensor_offset
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ def ram_plan(path: Path, model_file: ModelFile, config: ModelConfig, budget_gib:
         statistics=folder,
     )  # fmt: skip
     plan.overhead_bytes = overhead
-    ffn = [names.tensor(t, 0) for t in (names.FFN_UP, names.FFN_GATE, names.FFN_DOWN_T)]
+    ffn = [names.tensor(t, 0) for t in (names.FFN_UP, names.FFN_GATE, names.FFN_DOWN_T, *EXPERT_MATRICES)]
     ffn = [n for n in ffn if n in model_file.tensors]
     offsets = [tensor_offset(model_file, n)[1] for n in ffn]
     row_bytes = [model_file.tensors[n].n_bytes // model_file.tensors[n].shape[0] for n in ffn]
@@ -61,8 +62,34 @@ class ModelStorage:
         self.file, self.plan = model_file, plan
         self.stats = StorageStats()
         self.counting_layer: int | None = None  # the first stored layer: it counts the tokens
-        path = tensor_offset(model_file, names.tensor(names.FFN_UP, 0))[0]
+        first = names.FFN_UP_EXPS if plan.unit == "expert" else names.FFN_UP
+        path = tensor_offset(model_file, names.tensor(first, 0))[0]
         self.reader = reader or RowReader(path)
+
+    def experts(self, layer: int, experts: list):
+        """An MoE layer's experts (FFNs over the file's pages) as the plan keeps them: an ExpertStore (resident,
+        cached, read on demand), or where every expert is resident the experts copied out of the file's pages."""
+        matrices = []
+        for e, expert in enumerate(experts):
+            row = []
+            for template, name in zip(EXPERT_MATRICES, expert_fields(expert)):
+                where, offset = tensor_offset(self.file, names.tensor(template, layer))
+                if where != self.reader.path:
+                    raise GGUFError(
+                        f"{self.file.path}: tensor {names.tensor(template, layer)} is in {where}: --ram-budget reads "
+                        "one-file models"
+                    )
+                m = StoredMatrix(names.tensor(template, layer), offset, getattr(expert.weights, name))
+                m.offset += e * m.rows * m.row_bytes  # expert e's slice of the stacked tensor
+                row.append(m)
+            matrices.append(row)
+        if self.counting_layer is None:  # layers are made in order: the lowest counts the tokens
+            self.counting_layer = layer
+        store = ExpertStore(self.reader, layer, list(experts), matrices, self.plan.hot[layer],
+                            self.plan.cache_slots[layer], self.stats, counts_tokens=self.counting_layer == layer)  # fmt: skip
+        if len(store.resident) == len(store):
+            return [store.resident[e] for e in range(len(store))]  # an ordinary MoE layer, in memory
+        return store
 
     def ffn(
         self, layer: int, weights: FFNWeights, predictor, norm, *, threads: int | None
@@ -118,7 +145,7 @@ def open_storage(path: Path, model_file: ModelFile, config: ModelConfig, *, budg
         return None
     if on_gpu:
         raise ValueError("--ram-budget runs on the CPU for now: give --device cpu (or --vram-budget 0)")
-    if not sparse:
+    if not sparse and names.tensor(names.FFN_UP_EXPS, 0) not in model_file.tensors:
         raise ValueError(
             f"{path}: --ram-budget reads the FFN rows a predictor selects: it needs a sparse PowerInfer file run "
             "sparsely (not a dense file, not --dense, not a `hotcold sparsify` file)"

@@ -17,7 +17,7 @@ from hotcold.config import ModelConfig
 from hotcold.gguf import names
 from hotcold.gguf.io import ModelFile
 from hotcold.placement.scratch import scratch_parts
-from hotcold.placement.walk import GIB, MIB, walk_costs
+from hotcold.placement.walk import GIB, MIB, output_tensors, placed_sizes, walk_costs
 
 # of what is left after the always-read part, for the neuron cache (HOTCOLD_NEURON_CACHE_SHARE)
 CACHE_SHARE = 0.1
@@ -58,6 +58,10 @@ class RamPlan:
     n_ff: list[int]
     statistics: str | None  # the activation statistics' folder, or None (neurons taken in index order)
     embedding_bytes: int = 0  # mapped from the file, not charged
+    unit: str = "neuron"  # what `hot` and `cache_slots` count: FFN neurons, or experts (an MoE file)
+    slot_bytes: list[int] | None = (
+        None  # per layer a cache slot's bytes where not per_neuron's (experts' slots)
+    )
     overhead_bytes: int | None = None  # the process before load (Python, torch), beside the budget
     notes: list[str] = field(default_factory=list)
 
@@ -71,7 +75,7 @@ class RamPlan:
 
     @property
     def cache_bytes(self) -> int:
-        return sum(s * b for s, b in zip(self.cache_slots, self.per_neuron))
+        return sum(s * b for s, b in zip(self.cache_slots, self.slot_bytes or self.per_neuron))
 
     @property
     def file_bytes(self) -> int:
@@ -89,6 +93,7 @@ class RamPlan:
             "ctx_size": self.ctx_size,
             "process_overhead_bytes": self.overhead_bytes,
             "always_read_bytes": dict(self.always),
+            "unit": self.unit,
             "hot_neurons": sum(len(h) for h in self.hot),
             "hot_share": self.hot_share,
             "hot_bytes": self.hot_bytes,
@@ -108,12 +113,14 @@ class RamPlan:
             else f"; process before load {self.overhead_bytes / GIB:.2f} GiB"
         )
         source = f"by the activation statistics in {self.statistics}" if self.statistics else "in index order"
+        unit, what = self.unit, "FFN rows" if self.unit == "neuron" else "experts"
+        resident = "hot FFN neurons" if self.unit == "neuron" else "resident experts"
         return (
             f"RAM budget {self.budget_bytes / GIB:.2f} GiB (the model's memory{overhead}, not in the budget): "
-            f"every token reads {always}; hot FFN neurons {100 * self.hot_share:.1f}% "
-            f"({sum(len(h) for h in self.hot)}, {self.hot_bytes / MIB:.1f} MiB, {source}); neuron cache "
-            f"{sum(self.cache_slots)} neurons ({self.cache_bytes / MIB:.1f} MiB); {self.file_bytes / MIB:.1f} MiB "
-            f"of FFN rows read from the file on demand; token embedding mapped ({self.embedding_bytes / MIB:.1f} MiB, "
+            f"every token reads {always}; {resident} {100 * self.hot_share:.1f}% "
+            f"({sum(len(h) for h in self.hot)}, {self.hot_bytes / MIB:.1f} MiB, {source}); {unit} cache "
+            f"{sum(self.cache_slots)} {unit}s ({self.cache_bytes / MIB:.1f} MiB); {self.file_bytes / MIB:.1f} MiB "
+            f"of {what} read from the file on demand; token embedding mapped ({self.embedding_bytes / MIB:.1f} MiB, "
             "a row a token)" + "".join(f"; {n}" for n in self.notes)
         )
 
@@ -129,6 +136,10 @@ def plan_ram(
         raise ValueError(f"ram_budget must be >= 0, got {budget_bytes / GIB:g} GiB")
     L = config.n_layer
     c = walk_costs(model_file, config, ctx_size=ctx_size, device_type="cpu", kv_sequences=kv_sequences)
+    if names.tensor(names.FFN_UP_EXPS, 0) in model_file.tensors:
+        return _plan_experts(
+            model_file, config, budget_bytes, c, ctx_size=ctx_size, kv_sequences=kv_sequences
+        )
     for i in range(L):
         if names.tensor(names.FFN_DOWN_T, i) not in model_file.tensors:
             raise ValueError(
@@ -147,6 +158,25 @@ def plan_ram(
         "scratch (a prefill chunk, gathered rows)": compute
         + max(math.ceil(GATHER_SHARE * f) * b for f, b in zip(n_ff, c.per_neuron)),
     }
+    left = budget_bytes - _charge(always, budget_bytes)
+    share = cache_share() if share is None else share
+    hot = _hot(counts, n_ff, c.per_neuron, left)
+    if sum(len(h) for h in hot) < sum(n_ff):  # something stays in the file: keep a cache of what was read
+        hot = _hot(counts, n_ff, c.per_neuron, int(left * (1 - share)))
+        per_layer = (left - sum(len(h) * b for h, b in zip(hot, c.per_neuron))) // L
+        slots = [min(f - len(h), per_layer // b) for f, h, b in zip(n_ff, hot, c.per_neuron)]
+    else:
+        slots = [0] * L
+    embd = model_file.tensors.get(names.tensor(names.TOKEN_EMBD))
+    return RamPlan(
+        budget_bytes, ctx_size, always, list(c.per_neuron), hot, slots, n_ff,
+        statistics if counts is not None else None, int(embd.n_bytes) if embd is not None else 0,
+        notes=[] if counts is not None else ["no activation statistics beside the model: hot neurons in index order"],
+    )  # fmt: skip
+
+
+def _charge(always: dict[str, int], budget_bytes: int) -> int:
+    """The bytes of what every token reads, or ValueError naming what did not fit in the budget."""
     spent, missed = 0, []
     for name, n in always.items():
         if spent + n > budget_bytes:
@@ -159,20 +189,62 @@ def plan_ram(
             + "); did not fit: " + ", ".join(missed)
             + f". Give at least {spent / GIB:.4g} GiB, or a smaller -c/--ctx-size"
         )  # fmt: skip
-    left = budget_bytes - spent
-    share = cache_share() if share is None else share
-    hot = _hot(counts, n_ff, c.per_neuron, left)
-    if sum(len(h) for h in hot) < sum(n_ff):  # something stays in the file: keep a cache of what was read
-        hot = _hot(counts, n_ff, c.per_neuron, int(left * (1 - share)))
-        per_layer = (budget_bytes - spent - sum(len(h) * b for h, b in zip(hot, c.per_neuron))) // L
-        slots = [min(f - len(h), per_layer // b) for f, h, b in zip(n_ff, hot, c.per_neuron)]
+    return spent
+
+
+EXPERT_MATRICES = (names.FFN_UP_EXPS, names.FFN_GATE_EXPS, names.FFN_DOWN_EXPS)
+# a cached expert's slot against the expert's file bytes: the bytes as read and their packed copies (at most 3% more
+# than the rows: Q4_K's packed form; F16's pads its last block of rows)
+SLOT_COST = 2.05
+
+
+def _plan_experts(model_file: ModelFile, config: ModelConfig, budget_bytes: int, c, *, ctx_size: int,
+                  kv_sequences: int) -> RamPlan:  # fmt: skip
+    """An MoE file's plan: every tensor but the stacked expert matrices (and the embedding) always read, then whole
+    experts: all resident where they fit, else a cache of experts in each layer (at least the router's top-k, so a
+    token's experts are in memory together), every other expert read from the file when the router picks it."""
+    L, E, k = config.n_layer, config.n_expert, config.n_expert_used
+    stacked = {names.tensor(t, i) for t in EXPERT_MATRICES for i in range(L)}
+    if len(stacked & set(model_file.tensors)) != len(stacked):
+        missing = sorted(stacked - set(model_file.tensors))[0]
+        raise ValueError(
+            f"{model_file.path}: --ram-budget reads stacked experts; tensor {missing} is missing"
+        )
+    per_expert = [
+        sum(model_file.tensors[names.tensor(t, i)].n_bytes for t in EXPERT_MATRICES) // E for i in range(L)
+    ]
+    sizes = placed_sizes(model_file, "cpu")
+    head = set(output_tensors(model_file))
+    layers = sum(n for name, n in sizes.items() if names.block_of(name) is not None and name not in stacked)
+    parts = scratch_parts(config, ctx_size)
+    always = {
+        f"attention, norms, routers and expert biases of {L} layers": layers,
+        f"KV cache ({ctx_size} tokens x {kv_sequences})": L * c.kv,
+        "output head": sum(sizes[n] for n in head),
+        "scratch (a prefill chunk)": parts["residual"] + max(parts["attention"], parts["ffn"], parts["head"])
+        + parts["fixed"],
+    }  # fmt: skip
+    left = budget_bytes - _charge(always, budget_bytes)
+    notes = []
+    if left >= sum(per_expert) * E:
+        hot, slots = [np.arange(E, dtype=np.int64) for _ in range(L)], [0] * L
     else:
-        slots = [0] * L
+        hot = [np.zeros(0, dtype=np.int64) for _ in range(L)]
+        # a cache slot holds an expert as read and the packed copies of its matrices (storage/experts.py)
+        slot = [SLOT_COST * b for b in per_expert]
+        slots = [min(E, int(left // L // b)) for b in slot]
+        if min(slots) < k:
+            need = sum(always.values()) + k * sum(slot)
+            raise ValueError(
+                f"--ram-budget {budget_bytes / GIB:.4g} GiB leaves room for {min(slots)} experts a layer; a token "
+                f"needs its {k} in memory together: give at least {math.ceil(need / MIB)} MiB, or a smaller -c/--ctx-size"
+            )
+        notes.append("no routing statistics: the experts' cache keeps the experts the router picked last")
     embd = model_file.tensors.get(names.tensor(names.TOKEN_EMBD))
     return RamPlan(
-        budget_bytes, ctx_size, always, list(c.per_neuron), hot, slots, n_ff,
-        statistics if counts is not None else None, int(embd.n_bytes) if embd is not None else 0,
-        notes=[] if counts is not None else ["no activation statistics beside the model: hot neurons in index order"],
+        budget_bytes, ctx_size, always, per_expert, hot, slots, [E] * L, None,
+        int(embd.n_bytes) if embd is not None else 0, notes=notes, unit="expert",
+        slot_bytes=[int(SLOT_COST * b) for b in per_expert],
     )  # fmt: skip
 
 

@@ -1,0 +1,104 @@
+"""An MoE file under a RAM budget (storage/experts.py): whole experts read from the file when the router picks them,
+a cache of recent ones, the rest resident where the budget has room. The products are the unlimited load's, bit
+for bit (the cached experts packed as the unlimited load packs them); the reads start as soon as the router has
+chosen (every chosen expert in flight before the first is computed); the plan refuses a budget without room for a
+token's top-k experts, naming it; a budget with room for every expert is an ordinary load (the one-call decoder)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import hotcold
+from benchmarks.gpt_oss_synth import synthesize
+from hotcold.config import config_from_file
+from hotcold.gguf.io import ModelFile
+from hotcold.placement.walk import GIB
+from hotcold.storage.experts import ExpertStore
+from hotcold.storage.plan import SLOT_COST, plan_ram
+from tests.storage.test_ffn import run
+
+CTX = 128
+SHAPE = dict(
+    n_layer=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8, n_used=2, n_ff=256, n_vocab=512
+)
+
+
+@pytest.fixture(scope="module")
+def moe_file(tmp_path_factory):
+    """A gpt-oss-shaped F16 file (attention sinks, biases, a router with a bias, clamped-SwiGLU experts): 8 experts
+    of which a token uses 2, in 2 layers."""
+    return synthesize(tmp_path_factory.mktemp("moe") / "moe.gguf", seed=3, **SHAPE)
+
+
+def budget(path, slots: int) -> float:
+    """GiB leaving room for `slots` cached experts a layer beside what every token reads."""
+    mf = ModelFile(path)
+    plan = plan_ram(mf, config_from_file(mf), 1 << 40, ctx_size=CTX)
+    per_layer = max(int(SLOT_COST * b) for b in plan.per_neuron)
+    return (plan.always_bytes + SHAPE["n_layer"] * (slots * per_layer + 4096)) / GIB  # 4 KiB: float rounding
+
+
+def stores(llm) -> list:
+    return [layer.ffn.experts for layer in llm.loaded.model.layers]
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_experts_read_on_demand_give_the_unlimited_bits(moe_file, slots):
+    full = hotcold.load(moe_file, device="cpu", ctx_size=CTX, threads=2)
+    llm = hotcold.load(moe_file, device="cpu", ctx_size=CTX, threads=2, ram_budget=budget(moe_file, slots))
+    assert all(isinstance(s, ExpertStore) and s.capacity == slots for s in stores(llm))
+    assert llm.decoder == "eager"  # the cached experts have no fixed addresses for the one-call plans
+    (want, want_ids), (got, got_ids) = run(full), run(llm)
+    assert got_ids == want_ids
+    for w, g in zip(want, got, strict=True):
+        assert torch.equal(w, g)
+    counts = llm.loaded.model.storage_stats.snapshot()
+    assert counts["bytes_read"] > 0 and counts["cold_selected"] > 0 and counts["hot_selected"] == 0
+    expert = stores(llm)[0].expert_bytes
+    assert counts["bytes_read"] == expert * (counts["cold_selected"] - counts["cache_hits"])  # whole experts
+    if slots == 3:
+        assert counts["cache_hits"] > 0
+    assert all(len(s.cached) <= slots and not s.pending for s in stores(llm))
+
+
+def test_every_chosen_expert_is_in_flight_before_the_first_is_computed(moe_file):
+    llm = hotcold.load(moe_file, device="cpu", ctx_size=CTX, threads=2, ram_budget=budget(moe_file, 2))
+    store = stores(llm)[0]
+    in_flight = []
+    compute = store.__class__.__getitem__
+
+    def first_read(self, e):  # what is on its way when the layer asks for its first expert
+        if not in_flight:
+            in_flight.append(sorted(self.pending))
+        return compute(self, e)
+
+    store.__class__.__getitem__ = first_read
+    try:
+        ids = torch.tensor([[5, 1]])
+        moe = llm.loaded.model.layers[0].ffn
+        from tests.fixtures import ffn_state
+
+        moe(torch.randn(1, SHAPE["n_embd"]), ffn_state(dense=True), routing=(ids, torch.tensor([[0.5, 0.5]])))
+    finally:
+        store.__class__.__getitem__ = compute
+    assert in_flight == [[1, 5]]
+    assert sorted(store.cached) == [1, 5]
+
+
+def test_a_budget_without_room_for_a_tokens_experts_is_refused(moe_file):
+    with pytest.raises(ValueError, match=r"room for 1 experts a layer; a token needs its 2"):
+        hotcold.load(moe_file, device="cpu", ctx_size=CTX, ram_budget=budget(moe_file, 1))
+
+
+def test_room_for_every_expert_is_an_ordinary_load(moe_file):
+    mf = ModelFile(moe_file)
+    total = sum(e.n_bytes for e in mf.tensors.values()) / GIB
+    llm = hotcold.load(moe_file, device="cpu", ctx_size=CTX, threads=2, ram_budget=total + 0.1)
+    assert all(isinstance(s, list) for s in stores(llm)) and llm.decoder == "cpu_one_call"
+    full = hotcold.load(moe_file, device="cpu", ctx_size=CTX, threads=2)
+    assert torch.equal(run(llm)[0][-1], run(full)[0][-1])
+    plan = plan_ram(mf, config_from_file(mf), int((total + 0.1) * GIB), ctx_size=CTX)
+    assert plan.unit == "expert" and all(np.array_equal(h, np.arange(8)) for h in plan.hot)
+    assert "resident experts 100.0%" in plan.describe()
