@@ -143,16 +143,27 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--small", action="store_true", help="a 1-layer, 4-expert version (to try the script)")
     ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--n-expert", type=int, default=None, help="experts a layer (default 16; the larger-than-memory "
+                    "runs of benchmarks/memory.py take 32: a file twice the size, the same bytes a token)")  # fmt: skip
+    ap.add_argument("--n-vocab", type=int, default=None, help="vocabulary rows (default 32,000)")
+    ap.add_argument("--make-only", action="store_true", help="write the files and stop")
     args = ap.parse_args()
-    shape = dict(SHAPE, n_layer=1, n_expert=4, n_embd=512, n_ff=512) if args.small else SHAPE
+    shape = dict(SHAPE, n_layer=1, n_expert=4, n_embd=512, n_ff=512) if args.small else dict(SHAPE)
+    shape.update({k: v for k, v in (("n_expert", args.n_expert), ("n_vocab", args.n_vocab)) if v})
     args.dir.mkdir(parents=True, exist_ok=True)
-    f16 = args.dir / ("small-f16.gguf" if args.small else "f16.gguf")
+    tag = "".join(
+        f"-{k[2:]}{shape[k]}" for k in ("n_expert", "n_vocab") if shape[k] != SHAPE[k] and not args.small
+    )
+    f16 = args.dir / ("small-f16.gguf" if args.small else f"f16{tag}.gguf")
     mxfp4 = f16.with_name(f16.name.replace("f16", "mxfp4_moe"))
     if not mxfp4.exists():
         if not f16.exists():
             synthesize(f16, **shape)
         subprocess.run([str(BIN / "llama-quantize"), str(f16), str(mxfp4), "MXFP4_MOE"], check=True,
                        capture_output=True)  # fmt: skip
+    if args.make_only:
+        print(mxfp4)
+        return
     nbytes = token_bytes(mxfp4)
     sides = {"llama.cpp": [], "hotcold": [], **({"hotcold_before": []} if args.before_src else {})}
     for _ in range(args.rounds):  # interleaved
