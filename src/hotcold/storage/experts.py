@@ -141,7 +141,7 @@ class ExpertStore:
         self.reader.check()
         n_bytes = pending.wait()
         self.stats.add(cold_selected=1, bytes_read=n_bytes, reads=len(self.matrices[e]))
-        for m in self.matrices[e]:  # the page cache need not keep a second copy (the reader reads without readahead)
+        for m in self.matrices[e]:  # the page cache need not keep a second copy (no readahead either)
             self.reader.drop_cached(m.offset, m.rows * m.row_bytes)
         weights, at = self.mapped[e].weights, 0
         parts = {}
