@@ -5,7 +5,11 @@ limit, and the disk's random-read rate at the queue depth hotcold reads at (HOTC
 1, and in 1 MiB sequential reads.
 
     python benchmarks/memory.py [--model SPARSE.gguf] [--dense-model DENSE.gguf] [--llama-bench BIN] \
-        [--original-bench BIN] [--limit-gib 1.25] [--ram-budget 0.8] [-t 2] [-n 16] [-c 256] [--out JSON]
+        [--original-bench BIN] [--limit-gib 1.25] [--ram-budget 0.8] [-t 2] [-n 16] [-c 256] [--out JSON] \
+        [--llama-args '--repack 0']
+
+An MoE file (stacked experts) runs too: give it as both --model and --dense-model; hotcold then reads whole experts
+(docs/larger-than-memory.md).
 
 Needs root (cgroup v2 `memory.max` or v1 `memory.limit_in_bytes`, /proc/sys/vm/drop_caches). Every timed run
 holds `flock /tmp/hotcold-bench.lock` (other people benchmark on the machine too). Prints JSON and writes it to
@@ -215,11 +219,16 @@ def hotcold_run(args, *, budget: float | None, limit: int | None, name: str) -> 
 
 def llama_run(args, *, limit: int | None, name: str) -> dict:
     cmd = [args.llama_bench, "-m", args.dense_model, "-p", "0", "-n", str(args.n_gen), "-r", "1"]
-    cmd += ["-t", str(args.threads), "-o", "json"]
+    cmd += ["-t", str(args.threads), "-o", "json", *args.llama_args.split()]
     got = timed(cmd, limit_bytes=limit, name=name)
     if "stdout" in got:
         got["tg_tokens_per_s"] = float(json.loads(got.pop("stdout"))[0]["avg_ts"])
-    return {"engine": "llama.cpp llama-bench (mmap)", "limit_bytes": limit, **got}
+    return {
+        "engine": "llama.cpp llama-bench (mmap)",
+        "llama_args": args.llama_args,
+        "limit_bytes": limit,
+        **got,
+    }
 
 
 def original_run(args, *, limit: int | None, name: str) -> dict:
@@ -260,6 +269,8 @@ def main(argv=None) -> int:
     ap.add_argument("--fractions", default="0.25,0.5,0.75")
     ap.add_argument("--overhead-gib", type=float, default=0.45, help="the cgroup's room above the budget")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--llama-args", default="", help="more llama-bench flags (e.g. '--repack 0': MXFP4 and Q4_0 "
+                    "are repacked into anonymous memory by default, which a file larger than memory cannot take)")  # fmt: skip
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-budget", type=float, default=None, help=argparse.SUPPRESS)  # None: no RAM budget
     args = ap.parse_args(argv)

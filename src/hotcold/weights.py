@@ -20,6 +20,12 @@ from hotcold.sparse.ffn_weights import FFNWeights
 from hotcold.sparse.predictor import Predictor
 
 
+def weight_key(weight: Weight) -> tuple:
+    """A matrix's identity by its memory (the expert slices a family makes are new objects over the file's pages)."""
+    data = weight.data if isinstance(weight, QuantTensor) else weight
+    return (data.data_ptr(), tuple(weight.shape))
+
+
 def row_parts(t: Weight, rows: list[int]) -> list[Weight]:
     """A stored matrix that is several matrices one after another by rows, as those matrices (views: no copy)."""
     parts, start = [], 0
@@ -68,6 +74,9 @@ class TensorSource:
         self.storage = storage
         # experts read from the file under a RAM budget are not packed here (storage/experts.py copies the resident)
         self.packs_experts = storage is None or storage.plan.unit != "expert"
+        self.packed_experts: set[tuple] = (
+            set()
+        )  # weight_key of the expert matrices a load without storage packs
 
     def pack(self, weight: Weight) -> Weight:
         """A matrix only ever multiplied whole, in the C kernels' packed copy (cpu.pack: anonymous memory, its file
@@ -75,13 +84,19 @@ class TensorSource:
         return cpu.pack(weight) if self.packs else weight
 
     def pack_expert(self, weight: Weight) -> Weight:
-        """An expert's matrix multiplied whole: `pack`ed, unless its experts are read from storage."""
-        return self.pack(weight) if self.packs_experts else weight
+        """An expert's matrix multiplied whole: `pack`ed, unless its experts are read from storage (then noted, so
+        the store packs it as this load would have: `packed_experts`)."""
+        if self.packs_experts:
+            return self.pack(weight)
+        self.packed_experts.add(weight_key(weight))
+        return weight
 
     def experts(self, layer: int, experts: list):
         """A mixture-of-experts layer's experts (FFNs) as this load keeps them: as they are, or under a RAM budget
         an ExpertStore (storage/experts.py) reading them from the file when the router picks them."""
-        return experts if self.packs_experts else self.storage.experts(layer, experts)
+        if self.packs_experts:
+            return experts
+        return self.storage.experts(layer, experts, packs=lambda w: weight_key(w) in self.packed_experts)
 
     def has(self, template: str, layer: int | None = None, suffix: str = "weight", *, expert=None) -> bool:
         return names.tensor(template, layer, suffix, expert=expert) in self.file.tensors

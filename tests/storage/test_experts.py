@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hotcold
-from benchmarks.gpt_oss_synth import synthesize
+from benchmarks import gpt_oss_synth, smallthinker_synth
 from hotcold.config import config_from_file
 from hotcold.gguf.io import ModelFile
 from hotcold.placement.walk import GIB
@@ -25,11 +25,13 @@ SHAPE = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def moe_file(tmp_path_factory):
-    """A gpt-oss-shaped F16 file (attention sinks, biases, a router with a bias, clamped-SwiGLU experts): 8 experts
-    of which a token uses 2, in 2 layers."""
-    return synthesize(tmp_path_factory.mktemp("moe") / "moe.gguf", seed=3, **SHAPE)
+@pytest.fixture(scope="module", params=["gpt-oss", "smallthinker"])
+def moe_file(tmp_path_factory, request):
+    """8 experts of which a token uses 2, in 2 layers, F16: gpt-oss-shaped (attention sinks, biases, a router with a
+    bias, clamped-SwiGLU experts, all three matrices packed by a load without storage) or SmallThinker-shaped (ReLU
+    experts computed over their live rows: only the gate packed, up and down gathered by rows)."""
+    make = gpt_oss_synth if request.param == "gpt-oss" else smallthinker_synth
+    return make.synthesize(tmp_path_factory.mktemp("moe") / "moe.gguf", seed=3, **SHAPE)
 
 
 def budget(path, slots: int) -> float:
@@ -101,4 +103,11 @@ def test_room_for_every_expert_is_an_ordinary_load(moe_file):
     assert torch.equal(run(llm)[0][-1], run(full)[0][-1])
     plan = plan_ram(mf, config_from_file(mf), int((total + 0.1) * GIB), ctx_size=CTX)
     assert plan.unit == "expert" and all(np.array_equal(h, np.arange(8)) for h in plan.hot)
+    for mine, theirs in zip(
+        stores(llm)[0], stores(full)[0], strict=True
+    ):  # packed as the load without a budget
+        for name in ("up", "gate"):
+            assert (getattr(getattr(mine.weights, name), "packed", None) is None) == (
+                getattr(getattr(theirs.weights, name), "packed", None) is None
+            )
     assert "resident experts 100.0%" in plan.describe()

@@ -240,7 +240,10 @@ def pack(weight: Weight, out: torch.Tensor | None = None) -> Weight:
     packed = _anonymous((nbytes,), torch.uint8, huge=True) if out is None else out[:nbytes]
     if lib.hc_pack(_WT[qtype], data.data_ptr(), stride, f, d, packed.data_ptr()) != 0:
         return weight
-    _page_out(data.data_ptr(), f * stride)  # the copy serves from now on: one copy in RSS, not two
+    if (
+        out is None
+    ):  # (memory given to pack into is the expert cache's: its rows are anonymous, nothing to drop)
+        _page_out(data.data_ptr(), f * stride)  # the copy serves from now on: one copy in RSS, not two
     return QuantTensor(weight.data, weight.qtype, weight.shape, packed=packed)
 
 

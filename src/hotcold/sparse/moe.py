@@ -82,7 +82,9 @@ class MoEFFN:
     @property
     def n_ff(self) -> int:
         """The neurons a token's FFN holds: its experts' together (what a token's counts are out of)."""
-        return self.n_used * self.experts[0].n_ff
+        return (
+            self.n_used * next(iter(self.experts)).n_ff
+        )  # (a store iterates its experts as mapped: no read)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """h [T, D] (the router's input: the normed FFN input, or SmallThinker's residual before attention) ->

@@ -20,8 +20,8 @@ import torch
 
 from hotcold.gguf.quants import QuantTensor
 from hotcold.kernels import cpu
+from hotcold.kernels.pages import page_out
 from hotcold.sparse.ffn import DenseFFN
-from hotcold.sparse.moe import runs_relu_rows
 from hotcold.storage.reader import Pending, RowReader
 from hotcold.storage.rows import StorageStats, StoredMatrix
 
@@ -37,21 +37,22 @@ class ExpertStore:
     iterable over the experts as mapped from the file (their types and shapes, for the layer's checks)."""
 
     def __init__(self, reader: RowReader, layer: int, mapped: list[DenseFFN], matrices: list[list[StoredMatrix]],
-                 resident: np.ndarray, slots: int, stats: StorageStats, *, counts_tokens: bool = False):  # fmt: skip
+                 resident: np.ndarray, slots: int, stats: StorageStats, *, packs, counts_tokens: bool = False):  # fmt: skip
         if any(type(e) is not DenseFFN for e in mapped):
             raise ValueError(
                 f"layer {layer}: --ram-budget reads whole experts: experts with predictors are not supported"
             )
         self.reader, self.layer, self.mapped, self.matrices = reader, layer, mapped, matrices
         self.fields = expert_fields(mapped[0])
-        self.relu_rows = runs_relu_rows(mapped[0])  # before _packs is asked
+        # the matrices a load without storage packs (the family's decision, TensorSource.pack_expert), by field
+        self.packed_fields = {f for f in self.fields if packs(getattr(mapped[0].weights, f))}
         self.stats, self.counts_tokens = stats, counts_tokens
         self.expert_bytes = sum(m.rows * m.row_bytes for m in matrices[0])
         # a slot: the expert's bytes as read, then the packed copies of those an unlimited load packs
         w = mapped[0].weights
         self.packed_at, at = {}, self.expert_bytes
         for name in self.fields:
-            n = cpu.packed_nbytes(getattr(w, name)) if self._packs(name) else 0
+            n = cpu.packed_nbytes(getattr(w, name)) if name in self.packed_fields else 0
             if n:
                 self.packed_at[name], at = (at, at + n), at + n
         self.slot_bytes = at
@@ -60,6 +61,7 @@ class ExpertStore:
         self.cached: OrderedDict[int, DenseFFN] = OrderedDict()  # least recently used first
         self.pending: dict[int, tuple[Pending, torch.Tensor]] = {}
         self._free: list[torch.Tensor] = []
+        self._wanted: set[int] = set()  # the last prefetch's experts not asked for yet: kept in their slots
         self._allocated = 0
 
     def __len__(self) -> int:
@@ -68,23 +70,21 @@ class ExpertStore:
     def __iter__(self):
         return iter(self.mapped)
 
-    def _packs(self, name: str) -> bool:
-        """Whether an unlimited load keeps this matrix packed: every matrix of an expert multiplied whole, the gate
-        of a ReLU expert computed over its live rows (moe.relu_rows_apply gathers up and down)."""
-        return not self.relu_rows or name == "gate"
-
     def _resident(self, e: int) -> DenseFFN:
         """Expert e copied out of the file's pages as an unlimited load keeps it (packed where it packs: cpu.pack,
         which drops the file's pages; the rest copied as they are)."""
         w = self.mapped[e].weights
 
         def copy(name: str, weight):
-            packed = cpu.pack(weight) if self._packs(name) else weight
+            packed = cpu.pack(weight) if name in self.packed_fields else weight
             if packed is not weight:
                 return packed
-            if isinstance(weight, QuantTensor):
-                return QuantTensor(weight.data.clone(), weight.qtype, weight.shape)
-            return weight.clone()
+            data = weight.data if isinstance(weight, QuantTensor) else weight
+            copied = data.clone()
+            page_out(data.data_ptr(), data.numel() * data.element_size())  # one copy in RSS, not two
+            return (
+                QuantTensor(copied, weight.qtype, weight.shape) if isinstance(weight, QuantTensor) else copied
+            )
 
         return self._ffn(e, replace(w, **{m: copy(m, getattr(w, m)) for m in self.fields}))
 
@@ -100,7 +100,7 @@ class ExpertStore:
             self._allocated += 1
             return torch.empty(self.slot_bytes, dtype=torch.uint8)
         for e in self.cached:
-            if e not in keep:
+            if e not in keep and e not in self._wanted:
                 old = self.cached.pop(e)
                 return old.slot
         return None
@@ -109,6 +109,7 @@ class ExpertStore:
         """Start reading every expert of `experts` that is neither resident, cached nor on its way (as many as
         there are slots for; the rest are read when asked for)."""
         keep = set(experts)
+        self._wanted = set(experts)
         for e in experts:
             if e in self.resident or e in self.cached or e in self.pending:
                 continue
@@ -121,9 +122,14 @@ class ExpertStore:
                 rows = np.arange(m.rows, dtype=np.int64)
                 jobs += m.jobs(rows, rows, block[at : at + n].view(m.rows, m.row_bytes))
                 at += n
-            self.pending[e] = (self.reader.submit(jobs), block)
+            try:
+                self.pending[e] = (self.reader.submit(jobs), block)
+            except BaseException:
+                self._free.append(block)  # the slot stays the cache's
+                raise
 
     def __getitem__(self, e: int) -> DenseFFN:
+        self._wanted.discard(e)
         if e in self.resident:
             self.stats.add(hot_selected=1)
             return self.resident[e]
@@ -133,13 +139,20 @@ class ExpertStore:
             return self.cached[e]
         if e not in self.pending:
             self.prefetch([e])
-        if e not in self.pending:  # every slot busy with experts of this token: give back the oldest
-            oldest = next(iter(self.cached))
-            self._free.append(self.cached.pop(oldest).slot)
+        if e not in self.pending:  # every slot busy with these tokens' experts: free the oldest computed one
+            if self.cached:
+                self._free.append(self.cached.pop(next(iter(self.cached))).slot)
+            else:  # every slot is a read in flight for a later expert (callers go in prefetch's order: not seen)
+                self._allocated += 1
+                self._free.append(torch.empty(self.slot_bytes, dtype=torch.uint8))
             self.prefetch([e])
         pending, block = self.pending.pop(e)
-        self.reader.check()
-        n_bytes = pending.wait()
+        try:
+            self.reader.check()
+            n_bytes = pending.wait()
+        except BaseException:
+            self._free.append(block)  # the slot stays the cache's (the reads have all stopped: Pending.wait)
+            raise
         self.stats.add(cold_selected=1, bytes_read=n_bytes, reads=len(self.matrices[e]))
         for m in self.matrices[e]:  # the page cache need not keep a second copy (no readahead either)
             self.reader.drop_cached(m.offset, m.rows * m.row_bytes)

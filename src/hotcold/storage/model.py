@@ -66,9 +66,10 @@ class ModelStorage:
         path = tensor_offset(model_file, names.tensor(first, 0))[0]
         self.reader = reader or RowReader(path)
 
-    def experts(self, layer: int, experts: list):
+    def experts(self, layer: int, experts: list, *, packs):
         """An MoE layer's experts (FFNs over the file's pages) as the plan keeps them: an ExpertStore (resident,
-        cached, read on demand), or where every expert is resident the experts copied out of the file's pages."""
+        cached, read on demand), or where every expert is resident the experts copied out of the file's pages.
+        packs(weight): whether a load without storage packs that expert matrix (the family's decision)."""
         matrices = []
         for e, expert in enumerate(experts):
             row = []
@@ -86,7 +87,8 @@ class ModelStorage:
         if self.counting_layer is None:  # layers are made in order: the lowest counts the tokens
             self.counting_layer = layer
         store = ExpertStore(self.reader, layer, list(experts), matrices, self.plan.hot[layer],
-                            self.plan.cache_slots[layer], self.stats, counts_tokens=self.counting_layer == layer)  # fmt: skip
+                            self.plan.cache_slots[layer], self.stats, packs=packs,
+                            counts_tokens=self.counting_layer == layer)  # fmt: skip
         if len(store.resident) == len(store):
             return [store.resident[e] for e in range(len(store))]  # an ordinary MoE layer, in memory
         return store

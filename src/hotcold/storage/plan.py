@@ -113,6 +113,7 @@ class RamPlan:
             else f"; process before load {self.overhead_bytes / GIB:.2f} GiB"
         )
         source = f"by the activation statistics in {self.statistics}" if self.statistics else "in index order"
+        source = source if self.unit == "neuron" else "all or none: no routing statistics"
         unit, what = self.unit, "FFN rows" if self.unit == "neuron" else "experts"
         resident = "hot FFN neurons" if self.unit == "neuron" else "resident experts"
         return (
@@ -196,6 +197,7 @@ EXPERT_MATRICES = (names.FFN_UP_EXPS, names.FFN_GATE_EXPS, names.FFN_DOWN_EXPS)
 # a cached expert's slot against the expert's file bytes: the bytes as read and their packed copies (at most 3% more
 # than the rows: Q4_K's packed form; F16's pads its last block of rows)
 SLOT_COST = 2.05
+RESIDENT_COST = 1.03  # a resident expert: its packed copies (Q4_K's 3% larger than its rows), or its rows
 
 
 def _plan_experts(model_file: ModelFile, config: ModelConfig, budget_bytes: int, c, *, ctx_size: int,
@@ -226,17 +228,18 @@ def _plan_experts(model_file: ModelFile, config: ModelConfig, budget_bytes: int,
     }  # fmt: skip
     left = budget_bytes - _charge(always, budget_bytes)
     notes = []
-    if left >= sum(per_expert) * E:
+    if left >= RESIDENT_COST * sum(per_expert) * E:
         hot, slots = [np.arange(E, dtype=np.int64) for _ in range(L)], [0] * L
     else:
         hot = [np.zeros(0, dtype=np.int64) for _ in range(L)]
         # a cache slot holds an expert as read and the packed copies of its matrices (storage/experts.py)
         slot = [SLOT_COST * b for b in per_expert]
-        slots = [min(E, int(left // L // b)) for b in slot]
-        if min(slots) < k:
+        extra = (left - k * sum(slot)) / L  # each layer's top-k first, then what is left shared in bytes
+        slots = [min(E, k + int(extra // b)) if extra >= 0 else 0 for b in slot]
+        if extra < 0:
             need = sum(always.values()) + k * sum(slot)
             raise ValueError(
-                f"--ram-budget {budget_bytes / GIB:.4g} GiB leaves room for {min(slots)} experts a layer; a token "
+                f"--ram-budget {budget_bytes / GIB:.4g} GiB leaves room for {int(left / L // max(slot))} experts a layer; a token "
                 f"needs its {k} in memory together: give at least {math.ceil(need / MIB)} MiB, or a smaller -c/--ctx-size"
             )
         notes.append("no routing statistics: the experts' cache keeps the experts the router picked last")
