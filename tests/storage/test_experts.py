@@ -111,3 +111,37 @@ def test_room_for_every_expert_is_an_ordinary_load(moe_file):
                 getattr(getattr(theirs.weights, name), "packed", None) is None
             )
     assert "resident experts 100.0%" in plan.describe()
+
+
+def test_routing_statistics_keep_the_most_routed_experts_resident(moe_file, tmp_path):
+    """`hotcold profile` on an MoE model counts the router's picks per expert (activation files of n_expert counts);
+    a budget with room beyond each layer's top-k slots then keeps the most routed experts resident, with the
+    unlimited load's bits."""
+    import shutil
+
+    from hotcold.placement.profile import activation_output_dir, profile_routing, write_activation_files
+
+    path = tmp_path / "moe.gguf"
+    shutil.copy(moe_file, path)
+    dense = hotcold.load(path, device="cpu", ctx_size=CTX, threads=2, dense=True)
+    ids = [
+        int(i) for i in torch.randint(3, SHAPE["n_vocab"], (300,), generator=torch.Generator().manual_seed(0))
+    ]
+    counts = profile_routing(dense, ids, ctx=100)
+    # 300 tokens in windows of 100 (BOS + 99): 4 windows, their BOS positions counted too
+    assert [int(c.sum()) for c in counts] == [SHAPE["n_used"] * (len(ids) + 4)] * SHAPE["n_layer"]
+    assert all(c.shape == (SHAPE["n_expert"],) for c in counts)
+    write_activation_files(counts, activation_output_dir(path), inputs=[path])
+    llm = hotcold.load(path, device="cpu", ctx_size=CTX, threads=2, ram_budget=budget(path, 4))
+    plan = llm.loaded.storage.plan
+    assert plan.statistics is not None and "the most routed" in plan.describe()
+    for layer, store in enumerate(stores(llm)):
+        assert isinstance(store, ExpertStore) and len(store.resident) < SHAPE["n_expert"]
+        order = torch.argsort(counts[layer], descending=True, stable=True)[: len(store.resident)]
+        assert sorted(store.resident) == sorted(order.tolist())
+        assert store.capacity >= SHAPE["n_used"]
+    assert sum(len(s.resident) for s in stores(llm)) >= 4  # of the 2 x 8: the budget's spare room, by count
+    full = hotcold.load(path, device="cpu", ctx_size=CTX, threads=2)
+    (want, want_ids), (got, got_ids) = run(full), run(llm)
+    assert got_ids == want_ids and all(torch.equal(w, g) for w, g in zip(want, got, strict=True))
+    assert llm.loaded.model.storage_stats.snapshot()["hot_selected"] > 0

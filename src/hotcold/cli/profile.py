@@ -76,11 +76,16 @@ def run(args) -> int:
     out_dir = args.output or activation_output_dir(llm.path)
     paths = write_activation_files(counts, out_dir, inputs=[llm.path, args.file])
     n_seen = sum(len(w) for w in token_windows(ids, ctx, llm.tokenizer.bos_id))  # BOS positions count too
-    rates = " ".join(f"{100 * c.sum().item() / (c.numel() * n_seen):.1f}" for c in counts)
+    if llm.config.n_expert:  # routing counts: how uneven the routing is
+        quarter = max(1, llm.config.n_expert // 4)
+        shares = " ".join(f"{100 * c.sort(descending=True).values[:quarter].sum().item() / max(1, c.sum().item()):.1f}"
+                          for c in counts)  # fmt: skip
+        what = f"% of routings to each layer's {quarter} most used experts: {shares}"
+    else:
+        rates = " ".join(f"{100 * c.sum().item() / (c.numel() * n_seen):.1f}" for c in counts)
+        what = f"% of neurons firing per token, by layer: {rates}"
     print(
-        f"hotcold: profiled {len(ids)} tokens in {time.perf_counter() - start:.1f} s; "
-        f"% of neurons firing per token, by layer: {rates}",
-        file=sys.stderr,
+        f"hotcold: profiled {len(ids)} tokens in {time.perf_counter() - start:.1f} s; {what}", file=sys.stderr
     )
     print(f"hotcold: wrote {len(paths)} files to {out_dir}", file=sys.stderr)
     if not args.output and Path(out_dir).parent != llm.path.parent:

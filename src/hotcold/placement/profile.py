@@ -169,13 +169,42 @@ def run_windows(llm, windows: Sequence[list[int]], observe: Observer, *, desc: s
 # ------------------------------------------------------------------------------------------------
 
 
+def profile_routing(
+    llm, ids: Sequence[int], *, ctx: int | None = None, progress: bool = False
+) -> list[torch.Tensor]:
+    """Per mixture-of-experts layer, how many of the corpus tokens the router sends to each expert: [n_expert]
+    int64, written as the activation files are (one count per expert: what --ram-budget keeps resident, the
+    most routed per byte). Windows as profile_activations'."""
+    from tqdm import tqdm
+
+    ctx = window_ctx(ctx, llm.config.n_ctx_train)
+    if ctx > llm.ctx_size:
+        raise ValueError(f"window of {ctx} tokens is longer than the model's context size {llm.ctx_size}")
+    n_expert = llm.config.n_expert
+    counts = [torch.zeros(n_expert, dtype=torch.int64) for _ in range(llm.config.n_layer)]
+
+    def count(seq) -> None:
+        for layer, routed in seq.routing.items():
+            counts[layer] += torch.bincount(routed.flatten().cpu(), minlength=n_expert)
+
+    windows = token_windows(ids, ctx, llm.tokenizer.bos_id)
+    with tqdm(total=sum(len(w) for w in windows), desc="profiling", unit="tok", disable=not progress) as bar:
+        for window in windows:
+            llm.engine.logits(window, after_chunk=count)
+            bar.update(len(window))
+    return counts
+
+
 def profile_activations(
     llm, ids: Sequence[int], *, ctx: int | None = None, progress: bool = False
 ) -> list[torch.Tensor]:
-    """Per layer, how many of the corpus tokens make each FFN neuron's activation nonzero: [n_ff] int64.
+    """Per layer, how many of the corpus tokens make each FFN neuron's activation nonzero: [n_ff] int64; for a
+    mixture of experts, how many the router sends to each expert (profile_routing).
 
     `llm` is a hotcold Model loaded with dense=True; `ids` the corpus tokens (see corpus_tokens), run in
     non-overlapping windows of ctx tokens that each start with BOS (BOS positions are counted too)."""
+    if llm.config.n_expert:
+        return profile_routing(llm, ids, ctx=ctx, progress=progress)
     check_relu(llm)
     widths = ffn_widths(llm)
     ctx = window_ctx(ctx, llm.config.n_ctx_train)

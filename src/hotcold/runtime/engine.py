@@ -136,11 +136,12 @@ class Engine:
 
     @torch.inference_mode()
     def logits(
-        self, ids: Sequence[int], *, dense: bool = False, observe: Observer | None = None
+        self, ids: Sequence[int], *, dense: bool = False, observe: Observer | None = None, after_chunk=None
     ) -> torch.Tensor:
         """Logits of every position from one full forward (no cache reuse). [len(ids), V] float32.
         dense: compute every FFN neuron (the reference); observe: see every layer's true activations
-        (state.Observer; implies dense)."""
+        (state.Observer; implies dense); after_chunk(seq): called after each prompt chunk's forward (its routing
+        is then in seq.routing: placement/profile.py's expert counts)."""
         self.check_length(len(ids))
         if not ids:
             raise ValueError("logits() needs at least one token")
@@ -148,10 +149,11 @@ class Engine:
         seq = self.seq
         seq.dense, seq.observe = dense or observe is not None, observe
         try:
-            out = [
-                self.forward(ids[s : s + PREFILL_CHUNK], s, last_only=False)
-                for s in range(0, len(ids), PREFILL_CHUNK)
-            ]
+            out = []
+            for s in range(0, len(ids), PREFILL_CHUNK):
+                out.append(self.forward(ids[s : s + PREFILL_CHUNK], s, last_only=False))
+                if after_chunk is not None:
+                    after_chunk(seq)
         finally:
             seq.dense, seq.observe = False, None
         return torch.cat(out).float()

@@ -27,7 +27,7 @@ def activation_counts(path: Path, config: ModelConfig, notes: list[str]) -> tupl
 
     folder = default_activation_dir(path)
     try:
-        counts = read_activation_files(folder, config.n_layer, config.n_ff)
+        counts = read_activation_files(folder, config.n_layer, config.n_expert or config.n_ff)
     except GGUFError as exc:
         notes.append(f"--ram-budget: hot neurons in index order, the statistics are unreadable: {exc}")
         return None, None

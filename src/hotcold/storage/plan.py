@@ -113,7 +113,10 @@ class RamPlan:
             else f"; process before load {self.overhead_bytes / GIB:.2f} GiB"
         )
         source = f"by the activation statistics in {self.statistics}" if self.statistics else "in index order"
-        source = source if self.unit == "neuron" else "all or none: no routing statistics"
+        if self.unit == "expert" and not self.statistics:
+            source = "all or none: no routing statistics"
+        elif self.unit == "expert":
+            source = f"the most routed, by the statistics in {self.statistics}"
         unit, what = self.unit, "FFN rows" if self.unit == "neuron" else "experts"
         resident = "hot FFN neurons" if self.unit == "neuron" else "resident experts"
         return (
@@ -138,9 +141,8 @@ def plan_ram(
     L = config.n_layer
     c = walk_costs(model_file, config, ctx_size=ctx_size, device_type="cpu", kv_sequences=kv_sequences)
     if names.tensor(names.FFN_UP_EXPS, 0) in model_file.tensors:
-        return _plan_experts(
-            model_file, config, budget_bytes, c, ctx_size=ctx_size, kv_sequences=kv_sequences
-        )
+        return _plan_experts(model_file, config, budget_bytes, c, ctx_size=ctx_size, kv_sequences=kv_sequences,
+                             counts=counts, statistics=statistics, share=share)  # fmt: skip
     for i in range(L):
         if names.tensor(names.FFN_DOWN_T, i) not in model_file.tensors:
             raise ValueError(
@@ -201,10 +203,13 @@ RESIDENT_COST = 1.03  # a resident expert: its packed copies (Q4_K's 3% larger t
 
 
 def _plan_experts(model_file: ModelFile, config: ModelConfig, budget_bytes: int, c, *, ctx_size: int,
-                  kv_sequences: int) -> RamPlan:  # fmt: skip
+                  kv_sequences: int, counts=None, statistics: str | None = None, share: float | None = None,
+                  ) -> RamPlan:  # fmt: skip
     """An MoE file's plan: every tensor but the stacked expert matrices (and the embedding) always read, then whole
     experts: all resident where they fit, else a cache of experts in each layer (at least the router's top-k, so a
-    token's experts are in memory together), every other expert read from the file when the router picks it."""
+    token's experts are in memory together) and, with routing counts (`hotcold profile`), the most routed experts
+    per byte resident in what the cache leaves (CACHE_SHARE of it to the cache); every other expert read from the
+    file when the router picks it."""
     L, E, k = config.n_layer, config.n_expert, config.n_expert_used
     stacked = {names.tensor(t, i) for t in EXPERT_MATRICES for i in range(L)}
     if len(stacked & set(model_file.tensors)) != len(stacked):
@@ -234,18 +239,28 @@ def _plan_experts(model_file: ModelFile, config: ModelConfig, budget_bytes: int,
         hot = [np.zeros(0, dtype=np.int64) for _ in range(L)]
         # a cache slot holds an expert as read and the packed copies of its matrices (storage/experts.py)
         slot = [SLOT_COST * b for b in per_expert]
-        extra = (left - k * sum(slot)) / L  # each layer's top-k first, then what is left shared in bytes
-        slots = [min(E, k + int(extra // b)) if extra >= 0 else 0 for b in slot]
+        spare = left - k * sum(slot)  # after each layer's top-k slots
+        if counts is not None and spare > 0:
+            share = cache_share() if share is None else share
+            hot = _hot(
+                counts, [E] * L, [int(RESIDENT_COST * b) for b in per_expert], int(spare * (1 - share))
+            )
+            spare -= sum(len(h) * RESIDENT_COST * b for h, b in zip(hot, per_expert))
+        extra = spare / L  # the rest shared in bytes
+        slots = [0 if len(h) == E else min(E - len(h), k + int(extra // b)) for h, b in zip(hot, slot)]
         if extra < 0:
             need = sum(always.values()) + k * sum(slot)
             raise ValueError(
                 f"--ram-budget {budget_bytes / GIB:.4g} GiB leaves room for {int(left / L // max(slot))} experts a layer; a token "
                 f"needs its {k} in memory together: give at least {math.ceil(need / MIB)} MiB, or a smaller -c/--ctx-size"
             )
-        notes.append("no routing statistics: the experts' cache keeps the experts the router picked last")
+        if counts is None:
+            notes.append(
+                "no routing statistics (`hotcold profile`): the experts' cache keeps the router's last picks"
+            )
     embd = model_file.tensors.get(names.tensor(names.TOKEN_EMBD))
     return RamPlan(
-        budget_bytes, ctx_size, always, per_expert, hot, slots, [E] * L, None,
+        budget_bytes, ctx_size, always, per_expert, hot, slots, [E] * L, statistics if counts is not None else None,
         int(embd.n_bytes) if embd is not None else 0, notes=notes, unit="expert",
         slot_bytes=[int(SLOT_COST * b) for b in per_expert],
     )  # fmt: skip
