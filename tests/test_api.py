@@ -106,3 +106,18 @@ def test_a_new_thread_with_an_ended_threads_id_waits_its_turn(llm):
     held["stream"].close()
     second.join(timeout=120)
     assert result["text"]
+
+
+def test_a_dropped_model_is_collected(tiny_dense_gguf):
+    """load() takes the model's objects out of the collector's scans (gc.freeze: decode allocations no longer walk
+    them); once the Model is dropped they go back (gc.unfreeze), so reloading models never accumulates them."""
+    import gc
+    import weakref
+
+    llm = hotcold.load(tiny_dense_gguf, device="cpu")
+    llm.generate("hi", max_tokens=2)
+    inner = weakref.ref(llm.loaded.model)
+    assert gc.get_freeze_count() > 0
+    del llm
+    gc.collect()
+    assert inner() is None
