@@ -65,28 +65,19 @@ def test_experts_read_on_demand_give_the_unlimited_bits(moe_file, slots):
     assert all(len(s.cached) <= slots and not s.pending for s in stores(llm))
 
 
-def test_every_chosen_expert_is_in_flight_before_the_first_is_computed(moe_file):
+def test_the_reads_start_when_the_router_chooses(moe_file):
+    """route() starts the reads of every chosen expert (SmallThinker routes before its attention, so they overlap
+    it); the layer then computes them in order as they arrive."""
+    from tests.fixtures import ffn_state
+
     llm = hotcold.load(moe_file, device="cpu", ctx_size=CTX, threads=2, ram_budget=budget(moe_file, 2))
-    store = stores(llm)[0]
-    in_flight = []
-    compute = store.__class__.__getitem__
-
-    def first_read(self, e):  # what is on its way when the layer asks for its first expert
-        if not in_flight:
-            in_flight.append(sorted(self.pending))
-        return compute(self, e)
-
-    store.__class__.__getitem__ = first_read
-    try:
-        ids = torch.tensor([[5, 1]])
-        moe = llm.loaded.model.layers[0].ffn
-        from tests.fixtures import ffn_state
-
-        moe(torch.randn(1, SHAPE["n_embd"]), ffn_state(dense=True), routing=(ids, torch.tensor([[0.5, 0.5]])))
-    finally:
-        store.__class__.__getitem__ = compute
-    assert in_flight == [[1, 5]]
-    assert sorted(store.cached) == [1, 5]
+    store, moe = stores(llm)[0], llm.loaded.model.layers[0].ffn
+    x = torch.randn(1, SHAPE["n_embd"], generator=torch.Generator().manual_seed(4))
+    ids, weights = moe.route(moe.norm(x))
+    chosen = sorted(ids[0].tolist())
+    assert sorted(store.pending) == chosen and not store.cached  # in flight before any is computed
+    moe(x, ffn_state(dense=True), routing=(ids, weights))
+    assert sorted(store.cached) == chosen and not store.pending
 
 
 def test_a_budget_without_room_for_a_tokens_experts_is_refused(moe_file):

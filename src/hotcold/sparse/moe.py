@@ -97,7 +97,10 @@ class MoEFFN:
                 logits = logits + self.router_bias
         else:
             logits = linear(h, self.router, self.router_bias)  # [T, E]
-        return cpu.moe_route(logits, self.n_used, self.gating)
+        ids, weights = cpu.moe_route(logits, self.n_used, self.gating)
+        if not isinstance(self.experts, list):  # read from storage (storage/experts.py): start every read now
+            self.experts.prefetch(sorted(set(ids.flatten().tolist())))  # (SmallThinker: before its attention)
+        return ids, weights
 
     def __call__(
         self, x: torch.Tensor, ctx: Batch, routing: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -107,9 +110,8 @@ class MoEFFN:
         h = self.norm(x)
         ids, weights = self.route(h) if routing is None else routing
         ctx.route(self.layer, ids)
-        if not isinstance(self.experts, list):  # read from storage (storage/experts.py): start every read now
+        if not isinstance(self.experts, list):  # read from storage: the reads started when route() chose
             self.experts.count_tokens(x.shape[0])
-            self.experts.prefetch(sorted(set(ids.flatten().tolist())))
         out = torch.zeros_like(x)
         # live rows below the GEMM size (where the dense path multiplies in the same C kernels: the same bits)
         rows_ok = not ctx.dense and h.device.type == "cpu"
