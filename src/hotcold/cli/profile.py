@@ -104,14 +104,14 @@ def plot_existing(args) -> int:
     from hotcold import plots
     from hotcold.config import config_from_file
     from hotcold.gguf.io import ModelFile
-    from hotcold.loader import demo_model_path, load_activations
-    from hotcold.placement.profile import default_activation_dir
+    from hotcold.loader import demo_model_path
+    from hotcold.placement.profile import default_activation_dir, read_activation_files
 
     plots.require()
     path = Path(args.model) if args.model else demo_model_path()
     config = config_from_file(ModelFile(path))
     folder = Path(args.output) if args.output else default_activation_dir(path)
-    counts = load_activations(folder, config)
+    counts = read_activation_files(folder, config.n_layer, config.n_expert or config.n_ff)  # MoE: per expert
     if counts is None:
         raise ValueError(
             f"no activation statistics in {folder}: run `hotcold profile -m {path} -f corpus.txt`"

@@ -198,7 +198,8 @@ def resolve_placement(
     if plan.hot_bytes <= 0:
         notes.append("no VRAM left for hot FFN neurons: every FFN neuron runs on the CPU")
         return None
-    counts = read_activation_files(activation_dir, config.n_layer, config.n_ff)
+    # an MoE model's statistics count each expert's routings (placement/profile.py), not neurons
+    counts = None if config.n_expert else read_activation_files(activation_dir, config.n_layer, config.n_ff)
     activations = None if counts is None else [c.float() for c in counts]
     if activations is None:
         notes.append(

@@ -58,7 +58,9 @@ def statistics_for(model_file: ModelFile, config: ModelConfig, notes: list[str])
     from hotcold.placement.profile import default_activation_dir, read_activation_files
 
     path = getattr(model_file, "path", None)
-    if path is None:
+    if (
+        path is None or config.n_expert
+    ):  # an MoE model's statistics count experts, not the neurons placed here
         return None
     folder = default_activation_dir(path)
     try:
