@@ -59,7 +59,9 @@ class ExpertStore:
         self.resident = {int(e): self._resident(int(e)) for e in resident}
         self.capacity = int(slots)
         self.cached: OrderedDict[int, DenseFFN] = OrderedDict()  # least recently used first
-        self.pending: dict[int, tuple[Pending, torch.Tensor]] = {}
+        self.pending: dict[
+            int, tuple[Pending, torch.Tensor, int]
+        ] = {}  # reads in flight, their slot, how many
         self._free: list[torch.Tensor] = []
         self._wanted: set[int] = set()  # the last prefetch's experts not asked for yet: kept in their slots
         self._allocated = 0
@@ -123,7 +125,7 @@ class ExpertStore:
                 jobs += m.jobs(rows, rows, block[at : at + n].view(m.rows, m.row_bytes))
                 at += n
             try:
-                self.pending[e] = (self.reader.submit(jobs), block)
+                self.pending[e] = (self.reader.submit(jobs), block, len(jobs))
             except BaseException:
                 self._free.append(block)  # the slot stays the cache's
                 raise
@@ -146,14 +148,14 @@ class ExpertStore:
                 self._allocated += 1
                 self._free.append(torch.empty(self.slot_bytes, dtype=torch.uint8))
             self.prefetch([e])
-        pending, block = self.pending.pop(e)
+        pending, block, n_reads = self.pending.pop(e)
         try:
             self.reader.check()
             n_bytes = pending.wait()
         except BaseException:
             self._free.append(block)  # the slot stays the cache's (the reads have all stopped: Pending.wait)
             raise
-        self.stats.add(cold_selected=1, bytes_read=n_bytes, reads=len(self.matrices[e]))
+        self.stats.add(cold_selected=1, bytes_read=n_bytes, reads=n_reads)
         for m in self.matrices[e]:  # the page cache need not keep a second copy (no readahead either)
             self.reader.drop_cached(m.offset, m.rows * m.row_bytes)
         weights, at = self.mapped[e].weights, 0
