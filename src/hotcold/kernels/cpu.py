@@ -218,20 +218,11 @@ def pack(weight: Weight, out: torch.Tensor | None = None) -> Weight:
     float32, no C kernels, not on the CPU). For matrices that are never gathered row by row: the copy is as
     large as the matrix, and the file's rows stay as they are. out: uint8 memory to pack into (reused by the
     expert cache, storage/experts.py), else new memory."""
+    weight, nbytes = _packable(weight)
+    if not nbytes or weight.packed is not None:
+        return weight
     lib = build.get_lib()
-    if lib is not None and isinstance(weight, torch.Tensor) and weight.dtype in _QTYPE_16:
-        weight = _as_quant(weight)  # 16-bit float rows have a packed form too
-    if (
-        lib is None
-        or not isinstance(weight, QuantTensor)
-        or not weight.data.is_cpu
-        or weight.packed is not None
-    ):
-        return weight
     qtype, data, stride, f, d = weight_view(weight)
-    nbytes = lib.hc_packed_nbytes(_WT[qtype], f, d)
-    if nbytes < 0:
-        return weight
     # Huge pages asked for: the products stream every packed matrix each step, and with 4 KiB pages the
     # 89 of the 1B synthetic (546 MB) ran at 43.5 GB/s for one token and 38.6 for eight, against 45.9 and
     # 40.9 from huge pages (2 threads, 15 alternating rounds).
@@ -240,22 +231,26 @@ def pack(weight: Weight, out: torch.Tensor | None = None) -> Weight:
     packed = _anonymous((nbytes,), torch.uint8, huge=True) if out is None else out[:nbytes]
     if lib.hc_pack(_WT[qtype], data.data_ptr(), stride, f, d, packed.data_ptr()) != 0:
         return weight
-    if (
-        out is None
-    ):  # (memory given to pack into is the expert cache's: its rows are anonymous, nothing to drop)
+    if out is None:  # (memory given to pack into is the expert cache's, its rows anonymous: nothing to drop)
         _page_out(data.data_ptr(), f * stride)  # the copy serves from now on: one copy in RSS, not two
     return QuantTensor(weight.data, weight.qtype, weight.shape, packed=packed)
 
 
 def packed_nbytes(weight: Weight) -> int:
     """Bytes of `weight`'s packed copy (`pack`), or 0 where it has none."""
+    return _packable(weight)[1]
+
+
+def _packable(weight: Weight) -> tuple[Weight, int]:
+    """(`weight`, a 16-bit float matrix as a QuantTensor over its memory; the bytes of its packed copy, 0 where it
+    has none: other types, float32, no C kernels, not on the CPU)."""
     lib = build.get_lib()
     if lib is not None and isinstance(weight, torch.Tensor) and weight.dtype in _QTYPE_16:
-        weight = _as_quant(weight)
+        weight = _as_quant(weight)  # 16-bit float rows have a packed form too
     if lib is None or not isinstance(weight, QuantTensor) or not weight.data.is_cpu:
-        return 0
+        return weight, 0
     qtype, _, _, f, d = weight_view(weight)
-    return max(0, int(lib.hc_packed_nbytes(_WT[qtype], f, d)))
+    return weight, max(0, int(lib.hc_packed_nbytes(_WT[qtype], f, d)))
 
 
 _QTYPE_16 = {torch.float16: GGMLQuantizationType.F16, torch.bfloat16: GGMLQuantizationType.BF16}

@@ -80,6 +80,11 @@ class MoEFFN:
         self.norm = norm
 
     @property
+    def stored(self) -> bool:
+        """Whether the experts are read from storage under a RAM budget (storage/experts.py's ExpertStore)."""
+        return not isinstance(self.experts, list)
+
+    @property
     def n_ff(self) -> int:
         """The neurons a token's FFN holds: its experts' together (what a token's counts are out of)."""
         return (
@@ -98,7 +103,7 @@ class MoEFFN:
         else:
             logits = linear(h, self.router, self.router_bias)  # [T, E]
         ids, weights = cpu.moe_route(logits, self.n_used, self.gating)
-        if not isinstance(self.experts, list):  # read from storage (storage/experts.py): start every read now
+        if self.stored:  # start every read now
             self.experts.prefetch(sorted(set(ids.flatten().tolist())))  # (SmallThinker: before its attention)
         return ids, weights
 
@@ -110,7 +115,7 @@ class MoEFFN:
         h = self.norm(x)
         ids, weights = self.route(h) if routing is None else routing
         ctx.route(self.layer, ids)
-        if not isinstance(self.experts, list):  # read from storage: the reads started when route() chose
+        if self.stored:  # (the reads started when route() chose)
             self.experts.count_tokens(x.shape[0])
         out = torch.zeros_like(x)
         # live rows below the GEMM size (where the dense path multiplies in the same C kernels: the same bits)

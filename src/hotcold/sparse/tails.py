@@ -247,9 +247,7 @@ class MoETail:
         """The router and every expert's FFN, as their own tails give them (cpu_step adds the sequence's routing
         buffer), or None where an expert has no C tail, the experts differ in kind, or the norm is not RMS."""
         moe = self.ffn
-        if not isinstance(
-            moe.experts, list
-        ):  # experts read from storage (storage/experts.py): no fixed addresses
+        if moe.stored:  # experts read from storage (storage/experts.py): no fixed addresses
             return None
         router_data = moe.router if isinstance(moe.router, torch.Tensor) else moe.router.data
         if not moe.norm.rms or router_data.device.type != "cpu":  # route multiplies a CPU router in C

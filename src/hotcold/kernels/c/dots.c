@@ -700,55 +700,17 @@ HC_INLINE float qdot_finish(const int wt, __m256 acc, float macc) {
 
 #if HC_QSIMD && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512VNNI__)
 #define HC_ROWS_VNNI512 1 /* qdot_rows1 takes Q4_0, MXFP4, Q4_K and Q6_K rows to the 512-bit kernels below */
-/* qdot_rows1 for Q4_0 rows on AVX512-VNNI machines: two chunks a step in 512-bit registers. Each chunk
- * gives the same 8 integer lane sums as qdot_chunk (lane g: the values of bytes 4g..4g+3 in nib16's order
- * times x's, minus 8 times their x sum, exact in int32), the same scale (float(d) * dx, one rounding) and
- * the same fma into the row's 8-lane accumulator, chunk after chunk, then qdot_finish: the same bits,
- * with about two thirds of the instructions (one dpbusd for maddubs, madd and the offset subtraction;
- * the nibble unpack and the conversion once for two chunks). The sparse FFN's gate and up rows are
- * compute-bound on this kernel at decode (measured 22 G weights/s a core, rows in L3). */
-HC_INLINE void q4_0_rows1_vnni(const int NR, const uint8_t *const *rows, const hc_xq *x, int64_t D, float *res,
-                               const uint8_t *const *pf, int pf_l2) {
-    const int64_t nchunk = D / 32;
-    const __m512i m15 = _mm512_set1_epi8(15), shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
-    __m256 acc[4];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
-    int64_t c = 0, pfo = 0;
-    for (; c + 2 <= nchunk; c += 2) {
-        const __m512i xv = _mm512_loadu_si512((const void *)(x->q + 32 * c));
-        const __m512i off = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                             _mm512_slli_epi32(_mm512_loadu_si512((const void *)(x->ls + 8 * c)), 3));
-        const __m256 dx0 = _mm256_set1_ps(x->d[c]), dx1 = _mm256_set1_ps(x->d[c + 1]);
-        for (int r = 0; r < NR; r++) {
-            const uint8_t *b = rows[r] + c * 18;
-            const __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 2))),
-                                                        _mm_loadu_si128((const __m128i *)(b + 20)), 1);
-            /* 128-bit lanes: chunk c's bytes twice, then chunk c + 1's twice; the second copy of each
-             * shifted by 4 gives the high nibbles (values 16..31), as nib16 does */
-            const __m512i v = _mm512_shuffle_i64x2(_mm512_castsi256_si512(two), _mm512_castsi256_si512(two), 0x50);
-            const __m512i u = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), m15);
-            const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, u, xv));
-            const __m256 s0 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)rd16(b))), dx0);
-            const __m256 s1 = _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)rd16(b + 18))), dx1);
-            acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(p), s0, acc[r]);
-            acc[r] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)), s1, acc[r]);
-        }
-        prefetch_rows(pf, 4, &pfo, chunk_off(WT_Q4_0, c + 2), pf_l2);
-    }
-    for (; c < nchunk; c++) /* an odd last chunk: qdot_chunk itself */
-        for (int r = 0; r < NR; r++) {
-            float s[2], m[2], macc = 0.0f;
-            qdot_chunk(WT_Q4_0, qchunk(WT_Q4_0, rows[r], c, s, m), s, m, x, c, &acc[r], &macc);
-        }
-    for (int r = 0; r < NR; r++) res[r] = qdot_finish(WT_Q4_0, acc[r], 0.0f);
-}
-
-/* qdot_rows1 for MXFP4 rows (gpt-oss's experts) on AVX512-VNNI machines: q4_0_rows1_vnni with each nibble
- * looked up in MXFP4's table plus 12 (unsigned bytes for dpbusd) and 12 times the lane x sums subtracted: the
- * same exact lane sums as qdot_chunk's sign trick, the same scale (e8m0_half(e) * dx, one rounding) and the same
- * fma order, so the same bits. */
-HC_INLINE void mxfp4_rows1_vnni(const int NR, const uint8_t *const *rows, const hc_xq *x, int64_t D, float *res,
-                                const uint8_t *const *pf, int pf_l2) {
+/* qdot_rows1 for Q4_0 and MXFP4 rows on AVX512-VNNI machines: two chunks a step in 512-bit registers. Each
+ * chunk gives the same 8 integer lane sums as qdot_chunk (lane g: the values of bytes 4g..4g+3 in nib16's order
+ * times x's, exact in int32: Q4_0's nibbles minus 8 times their x sum; MXFP4's nibbles looked up in its table
+ * plus 12, unsigned bytes for dpbusd, minus 12 times the x sum, as qdot_chunk's sign trick sums them), the same
+ * scale (the block's scale times dx, one rounding) and the same fma into the row's 8-lane accumulator, chunk after
+ * chunk, then qdot_finish: the same bits, with about two thirds of the instructions (one dpbusd for maddubs, madd
+ * and the offset subtraction; the nibble unpack and the conversion once for two chunks). The sparse FFN's gate
+ * and up rows are compute-bound on this kernel at decode (measured 22 G weights/s a core for Q4_0, rows in L3). */
+HC_INLINE void nibble_rows1_vnni(const int wt, const int NR, const uint8_t *const *rows, const hc_xq *x, int64_t D,
+                                 float *res, const uint8_t *const *pf, int pf_l2) {
+    const int mx = wt == WT_MXFP4, bb = mx ? 17 : 18, q0 = mx ? 1 : 2; /* block bytes, where the nibbles start */
     const int64_t nchunk = D / 32;
     const __m512i m15 = _mm512_set1_epi8(15), shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
     const __m512i table = _mm512_broadcast_i32x4(
@@ -759,28 +721,35 @@ HC_INLINE void mxfp4_rows1_vnni(const int NR, const uint8_t *const *rows, const 
     for (; c + 2 <= nchunk; c += 2) {
         const __m512i xv = _mm512_loadu_si512((const void *)(x->q + 32 * c));
         const __m512i ls = _mm512_loadu_si512((const void *)(x->ls + 8 * c));
-        const __m512i off = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                             _mm512_add_epi32(_mm512_slli_epi32(ls, 3), _mm512_slli_epi32(ls, 2)));
-        const float dx0 = x->d[c], dx1 = x->d[c + 1];
+        const __m512i ls8 = _mm512_slli_epi32(ls, 3); /* 8 x the lane sums; MXFP4's 12: plus 4 x */
+        const __m512i off = _mm512_sub_epi32(_mm512_setzero_si512(), mx ? _mm512_add_epi32(ls8, _mm512_slli_epi32(ls, 2)) : ls8);
+        const __m256 dx0 = _mm256_set1_ps(x->d[c]), dx1 = _mm256_set1_ps(x->d[c + 1]);
         for (int r = 0; r < NR; r++) {
-            const uint8_t *b = rows[r] + c * 17;
-            const __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + 1))),
-                                                        _mm_loadu_si128((const __m128i *)(b + 18)), 1);
+            const uint8_t *b = rows[r] + c * bb;
+            const __m256i two = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(b + q0))),
+                                                        _mm_loadu_si128((const __m128i *)(b + bb + q0)), 1);
+            /* 128-bit lanes: chunk c's bytes twice, then chunk c + 1's twice; the second copy of each
+             * shifted by 4 gives the high nibbles (values 16..31), as nib16 does */
             const __m512i v = _mm512_shuffle_i64x2(_mm512_castsi256_si512(two), _mm512_castsi256_si512(two), 0x50);
-            const __m512i u = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srlv_epi64(v, shifts), m15));
+            __m512i u = _mm512_and_si512(_mm512_srlv_epi64(v, shifts), m15);
+            if (mx) u = _mm512_shuffle_epi8(table, u);
             const __m512 p = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(off, u, xv));
-            const __m256 s0 = _mm256_set1_ps(e8m0_half(b[0]) * dx0), s1 = _mm256_set1_ps(e8m0_half(b[17]) * dx1);
+            /* the block's scale times dx (one rounding): Q4_0's fp16 d converted in the vector unit */
+            const __m256 s0 = mx ? _mm256_set1_ps(e8m0_half(b[0]) * x->d[c])
+                                 : _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)rd16(b))), dx0);
+            const __m256 s1 = mx ? _mm256_set1_ps(e8m0_half(b[bb]) * x->d[c + 1])
+                                 : _mm256_mul_ps(_mm256_cvtph_ps(_mm_set1_epi16((short)rd16(b + bb))), dx1);
             acc[r] = _mm256_fmadd_ps(_mm512_castps512_ps256(p), s0, acc[r]);
             acc[r] = _mm256_fmadd_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)), s1, acc[r]);
         }
-        prefetch_rows(pf, 4, &pfo, chunk_off(WT_MXFP4, c + 2), pf_l2);
+        prefetch_rows(pf, 4, &pfo, chunk_off(wt, c + 2), pf_l2);
     }
     for (; c < nchunk; c++) /* an odd last chunk: qdot_chunk itself */
         for (int r = 0; r < NR; r++) {
             float s[2], m[2], macc = 0.0f;
-            qdot_chunk(WT_MXFP4, qchunk(WT_MXFP4, rows[r], c, s, m), s, m, x, c, &acc[r], &macc);
+            qdot_chunk(wt, qchunk(wt, rows[r], c, s, m), s, m, x, c, &acc[r], &macc);
         }
-    for (int r = 0; r < NR; r++) res[r] = qdot_finish(WT_MXFP4, acc[r], 0.0f);
+    for (int r = 0; r < NR; r++) res[r] = qdot_finish(wt, acc[r], 0.0f);
 }
 
 /* qdot_rows1 for Q4_K rows on AVX512-VNNI machines: a super-block's d, dmin and 8 scale/min pairs
@@ -888,12 +857,12 @@ HC_INLINE void q6_k_rows1_vnni(const int NR, const uint8_t *const *rows, const h
 HC_INLINE void qdot_rows1(const int wt, const int NR, const uint8_t *const *rows, const hc_xq *x, int64_t D,
                           float *res, const uint8_t *const *pf, int pf_l2) {
 #if HC_ROWS_VNNI512
-    if (wt == WT_Q4_0) {
-        q4_0_rows1_vnni(NR, rows, x, D, res, pf, pf_l2);
+    if (wt == WT_Q4_0) { /* two calls, each with a constant type: the compiler makes two kernels of it */
+        nibble_rows1_vnni(WT_Q4_0, NR, rows, x, D, res, pf, pf_l2);
         return;
     }
     if (wt == WT_MXFP4) {
-        mxfp4_rows1_vnni(NR, rows, x, D, res, pf, pf_l2);
+        nibble_rows1_vnni(WT_MXFP4, NR, rows, x, D, res, pf, pf_l2);
         return;
     }
     if (wt == WT_Q4_K) {

@@ -179,22 +179,28 @@ int hc_pack(int wt, const uint8_t *W, int64_t stride, int64_t F, int64_t D, uint
 }
 
 #if HC_QSIMD
-/* The 8 rows' sums over one chunk of sum_i u_r[i] x[i] (nib: the chunk's 4 x 32 packed bytes). */
-HC_INLINE __m256i packed_chunk_sums(const uint8_t *nib, const int8_t *xc) {
+/* The 8 rows' sums over one chunk of sum_i u_r[i] x[i] (nib: the chunk's 4 x 32 packed bytes): u the nibbles, or
+ * with `mx` (MXFP4: the nibbles are table indices) their values in MXFP4's table plus 12 (one shuffle: unsigned
+ * bytes 0..24, as dpbusd and maddubs take them); Q4_0's and MXFP4's callers subtract 8 (12) times the x sum. */
+HC_INLINE __m256i packed_chunk_sums(const uint8_t *nib, const int8_t *xc, const int mx) {
     const __m256i m15 = _mm256_set1_epi8(15);
-#if HC_VNNI /* the same exact sums, accumulated in 32-bit lanes by dpbusd */
-    __m256i s32 = _mm256_setzero_si256();
-    for (int k = 0; k < 4; k++) {
-        const __m256i p = ld256(nib + 32 * k);
-        int32_t x0, x1;
-        memcpy(&x0, xc + 4 * k, 4);
-        memcpy(&x1, xc + 4 * k + 16, 4);
-        s32 = dot4_acc(s32, _mm256_and_si256(p, m15), _mm256_set1_epi32(x0));
-        s32 = dot4_acc(s32, _mm256_and_si256(_mm256_srli_epi16(p, 4), m15), _mm256_set1_epi32(x1));
+    const __m256i table = _mm256_broadcastsi128_si256(
+        _mm_add_epi8(_mm_loadu_si128((const __m128i *)MXFP4_KVALUES), _mm_set1_epi8(12)));
+    if (HC_VNNI || mx) { /* 32-bit lanes each step (MXFP4's 8 x 2 x 24 x 127 would overflow 16-bit ones) */
+        __m256i s32 = _mm256_setzero_si256();
+        for (int k = 0; k < 4; k++) {
+            const __m256i p = ld256(nib + 32 * k);
+            int32_t x0, x1;
+            memcpy(&x0, xc + 4 * k, 4);
+            memcpy(&x1, xc + 4 * k + 16, 4);
+            __m256i lo = _mm256_and_si256(p, m15), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), m15);
+            if (mx) lo = _mm256_shuffle_epi8(table, lo), hi = _mm256_shuffle_epi8(table, hi);
+            s32 = dot4_acc(s32, lo, _mm256_set1_epi32(x0));
+            s32 = dot4_acc(s32, hi, _mm256_set1_epi32(x1));
+        }
+        return s32;
     }
-    return s32;
-#else
-    __m256i s16 = _mm256_setzero_si256();
+    __m256i s16 = _mm256_setzero_si256(); /* Q4_0 without VNNI: 16-bit lanes, at most 8 * 2 * 15 * 127 = 30480 */
     for (int k = 0; k < 4; k++) {
         const __m256i p = ld256(nib + 32 * k);
         int32_t x0, x1;
@@ -205,7 +211,6 @@ HC_INLINE __m256i packed_chunk_sums(const uint8_t *nib, const int8_t *xc) {
                                                           _mm256_set1_epi32(x1)));
     }
     return _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
-#endif
 }
 #endif
 
@@ -224,26 +229,6 @@ HC_INLINE __m256i packed_q8_chunk_sums(const uint8_t *v, const int8_t *xc) {
 }
 #endif
 #if HC_QSIMD
-/* The 8 rows' sums over one MXFP4 chunk of sum_i (v_r[i] + 12) x[i] (nib: its table indices, packed as Q4_0's
- * nibbles): each index looked up in the table plus 12 (one shuffle: unsigned bytes 0..24, as dpbusd and maddubs
- * take them); the caller subtracts 12 sum x, as Q4_0's takes 8 sum x, so the sums are exact. */
-HC_INLINE __m256i packed_mx_chunk_sums(const uint8_t *nib, const int8_t *xc) {
-    const __m256i m15 = _mm256_set1_epi8(15);
-    const __m256i table = _mm256_broadcastsi128_si256(
-        _mm_add_epi8(_mm_loadu_si128((const __m128i *)MXFP4_KVALUES), _mm_set1_epi8(12)));
-    __m256i s32 = _mm256_setzero_si256();
-    for (int k = 0; k < 4; k++) {
-        const __m256i p = ld256(nib + 32 * k);
-        int32_t x0, x1;
-        memcpy(&x0, xc + 4 * k, 4);
-        memcpy(&x1, xc + 4 * k + 16, 4);
-        s32 = dot4_acc(s32, _mm256_shuffle_epi8(table, _mm256_and_si256(p, m15)), _mm256_set1_epi32(x0));
-        s32 = dot4_acc(s32, _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(p, 4), m15)),
-                       _mm256_set1_epi32(x1));
-    }
-    return s32;
-}
-
 /* 8 E8M0 bytes as e8m0_half's floats. */
 HC_INLINE __m256 e8m0_half8(const uint8_t *e) {
     const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)e));
@@ -283,7 +268,7 @@ HC_INLINE void packed_group_block(const int wt, const uint8_t *Pg, const hc_xq *
         const uint8_t *b = Pg + c * cb;
         const int8_t *xc = x->q + 32 * c;
         const __m256i i32 = wt == WT_Q4_0
-                                ? _mm256_sub_epi32(packed_chunk_sums(b + 16, xc), _mm256_set1_epi32(8 * x->qsum[c]))
+                                ? _mm256_sub_epi32(packed_chunk_sums(b + 16, xc, 0), _mm256_set1_epi32(8 * x->qsum[c]))
                                 : packed_q8_chunk_sums(b + 16, xc);
         const __m256 d = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)), _mm256_set1_ps(x->d[c]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), d, acc);
@@ -310,7 +295,7 @@ HC_INLINE void packed_group_mxfp4(const uint8_t *Pg, const hc_xq *x, int64_t nc,
     __m256 acc = _mm256_setzero_ps();
     for (int64_t c = 0; c < nc; c++) {
         const uint8_t *b = Pg + c * PK_MXFP4_CHUNK;
-        const __m256i i32 = _mm256_sub_epi32(packed_mx_chunk_sums(b + 8, x->q + 32 * c), _mm256_set1_epi32(12 * x->qsum[c]));
+        const __m256i i32 = _mm256_sub_epi32(packed_chunk_sums(b + 8, x->q + 32 * c, 1), _mm256_set1_epi32(12 * x->qsum[c]));
         acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(e8m0_half8(b), _mm256_set1_ps(x->d[c])), acc);
     }
     _mm256_storeu_ps(out8, acc);
@@ -350,7 +335,7 @@ HC_INLINE void packed_group_q4_k(const uint8_t *Pg, const hc_xq *x, int64_t nc, 
         for (int j = 0; j < 8; j++) {
             const int64_t c = sbi * 8 + j;
             const uint8_t *b = sb + 32 + j * (16 + 128);
-            const __m256i i32 = packed_chunk_sums(b + 16, x->q + 32 * c);
+            const __m256i i32 = packed_chunk_sums(b + 16, x->q + 32 * c, 0);
             const __m256 s = _mm256_mul_ps(_mm256_mul_ps(d, cvt8_u8(b)), _mm256_set1_ps(x->d[c]));
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), s, acc);
             macc = _mm256_fmadd_ps(_mm256_mul_ps(dmin, cvt8_u8(b + 8)), _mm256_set1_ps(x->hc[c]), macc);
